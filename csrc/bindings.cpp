@@ -1,0 +1,78 @@
+// The one Python module, kvcache_ext._C. Bindings only; the work is in store/ and select/.
+#include <torch/extension.h>
+#include <torch/version.h>
+
+#include "select/topk.h"
+#include "store/ragged_store.h"
+
+namespace kvcache_ext {
+#ifdef KVCACHE_EXT_WITH_CUDA
+std::vector<int> cuda_compiled_archs();
+std::string cuda_compiled_version();
+#endif
+
+namespace {
+
+py::dict build_info() {
+  py::dict info;
+  info["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                          std::to_string(TORCH_VERSION_MINOR) + "." +
+                          std::to_string(TORCH_VERSION_PATCH);
+#ifdef KVCACHE_EXT_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_version"] = cuda_compiled_version();
+  info["cuda_archs"] = cuda_compiled_archs();  // e.g. [800, 900]
+#ifdef KVCACHE_EXT_WITH_PTX
+  info["ptx"] = true;
+#else
+  info["ptx"] = false;
+#endif
+#else
+  info["cuda"] = false;
+  info["cuda_version"] = py::none();
+  info["cuda_archs"] = std::vector<int>{};
+  info["ptx"] = false;
+#endif
+  return info;
+}
+
+}  // namespace
+}  // namespace kvcache_ext
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using kvcache_ext::RaggedKVStore;
+  m.doc() = "kvcache_ext kernels: ragged per-head KV store and segmented top-k";
+  py::class_<RaggedKVStore>(m, "RaggedKVStore")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, const at::Tensor&, double>(),
+           py::arg("batch"), py::arg("heads"), py::arg("head_dim"), py::arg("score_channels"),
+           py::arg("like"), py::arg("growth"))
+      .def("append", &RaggedKVStore::append, py::arg("k"), py::arg("v"), py::arg("pos"),
+           py::arg("valid") = py::none())
+      .def("replace", &RaggedKVStore::replace, py::arg("slot"), py::arg("k"), py::arg("v"),
+           py::arg("pos"), py::arg("check_bounds") = true)
+      .def("compact", &RaggedKVStore::compact, py::arg("keep"))
+      .def("reserve", &RaggedKVStore::reserve, py::arg("extra"))
+      .def("shrink_to_fit", &RaggedKVStore::shrink_to_fit)
+      .def_property_readonly("k", &RaggedKVStore::k)
+      .def_property_readonly("v", &RaggedKVStore::v)
+      .def_property_readonly("pos", &RaggedKVStore::pos)
+      .def_property_readonly("scores", &RaggedKVStore::scores)
+      .def_property_readonly("start", &RaggedKVStore::start)
+      .def_property_readonly("len", &RaggedKVStore::len)
+      .def_property_readonly("cap", &RaggedKVStore::cap)
+      .def_property_readonly("len_host", &RaggedKVStore::len_host)
+      .def_property_readonly("cap_host", &RaggedKVStore::cap_host)
+      .def_property_readonly("capacity", &RaggedKVStore::capacity)
+      .def_property_readonly("num_tokens", &RaggedKVStore::num_tokens)
+      .def_property_readonly("nbytes", &RaggedKVStore::nbytes)
+      .def_property_readonly("batch", &RaggedKVStore::batch)
+      .def_property_readonly("heads", &RaggedKVStore::heads)
+      .def_property_readonly("head_dim", &RaggedKVStore::head_dim)
+      .def_property_readonly("score_channels", &RaggedKVStore::score_channels)
+      .def_property_readonly("growth", &RaggedKVStore::growth);
+  m.def("segmented_topk", &kvcache_ext::segmented_topk, py::arg("scores"), py::arg("pos"),
+        py::arg("start"), py::arg("len"), py::arg("k"));
+  m.def("grouped_topk", &kvcache_ext::grouped_topk, py::arg("scores"), py::arg("pos"),
+        py::arg("start"), py::arg("len"), py::arg("group_size"), py::arg("k"));
+  m.def("build_info", &kvcache_ext::build_info);
+}

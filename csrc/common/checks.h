@@ -1,0 +1,41 @@
+// Input checks shared by every entry point. Each raises a Python exception of
+// the matching type (ValueError / TypeError / IndexError) through TORCH_CHECK_*.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace kvcache_ext {
+
+inline void check_defined(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
+                   t.scalar_type());
+}
+
+inline void check_device(const at::Tensor& t, const at::Device& device, const char* name) {
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, ", got ", t.device());
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+inline void check_shape(const at::Tensor& t, at::IntArrayRef shape, const char* name) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+inline bool is_integer_dtype(at::ScalarType s) {
+  return at::isIntegralType(s, /*includeBool=*/false);
+}
+
+// Positions and counts may arrive as any integer tensor (HF uses int64); the kernels read int32.
+inline at::Tensor as_int32(const at::Tensor& t, const at::Device& device, const char* name) {
+  check_defined(t, name);
+  TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
+                   t.scalar_type());
+  return t.to(device, at::kInt).contiguous();
+}
+
+}  // namespace kvcache_ext

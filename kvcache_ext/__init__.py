@@ -1,0 +1,1 @@
+from kvcache_ext import _C

@@ -1,0 +1,102 @@
+"""Build of kvcache_ext: one compiled module, kvcache_ext._C.
+
+The CPU kernels are always built. The CUDA kernels are built when torch has CUDA and
+nvcc is found; KVCACHE_EXT_CUDA=0 or 1 forces either way. GPU targets default to sm_80
+and sm_90 plus PTX for newer GPUs; TORCH_CUDA_ARCH_LIST overrides them.
+Install with `pip install --no-build-isolation .` so that the build uses the torch you run.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def find_cuda_home():
+    """The CUDA toolkit root: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, or nvcc's real location."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # nvcc may be a wrapper script; its target's grandparent is the toolkit
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in candidates:
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+                os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    return None
+
+
+# torch.utils.cpp_extension reads CUDA_HOME when it is imported.
+if find_cuda_home() and not os.environ.get("CUDA_HOME"):
+    os.environ["CUDA_HOME"] = find_cuda_home()
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
+    CUDA_HOME, BuildExtension, CppExtension, CUDAExtension)
+
+
+def build_cuda():
+    forced = os.environ.get("KVCACHE_EXT_CUDA")
+    available = torch.version.cuda is not None and CUDA_HOME is not None
+    if forced == "0":
+        return False
+    if forced == "1" and not available:
+        raise RuntimeError(
+            "KVCACHE_EXT_CUDA=1 but the CUDA kernels cannot be built: "
+            f"torch CUDA version = {torch.version.cuda}, CUDA toolkit = {CUDA_HOME}")
+    return available
+
+
+def cuda_library_includes():
+    """Headers of the CUDA libraries that torch's headers include (cusparse.h, cublas_v2.h, ...).
+
+    A pip-installed CUDA torch brings them in its `nvidia` packages rather than in the toolkit.
+    """
+    dirs = []
+    try:
+        import nvidia  # namespace package installed with torch's CUDA wheels
+    except ImportError:
+        return dirs
+    for base in nvidia.__path__:
+        dirs += sorted(d for d in glob.glob(os.path.join(base, "*", "include")) if os.path.isdir(d))
+    return dirs
+
+
+def sources(pattern):
+    return sorted(p for p in glob.glob(os.path.join("csrc", "**", pattern), recursive=True)
+                  if not p.startswith(os.path.join("csrc", "tests")))
+
+
+def extension():
+    cxx_flags = ["-O3"]
+    if not build_cuda():
+        print("kvcache_ext: building the CPU kernels only")
+        return CppExtension("kvcache_ext._C", sources("*.cpp"), include_dirs=[os.path.join(ROOT, "csrc")],
+                            extra_compile_args={"cxx": cxx_flags})
+    archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    defines = ["-DKVCACHE_EXT_WITH_CUDA"] + (["-DKVCACHE_EXT_WITH_PTX"] if "PTX" in archs else [])
+    print(f"kvcache_ext: building CPU and CUDA kernels (CUDA {torch.version.cuda}, "
+          f"TORCH_CUDA_ARCH_LIST={archs}, toolkit {CUDA_HOME})")
+    nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"] + defines
+    return CUDAExtension(
+        "kvcache_ext._C", sources("*.cpp") + sources("*.cu"),
+        include_dirs=[os.path.join(ROOT, "csrc")] + cuda_library_includes(),
+        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags})
+
+
+setup(
+    name="kvcache_ext",
+    version="0.1.0",
+    description="Training-free KV-cache eviction with a ragged per-head KV store (PyTorch C++/CUDA)",
+    long_description=open(os.path.join(ROOT, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["kvcache_ext", "kvcache_ext.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={"test": ["pytest", "hypothesis", "cmake", "ninja"]},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    zip_safe=False,
+)
