@@ -1,1 +1,16 @@
+"""kvcache_ext: training-free KV-cache eviction with a ragged per-head KV store."""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
 from kvcache_ext import _C
+from kvcache_ext.select import grouped_topk, segmented_topk
+from kvcache_ext.store import DenseView, RaggedKVStore
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What the compiled module was built with: torch version, CUDA (yes/no, version, archs, PTX)."""
+    return dict(_C.build_info())
+
+
+__all__ = ["RaggedKVStore", "DenseView", "segmented_topk", "grouped_topk", "build_info"]

@@ -72,8 +72,11 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
   check_tokens(v, n, "v");
   const auto device = kv_options_.device();
   at::Tensor pos32 = as_int32(pos, device, "pos");
+  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) ||
+                        pos32.sizes() == at::IntArrayRef({batch_, n}),
+                    "pos must have shape [batch, n] = [", batch_, ", ", n, "] or [n], got ",
+                    pos32.sizes());
   if (pos32.dim() == 1) pos32 = pos32.unsqueeze(0).expand({batch_, n}).contiguous();
-  check_shape(pos32, {batch_, n}, "pos");
   if (n == 0) return;
   const int64_t S = num_segments();
 

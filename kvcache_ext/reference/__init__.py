@@ -1,0 +1,8 @@
+"""Plain-PyTorch, dense-and-padded implementations of every op: the oracle of the tests.
+
+Written for clarity, not speed, and independent of the compiled kernels.
+"""
+from kvcache_ext.reference.select import grouped_topk, keep_order, segmented_topk
+from kvcache_ext.reference.store import ReferenceStore
+
+__all__ = ["ReferenceStore", "segmented_topk", "grouped_topk", "keep_order"]

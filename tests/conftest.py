@@ -1,0 +1,23 @@
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import kvcache_ext
+
+# CI runs on 2 cores: a moderate number of examples per property, no deadline (first calls JIT-warm).
+settings.register_profile("ci", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", max_examples=500, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("ci")
+
+DEVICES = ["cpu"]
+if torch.cuda.is_available() and kvcache_ext.build_info()["cuda"]:
+    DEVICES.append("cuda")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

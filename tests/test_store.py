@@ -1,0 +1,224 @@
+"""RaggedKVStore against kvcache_ext.reference.ReferenceStore on random operation sequences."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvcache_ext
+from kvcache_ext import reference
+from conftest import DEVICES, DTYPES
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that NaN == NaN and -0.0 != +0.0 in comparisons."""
+    ints = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_same(store: kvcache_ext.RaggedKVStore, ref: reference.ReferenceStore):
+    """Contents bit for bit (rows are moved, never recomputed) and consistent metadata."""
+    dense = store.to_dense()
+    assert torch.equal(store.lens, ref.lens)
+    assert torch.equal(dense.lens.cpu(), ref.lens)
+    assert torch.equal(dense.mask.cpu(), ref.mask)
+    for name in ("k", "v", "pos", "scores"):
+        got, want = getattr(dense, name).cpu(), getattr(ref, name)
+        assert got.shape == want.shape, name
+        assert torch.equal(bits(got), bits(want)), name
+    start, cap, lens = store.start.cpu(), store.cap.cpu(), store.len.cpu()
+    assert torch.equal(lens.long().view(ref.lens.shape), ref.lens)
+    assert torch.equal(cap.long().view(ref.lens.shape), store.caps)
+    assert (lens <= cap).all()
+    end = start + cap
+    assert (start[1:] >= end[:-1]).all() and (start >= 0).all()
+    assert int(end.max()) <= store.capacity if end.numel() else True
+    assert store.num_tokens == int(ref.lens.sum())
+
+
+def random_tokens(gen, B, H, n, D, dtype, device):
+    k = torch.randn(B, H, n, D, generator=gen).to(dtype)
+    v = torch.randn(B, H, n, D, generator=gen).to(dtype)
+    return k, v, k.to(device), v.to(device)
+
+
+def random_scores(gen, shape):
+    """Scores with many ties, some NaN, signed zeros and infinities."""
+    base = torch.randint(-3, 4, shape, generator=gen).float()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    pick = torch.randint(0, 12, shape, generator=gen)
+    return torch.where(pick < special.numel(), special[pick.clamp(max=special.numel() - 1)], base)
+
+
+OPS = ["append", "append_masked", "replace", "set_scores", "compact", "topk", "grouped", "reserve",
+       "shrink"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(B=st.integers(1, 3), H=st.integers(1, 4), D=st.sampled_from([1, 4, 8, 64]),
+       dtype=st.sampled_from(DTYPES), C=st.integers(0, 3), growth=st.sampled_from([1.25, 1.5, 2.0]),
+       ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=14), seed=st.integers(0, 2**31 - 1))
+def test_random_operation_sequences(device, B, H, D, dtype, C, growth, ops, seed):
+    gen = torch.Generator().manual_seed(seed)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, score_channels=C,
+                                      growth=growth)
+    ref = reference.ReferenceStore(B, H, D, dtype=dtype, score_channels=C)
+    next_pos = 0
+    for op in ["append"] + ops:
+        if op in ("append", "append_masked"):
+            n = int(torch.randint(0, 7, (), generator=gen))
+            k, v, kd, vd = random_tokens(gen, B, H, n, D, dtype, device)
+            pos = torch.arange(next_pos, next_pos + n).expand(B, n)
+            next_pos += n
+            valid = None
+            if op == "append_masked":
+                shape = (B, n) if int(torch.randint(0, 2, (), generator=gen)) else (B, H, n)
+                valid = torch.rand(shape, generator=gen) < 0.6
+            store.append(kd, vd, pos.to(device), None if valid is None else valid.to(device))
+            ref.append(k, v, pos, valid)
+        elif op == "replace":
+            if int(ref.lens.min()) == 0:
+                continue
+            slot = (torch.rand(B, H, generator=gen) * ref.lens).long()
+            k, v, kd, vd = random_tokens(gen, B, H, 1, D, dtype, device)
+            pos = torch.full((B,), next_pos)
+            next_pos += 1
+            store.replace(slot.to(device), kd, vd, pos.to(device))
+            ref.replace(slot, k, v, pos)
+        elif op == "set_scores":
+            padded = random_scores(gen, ref.scores.shape)
+            store.scores.copy_(store.from_padded(padded.to(device)))
+            ref.scores = padded.masked_fill(~ref.mask[..., None], 0)
+        elif op == "compact":
+            keep = torch.rand(ref.mask.shape, generator=gen) < 0.5
+            store.compact(store.from_padded(keep.to(device), False))
+            ref.compact(keep)
+        elif op in ("topk", "grouped"):
+            scores = random_scores(gen, ref.mask.shape)
+            flat = store.from_padded(scores.to(device), 0.0)
+            S = B * H
+            if op == "topk":
+                k = torch.randint(0, int(ref.lens.max()) + 2, (B, H), generator=gen)
+                keep = store.select(k.to(device), flat)
+                want = reference.segmented_topk(scores.view(S, -1), ref.pos.view(S, -1),
+                                                ref.lens.view(S), k.view(S)).view(ref.mask.shape)
+            else:
+                k = torch.randint(0, int(ref.lens.sum(1).max()) + 2, (B,), generator=gen)
+                keep, counts = store.select(k.to(device), flat, grouped=True)
+                want, want_counts = reference.grouped_topk(scores.view(S, -1), ref.pos.view(S, -1),
+                                                           ref.lens.view(S), H, k)
+                want = want.view(ref.mask.shape)
+                assert torch.equal(counts.cpu(), want_counts.view(B, H))
+            assert torch.equal(store.to_padded(keep, False).cpu(), want)
+            assert not (keep.cpu() & ~store.from_padded(ref.mask.to(device), False).cpu()).any()
+            store.compact(keep)
+            ref.compact(want)
+        elif op == "reserve":
+            extra = int(torch.randint(0, 20, (), generator=gen))
+            store.reserve(extra)
+            assert (store.caps >= ref.lens + extra).all()
+        elif op == "shrink":
+            store.shrink_to_fit()
+            assert torch.equal(store.caps, ref.lens)
+            assert store.capacity == int(ref.lens.sum())
+        assert_same(store, ref)
+
+
+def test_growth_is_amortized_for_skewed_segments(device):
+    """Single-token appends into very unequal segments regrow O(log) times, not per token."""
+    store = kvcache_ext.RaggedKVStore(1, 8, 16, dtype=torch.float32, device=device, growth=1.5)
+    lens = torch.tensor([1000, 1, 1, 1, 5, 50, 1, 1])
+    n = int(lens.max())
+    k = torch.randn(1, 8, n, 16, device=device)
+    valid = (torch.arange(n) < lens[:, None])[None].to(device)
+    store.append(k, k, torch.arange(n, device=device), valid)
+    store.shrink_to_fit()
+    regrowths, capacity = 0, store.capacity
+    tok = torch.randn(1, 8, 1, 16, device=device)
+    for t in range(2000):
+        store.append(tok, tok, torch.tensor([n + t], device=device))
+        regrowths += store.capacity != capacity
+        capacity = store.capacity
+    assert torch.equal(store.lens, (lens + 2000).view(1, 8))
+    assert regrowths <= 10, regrowths
+    # Slack stays bounded: at most 2 * (growth - 1) * tokens plus the minimum headroom.
+    assert store.capacity <= store.num_tokens * 2 + 8 * 16
+
+
+def test_shrink_to_fit_releases_memory(device):
+    store = kvcache_ext.RaggedKVStore(2, 4, 64, dtype=torch.float16, device=device)
+    k = torch.randn(2, 4, 512, 64, dtype=torch.float16, device=device)
+    store.append(k, k, torch.arange(512, device=device))
+    full = store.nbytes
+    keep = store.select(32, torch.rand(store.capacity, device=device))
+    store.compact(keep)
+    assert store.nbytes == full  # compaction is in place
+    store.shrink_to_fit()
+    assert store.capacity == 2 * 4 * 32
+    assert store.nbytes < full / 16 + 4096
+    dense = store.to_dense()
+    assert dense.k.shape == (2, 4, 32, 64)
+
+
+def test_left_padding_is_never_stored(device):
+    B, H, n, D = 3, 2, 6, 8
+    pad = torch.tensor([0, 2, 5])
+    attention_mask = torch.arange(n)[None, :] >= pad[:, None]
+    k = torch.randn(B, H, n, D, device=device)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.float32, device=device)
+    store.append(k, k, torch.arange(n).expand(B, n).to(device), attention_mask.to(device))
+    assert torch.equal(store.lens, (n - pad)[:, None].expand(B, H))
+    dense = store.to_dense()
+    for b in range(B):
+        assert torch.equal(dense.k[b, :, : n - pad[b]].cpu(), k[b, :, pad[b]:].cpu())
+        assert torch.equal(dense.pos[b, 0, : n - pad[b]].cpu(), torch.arange(pad[b], n, dtype=torch.int32))
+
+
+def snapshot(store):
+    dense = store.to_dense()
+    return [bits(t).clone() for t in (dense.k, dense.v, dense.pos, dense.scores)] + [
+        store.start.clone(), store.len.clone(), store.cap.clone()]
+
+
+def test_bad_input_raises_and_corrupts_nothing():
+    B, H, D = 2, 3, 8
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.float16)
+    k = torch.randn(B, H, 4, D, dtype=torch.float16)
+    store.append(k, k, torch.arange(4))
+    before = snapshot(store)
+    one = torch.randn(B, H, 1, D, dtype=torch.float16)
+    strided = k.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, not contiguous
+    bad_calls = [
+        (TypeError, "dtype", lambda: store.append(k.float(), k.float(), torch.arange(4))),
+        (ValueError, "shape", lambda: store.append(k[:, :2].contiguous(), k[:, :2].contiguous(), torch.arange(4))),
+        (ValueError, "shape", lambda: store.append(k, k[..., :4].contiguous(), torch.arange(4))),
+        (ValueError, "contiguous", lambda: store.append(strided, strided, torch.arange(4))),
+        (ValueError, "pos", lambda: store.append(k, k, torch.arange(3))),
+        (TypeError, "pos", lambda: store.append(k, k, torch.arange(4.0))),
+        (ValueError, "must be on cpu", lambda: store.append(k.to("meta"), k.to("meta"), torch.arange(4))),
+        (TypeError, "valid", lambda: store.append(k, k, torch.arange(4), torch.ones(B, 4))),
+        (ValueError, "valid", lambda: store.append(k, k, torch.arange(4), torch.ones(B, 5, dtype=torch.bool))),
+        (IndexError, "slot", lambda: store.replace(torch.full((B, H), 4), one, one, torch.zeros(B, dtype=torch.long))),
+        (IndexError, "slot", lambda: store.replace(torch.full((B, H), -1), one, one, torch.zeros(B, dtype=torch.long))),
+        (ValueError, "slot", lambda: store.replace(torch.zeros(B, dtype=torch.long), one, one, torch.zeros(B, dtype=torch.long))),
+        (ValueError, "keep", lambda: store.compact(torch.ones(store.capacity + 1, dtype=torch.bool))),
+        (TypeError, "keep", lambda: store.compact(torch.ones(store.capacity, dtype=torch.int32))),
+        (ValueError, "budget", lambda: store.select(-1)),
+        (ValueError, "reserve", lambda: store.reserve(-1)),
+    ]
+    for error, words, call in bad_calls:
+        with pytest.raises(error, match=words):
+            call()
+        after = snapshot(store)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), words
+
+
+def test_constructor_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        kvcache_ext.RaggedKVStore(1, 1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="growth"):
+        kvcache_ext.RaggedKVStore(1, 1, 8, growth=1.0)
+    with pytest.raises(ValueError, match="heads"):
+        kvcache_ext.RaggedKVStore(1, 0, 8)
+    if not kvcache_ext.build_info()["cuda"]:
+        with pytest.raises(ValueError, match="without CUDA"):
+            kvcache_ext.RaggedKVStore(1, 1, 8, device="cuda")
