@@ -33,4 +33,5 @@ def _per(k, n: int, device) -> torch.Tensor:
         return k
     if int(k) < 0:
         raise ValueError(f"k (the budget) must be >= 0, got {k}")
-    return torch.full((n,), int(k), dtype=torch.int32, device=device)
+    # A budget beyond any segment keeps everything; int32 is what the kernels read.
+    return torch.full((n,), min(int(k), 2**31 - 1), dtype=torch.int32, device=device)

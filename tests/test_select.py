@@ -115,3 +115,13 @@ def test_topk_empty_inputs(device):
     assert kvcache_ext.segmented_topk(empty_f, empty_i, start, lens, 4).numel() == 0
     keep, counts = kvcache_ext.grouped_topk(empty_f, empty_i, start, lens, 3, 4)
     assert keep.numel() == 0 and counts.tolist() == [0, 0, 0]
+
+
+def test_budget_beyond_int32_keeps_everything(device):
+    scores = torch.rand(6, device=device)
+    pos = torch.arange(6, dtype=torch.int32, device=device)
+    start = torch.tensor([0, 3], device=device)
+    lens = torch.tensor([3, 2], dtype=torch.int32, device=device)
+    for k in (2**31, 2**40, torch.tensor([2**32, 2**32 + 1], device=device)):
+        keep = kvcache_ext.segmented_topk(scores, pos, start, lens, k)
+        assert keep.tolist() == [True] * 5 + [False]

@@ -77,7 +77,6 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
                     "pos must have shape [batch, n] = [", batch_, ", ", n, "] or [n], got ",
                     pos32.sizes());
   if (pos32.dim() == 1) pos32 = pos32.unsqueeze(0).expand({batch_, n}).contiguous();
-  if (n == 0) return;
   const int64_t S = num_segments();
 
   std::vector<int64_t> incoming(S, n);
@@ -99,6 +98,7 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
     const at::Tensor counts_h = counts.to(at::kCPU, at::kLong);  // host sync: prefill only
     std::copy_n(counts_h.data_ptr<int64_t>(), S, incoming.begin());
   }
+  if (n == 0) return;
   ensure_room(incoming);
   KVCACHE_DEVICE_DISPATCH(device, store::append, buf_, start_, len_, k.view({S, n, head_dim_}),
                           v.view({S, n, head_dim_}), pos32, rank);
