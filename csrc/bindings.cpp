@@ -1,7 +1,9 @@
-// The one Python module, kvcache_ext._C. Bindings only; the work is in store/ and select/.
+// The one Python module, kvcache_ext._C. Bindings only; the work is in store/, select/ and
+// attention/.
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include "attention/ragged_attention.h"
 #include "select/topk.h"
 #include "store/ragged_store.h"
 
@@ -41,7 +43,7 @@ py::dict build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using kvcache_ext::RaggedKVStore;
-  m.doc() = "kvcache_ext kernels: ragged per-head KV store and segmented top-k";
+  m.doc() = "kvcache_ext kernels: ragged per-head KV store, segmented top-k, attention";
   py::class_<RaggedKVStore>(m, "RaggedKVStore")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, const at::Tensor&, double>(),
            py::arg("batch"), py::arg("heads"), py::arg("head_dim"), py::arg("score_channels"),
@@ -74,5 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("start"), py::arg("len"), py::arg("k"));
   m.def("grouped_topk", &kvcache_ext::grouped_topk, py::arg("scores"), py::arg("pos"),
         py::arg("start"), py::arg("len"), py::arg("group_size"), py::arg("k"));
+  m.def("ragged_attention", &kvcache_ext::ragged_attention, py::arg("q"), py::arg("store"),
+        py::arg("scale"), py::arg("q_pos") = py::none(), py::arg("mass") = false,
+        py::arg("last") = false, py::arg("sum_sq") = false, py::arg("count") = false);
   m.def("build_info", &kvcache_ext::build_info);
 }

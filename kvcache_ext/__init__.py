@@ -2,6 +2,7 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from kvcache_ext import _C
+from kvcache_ext.attention import STAT_NAMES, AttentionStats, ragged_attention
 from kvcache_ext.select import grouped_topk, segmented_topk
 from kvcache_ext.store import DenseView, RaggedKVStore
 
@@ -13,4 +14,5 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["RaggedKVStore", "DenseView", "segmented_topk", "grouped_topk", "build_info"]
+__all__ = ["RaggedKVStore", "DenseView", "ragged_attention", "AttentionStats", "STAT_NAMES",
+           "segmented_topk", "grouped_topk", "build_info"]

@@ -1,0 +1,573 @@
+// CUDA attention over the ragged store, flash-decoding style.
+//
+// 1. attend_split: each segment's live slots are cut into splits (sized on the host from
+//    the store's host copy of the lengths, so no sync) and each block attends one split
+//    for a tile of up to RB query rows. It walks the split in tiles of kTile slots: the
+//    logits of a tile go to shared memory, then an online softmax update (running max m,
+//    sum l, rescaled partial output) per row. A lane reads 16-byte words of K and V rows
+//    and keeps its slice of every query row in registers; K and V are read once per
+//    row tile. Out: per split and row, m, l and the unnormalized output, all fp32.
+// 2. combine: per (segment, row), merges the splits into the output and keeps the final
+//    m and 1/l for the statistics.
+// 3. slot_stats (only when statistics are asked for): attend_split also wrote every raw
+//    logit to a [rows, capacity] buffer; this pass turns them into probabilities with the
+//    final m and l and sums them per slot. Writing the logits costs 4 bytes per row and
+//    slot (G * 4 bytes per slot in decode, 3% of the 512 bytes of K+V at D = 128, bf16);
+//    recomputing them instead would read K a second time. Block prefill with statistics
+//    runs in passes over chunks of queries so that this buffer stays under 256 MiB.
+//
+// The plan of splits is built on the host and copied up on every call, so a call cannot be
+// captured in a CUDA graph.
+//
+// Logits are kept in base 2 (q is pre-scaled by scale * log2(e)), so exp2f does the softmax.
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attention/attention_kernels.h"
+
+namespace kvcache_ext::attention {
+
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 128;     // slots whose logits sit in shared memory at once
+constexpr int kUnroll = 4;     // K or V rows a lane has in flight
+constexpr int kMaxRows = 4;    // query rows per block: RB is 1, 2 or 4 (more rows: more
+                               // blocks on the same split, which meet in L2)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -INFINITY;
+
+// ---------------------------------------------------------------------------------------
+// 16-byte words to floats
+
+template <typename T>
+__device__ inline void word_to_float(const uint4& w, float* out);
+
+template <>
+__device__ inline void word_to_float<float>(const uint4& w, float* out) {
+  out[0] = __uint_as_float(w.x);
+  out[1] = __uint_as_float(w.y);
+  out[2] = __uint_as_float(w.z);
+  out[3] = __uint_as_float(w.w);
+}
+
+template <>
+__device__ inline void word_to_float<at::Half>(const uint4& w, float* out) {
+  const __half2* h = reinterpret_cast<const __half2*>(&w);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h[j]);
+    out[2 * j] = f.x;
+    out[2 * j + 1] = f.y;
+  }
+}
+
+template <>
+__device__ inline void word_to_float<at::BFloat16>(const uint4& w, float* out) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    out[2 * j] = f.x;
+    out[2 * j + 1] = f.y;
+  }
+}
+
+// How a warp covers a row of D elements of T: LPS lanes per slot, EPL elements per lane
+// (16 or 32 bytes), SPW slots per warp side by side.
+template <typename T, int D>
+struct RowLayout {
+  static constexpr int kRowWords = D * static_cast<int>(sizeof(T)) / 16;
+  static constexpr int LPS = kRowWords < 32 ? kRowWords : 32;
+  static constexpr int EPL = D / LPS;
+  static constexpr int kWords = EPL * static_cast<int>(sizeof(T)) / 16;
+  static constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
+  static constexpr int SPW = 32 / LPS;
+  static constexpr int kGroups = kWarps * SPW;  // slot groups per block
+  static_assert(D % LPS == 0 && kWords >= 1 && kWords * kPerWord == EPL, "unsupported head_dim");
+  static_assert((LPS & (LPS - 1)) == 0, "the xor reductions need a power-of-two LPS");
+};
+
+// Loads this lane's slice of row `row` of a [*, D] buffer.
+template <typename T, int D>
+__device__ inline void load_slice(const T* buf, int64_t row, int lane_in_group,
+                                  uint4 (&w)[RowLayout<T, D>::kWords]) {
+  using L = RowLayout<T, D>;
+  const uint4* p = reinterpret_cast<const uint4*>(buf + row * D + lane_in_group * L::EPL);
+#pragma unroll
+  for (int i = 0; i < L::kWords; ++i) w[i] = __ldg(p + i);
+}
+
+template <typename T, int D>
+__device__ inline void slice_to_float(const uint4 (&w)[RowLayout<T, D>::kWords],
+                                      float (&out)[RowLayout<T, D>::EPL]) {
+  using L = RowLayout<T, D>;
+#pragma unroll
+  for (int i = 0; i < L::kWords; ++i) word_to_float<T>(w[i], out + i * L::kPerWord);
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernel parameters
+
+struct Split {  // a piece of one segment's live slots: [begin, end) relative to its start
+  int32_t segment, begin, end;
+};
+
+template <typename T>
+struct Params {
+  const T* q;             // [B, Hq, n, D]
+  const T* k;             // [capacity, D]
+  const T* v;
+  const int32_t* pos;     // [capacity]
+  const int64_t* start;   // [S]
+  const int32_t* q_pos;   // [B, n] or null
+  const Split* splits;    // [W]
+  const int32_t* seg_first_split;  // [S + 1]: splits of segment s are [first[s], first[s+1])
+  // Queries [i0, i0 + n) of the n_total in q are attended in this pass (see run()); the
+  // rows of a segment in this pass are r = g * n + i for i < n.
+  int32_t heads, groups, n_total, i0, n, rows, row_tiles;
+  float scale_log2;
+  int64_t capacity;
+  float* logits;          // [rows, capacity] or null (no statistics)
+  float* part_m;          // [W, rows]
+  float* part_l;          // [W, rows]
+  float* part_o;          // [W, rows, D]
+
+  // Row of q and out ([B, Hq, n_total, D] as rows of D) of segment s's row r.
+  __device__ int64_t q_row(int64_t s, int r) const {
+    return (s * groups + r / n) * n_total + i0 + r % n;
+  }
+  __device__ int32_t query_pos(int b, int r) const { return q_pos[b * n_total + i0 + r % n]; }
+};
+
+// ---------------------------------------------------------------------------------------
+// 1. attend_split: block w * row_tiles + t attends split w for rows [t * RB, t * RB + RB).
+// The row tiles of a split are neighbours in the grid, so they read its K and V together
+// and all but the first find them in L2.
+
+template <typename T, int D, int RB>
+__global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
+  using L = RowLayout<T, D>;
+  __shared__ float tile_p[RB][kTile];         // logits, then probabilities, of a tile
+  __shared__ float row_m[RB], row_l[RB], row_alpha[RB];
+  __shared__ float reduce[L::kGroups][RB][D];  // partial outputs of the slot groups
+
+  const int64_t w = blockIdx.x / p.row_tiles;
+  const Split split = p.splits[w];
+  const int s = split.segment;
+  const int b = s / p.heads;
+  const int row0 = static_cast<int>(blockIdx.x % p.row_tiles) * RB;
+  const int nrows = min(RB, p.rows - row0);
+  const int64_t base = p.start[s];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp * L::SPW + lane / L::LPS;  // slot group of this lane
+  const int lane_in_group = lane % L::LPS;
+
+  // This lane's slice of every query row, pre-scaled.
+  float q[RB][L::EPL];
+  int32_t q_pos[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const int row = row0 + min(r, nrows - 1);  // rows past the end repeat the last one
+    const T* src = p.q + p.q_row(s, row) * D + lane_in_group * L::EPL;
+#pragma unroll
+    for (int e = 0; e < L::EPL; ++e) q[r][e] = static_cast<float>(src[e]) * p.scale_log2;
+    q_pos[r] = p.q_pos ? p.query_pos(b, row) : INT32_MAX;
+  }
+  float acc[RB][L::EPL];
+#pragma unroll
+  for (int r = 0; r < RB; ++r)
+#pragma unroll
+    for (int e = 0; e < L::EPL; ++e) acc[r][e] = 0.f;
+  if (threadIdx.x < RB) {
+    row_m[threadIdx.x] = kNegInf;
+    row_l[threadIdx.x] = 0.f;
+  }
+
+  for (int t0 = split.begin; t0 < split.end; t0 += kTile) {
+    const int tile_len = min(kTile, split.end - t0);
+    const int64_t tile_base = base + t0;
+
+    // Logits of the tile. Every lane of a warp takes part in the shuffles, so the loop
+    // bound is uniform over the warp and slots past the tile are computed as zeros.
+    for (int j0 = warp * L::SPW; j0 < tile_len; j0 += L::kGroups * kUnroll) {
+      uint4 words[kUnroll][L::kWords];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * L::kGroups + lane / L::LPS;
+        if (j < tile_len) load_slice<T, D>(p.k, tile_base + j, lane_in_group, words[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * L::kGroups + lane / L::LPS;
+        float kf[L::EPL];
+        if (j < tile_len) {
+          slice_to_float<T, D>(words[u], kf);
+        } else {
+#pragma unroll
+          for (int e = 0; e < L::EPL; ++e) kf[e] = 0.f;
+        }
+        float dot[RB];
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+          dot[r] = 0.f;
+#pragma unroll
+          for (int e = 0; e < L::EPL; ++e) dot[r] = fmaf(q[r][e], kf[e], dot[r]);
+#pragma unroll
+          for (int off = L::LPS / 2; off > 0; off /= 2)
+            dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
+        }
+        if (j < tile_len && lane_in_group == 0) {
+          const int32_t slot_pos = p.q_pos ? p.pos[tile_base + j] : 0;
+#pragma unroll
+          for (int r = 0; r < RB; ++r) {
+            const float logit = slot_pos <= q_pos[r] ? dot[r] : kNegInf;
+            tile_p[r][j] = logit;
+            if (p.logits && r < nrows) p.logits[(row0 + r) * p.capacity + tile_base + j] = logit;
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // Online softmax update, one warp per row.
+    for (int r = warp; r < RB; r += kWarps) {
+      float tile_max = kNegInf;
+      for (int j = lane; j < tile_len; j += 32) tile_max = fmaxf(tile_max, tile_p[r][j]);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      const float m_old = row_m[r];
+      const float m_new = fmaxf(m_old, tile_max);
+      __syncwarp();  // every lane has read row_m[r] before lane 0 rewrites it
+      float tile_sum = 0.f;
+      for (int j = lane; j < tile_len; j += 32) {
+        // A row that has seen no visible slot yet (m_new = -inf) gets probability 0.
+        const float prob = m_new == kNegInf ? 0.f : exp2f(tile_p[r][j] - m_new);
+        tile_p[r][j] = prob;
+        tile_sum += prob;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, off);
+      if (lane == 0) {
+        const float alpha = m_new == kNegInf ? 1.f : exp2f(m_old - m_new);
+        row_alpha[r] = alpha;
+        row_l[r] = row_l[r] * alpha + tile_sum;
+        row_m[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // Weighted sum of the tile's V rows into this lane's partial output.
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      const float alpha = row_alpha[r];
+#pragma unroll
+      for (int e = 0; e < L::EPL; ++e) acc[r][e] *= alpha;
+    }
+    for (int j0 = group; j0 < tile_len; j0 += L::kGroups * kUnroll) {
+      uint4 words[kUnroll][L::kWords];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * L::kGroups;
+        if (j < tile_len) load_slice<T, D>(p.v, tile_base + j, lane_in_group, words[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * L::kGroups;
+        if (j >= tile_len) continue;
+        float vf[L::EPL];
+        slice_to_float<T, D>(words[u], vf);
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+          const float prob = tile_p[r][j];
+#pragma unroll
+          for (int e = 0; e < L::EPL; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
+        }
+      }
+    }
+    __syncthreads();  // tile_p is overwritten by the next tile
+  }
+
+  // Sum the slot groups' partial outputs in a fixed order (deterministic).
+#pragma unroll
+  for (int r = 0; r < RB; ++r)
+#pragma unroll
+    for (int e = 0; e < L::EPL; ++e) reduce[group][r][lane_in_group * L::EPL + e] = acc[r][e];
+  __syncthreads();
+  const int64_t part_row0 = w * p.rows + row0;
+  for (int idx = threadIdx.x; idx < nrows * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    float sum = 0.f;
+#pragma unroll
+    for (int g = 0; g < L::kGroups; ++g) sum += reduce[g][r][d];
+    p.part_o[(part_row0 + r) * D + d] = sum;
+  }
+  if (threadIdx.x < nrows) {
+    p.part_m[part_row0 + threadIdx.x] = row_m[threadIdx.x];
+    p.part_l[part_row0 + threadIdx.x] = row_l[threadIdx.x];
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. combine: one warp per (segment, row)
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    combine_splits(Params<T> p, int64_t segments, T* out, float* final_m, float* final_inv_l) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (item >= segments * p.rows) return;  // whole warps leave: no block barrier below
+  const int lane = threadIdx.x % 32;
+  const int64_t s = item / p.rows;
+  const int r = static_cast<int>(item % p.rows);
+  const int first = p.seg_first_split[s], last = p.seg_first_split[s + 1];
+
+  float m = kNegInf;
+  for (int w = first; w < last; ++w) m = fmaxf(m, p.part_m[static_cast<int64_t>(w) * p.rows + r]);
+  float l = 0.f;
+  if (m != kNegInf) {
+    for (int w = first; w < last; ++w) {
+      const int64_t pr = static_cast<int64_t>(w) * p.rows + r;
+      l += p.part_l[pr] * exp2f(p.part_m[pr] - m);
+    }
+  }
+  const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row that saw no slot: zero output
+  T* o = out + p.q_row(s, r) * D;
+  for (int d = lane; d < D; d += 32) {
+    float sum = 0.f;
+    if (inv_l > 0.f) {
+      for (int w = first; w < last; ++w) {
+        const int64_t pr = static_cast<int64_t>(w) * p.rows + r;
+        sum += p.part_o[pr * D + d] * exp2f(p.part_m[pr] - m);
+      }
+    }
+    o[d] = static_cast<T>(sum * inv_l);
+  }
+  if (final_m && lane == 0) {
+    final_m[item] = m;
+    final_inv_l[item] = inv_l;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. slot_stats: block w turns the logits of split w's slots into the statistics of this
+// pass's queries and adds them to the slots (passes over query chunks add up).
+
+struct StatsOut {
+  const float* final_m;      // [S, rows]
+  const float* final_inv_l;  // [S, rows]
+  float* mass;               // [capacity] or null
+  float* last;               // [capacity, G] or null
+  float* sum_sq;             // [capacity] or null
+  int32_t* count;            // [capacity] or null
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) slot_stats(Params<T> p, StatsOut st) {
+  const Split split = p.splits[blockIdx.x];
+  const int s = split.segment;
+  const int b = s / p.heads;
+  const int64_t base = p.start[s];
+  const float* m = st.final_m + static_cast<int64_t>(s) * p.rows;
+  const float* inv_l = st.final_inv_l + static_cast<int64_t>(s) * p.rows;
+  const int G = p.groups, n = p.n;
+  for (int j = split.begin + threadIdx.x; j < split.end; j += kThreads) {
+    const int64_t slot = base + j;
+    const int32_t slot_pos = p.pos[slot];
+    float slot_mass = 0.f, slot_sq = 0.f;
+    int32_t seen = 0;
+    for (int i = 0; i < n; ++i) {
+      float group_mass = 0.f;
+      for (int g = 0; g < G; ++g) {
+        const int r = g * n + i;
+        const float logit = p.logits[r * p.capacity + slot];
+        const float prob = (logit == kNegInf || inv_l[r] == 0.f) ? 0.f : exp2f(logit - m[r]) * inv_l[r];
+        group_mass += prob;
+        if (st.last && p.i0 + i == p.n_total - 1) st.last[slot * G + g] = prob;
+      }
+      slot_mass += group_mass;
+      const float mean = group_mass / static_cast<float>(G);
+      slot_sq += mean * mean;
+      seen += (!p.q_pos || slot_pos <= p.query_pos(b, i)) ? 1 : 0;
+    }
+    if (st.mass) st.mass[slot] += slot_mass;
+    if (st.sum_sq) st.sum_sq[slot] += slot_sq;
+    if (st.count) st.count[slot] += seen;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side
+
+int rows_per_block(int64_t rows) {
+  int rb = 1;
+  while (rb < rows && rb < kMaxRows) rb *= 2;
+  return rb;
+}
+
+// Splits of every segment's live slots, sized so that the grid has a few blocks per SM
+// even when one segment holds every token. Returns the splits and first split per segment.
+void plan_splits(const std::vector<int32_t>& len, int64_t row_tiles, std::vector<Split>& splits,
+                 std::vector<int32_t>& first) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t tiles = 0;
+  for (int32_t l : len) tiles += (static_cast<int64_t>(l) + kTile - 1) / kTile;
+  const int64_t target_blocks = int64_t{8} * sms;
+  const int64_t tiles_per_split =
+      std::max<int64_t>(1, (tiles * row_tiles + target_blocks - 1) / target_blocks);
+  const int64_t split_len = tiles_per_split * kTile;
+  first.assign(len.size() + 1, 0);
+  for (size_t s = 0; s < len.size(); ++s) {
+    first[s] = static_cast<int32_t>(splits.size());
+    for (int64_t b0 = 0; b0 < len[s]; b0 += split_len) {
+      splits.push_back({static_cast<int32_t>(s), static_cast<int32_t>(b0),
+                        static_cast<int32_t>(std::min<int64_t>(len[s], b0 + split_len))});
+    }
+  }
+  first[len.size()] = static_cast<int32_t>(splits.size());
+}
+
+template <typename T, int D>
+void launch_attend(int rb, const Params<T>& prm, int64_t blocks, cudaStream_t stream) {
+  const auto grid = static_cast<unsigned int>(blocks);
+  switch (rb) {
+    case 1: attend_split<T, D, 1><<<grid, kThreads, 0, stream>>>(prm); break;
+    case 2: attend_split<T, D, 2><<<grid, kThreads, 0, stream>>>(prm); break;
+    default: attend_split<T, D, 4><<<grid, kThreads, 0, stream>>>(prm); break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// With statistics the raw logits of a pass are kept ([G * queries, capacity] floats): block
+// prefill runs in passes over chunks of queries so that this stays under the bound.
+constexpr int64_t kMaxLogitsBytes = int64_t{256} << 20;
+
+template <typename T, int D>
+void run(const Problem& p, Result& r) {
+  const int64_t B = p.q.size(0), n_total = p.q.size(2);
+  const int64_t S = p.start.size(0);
+  const int64_t capacity = p.k.size(0);
+  const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
+  const int64_t per_query_bytes = p.groups * std::max<int64_t>(capacity, 1) * 4;
+  const int64_t chunk =
+      stats ? std::clamp<int64_t>(kMaxLogitsBytes / per_query_bytes, 1, n_total) : n_total;
+  const int64_t max_rows = p.groups * chunk;
+  TORCH_CHECK_VALUE(max_rows <= INT32_MAX / 2, "too many query rows per KV head: ", max_rows);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto f32 = p.q.options().dtype(at::kFloat);
+
+  for (int64_t i0 = 0; i0 < n_total; i0 += chunk) {
+    const int64_t n = std::min(chunk, n_total - i0);
+    const int64_t rows = p.groups * n;
+    const int rb = rows_per_block(rows);
+    const int64_t row_tiles = (rows + rb - 1) / rb;
+
+    std::vector<Split> splits;
+    std::vector<int32_t> first;
+    plan_splits(*p.len_host, row_tiles, splits, first);
+    const int64_t W = static_cast<int64_t>(splits.size());
+    TORCH_CHECK_VALUE(W * row_tiles <= INT32_MAX, "attention grid too large: ", W, " splits x ",
+                      row_tiles, " row tiles");
+
+    // One host-to-device copy of the plan, from pinned memory (no sync).
+    static_assert(sizeof(Split) == 3 * sizeof(int32_t), "Split is three int32");
+    at::Tensor plan_host =
+        at::empty({3 * W + S + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    int32_t* ph = plan_host.data_ptr<int32_t>();
+    if (W > 0) std::memcpy(ph, splits.data(), W * sizeof(Split));
+    std::memcpy(ph + 3 * W, first.data(), (S + 1) * sizeof(int32_t));
+    const at::Tensor plan = plan_host.to(p.q.device(), at::kInt, /*non_blocking=*/true);
+
+    at::Tensor logits = stats && W > 0 ? at::empty({rows, capacity}, f32) : at::Tensor();
+    at::Tensor part_m = at::empty({W, rows}, f32), part_l = at::empty({W, rows}, f32);
+    at::Tensor part_o = at::empty({W, rows, D}, f32);
+    at::Tensor final_m = stats ? at::empty({S, rows}, f32) : at::Tensor();
+    at::Tensor final_inv_l = stats ? at::empty({S, rows}, f32) : at::Tensor();
+
+    Params<T> prm;
+    prm.q = p.q.data_ptr<T>();
+    prm.k = p.k.data_ptr<T>();
+    prm.v = p.v.data_ptr<T>();
+    prm.pos = p.pos.data_ptr<int32_t>();
+    prm.start = p.start.data_ptr<int64_t>();
+    prm.q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() : nullptr;
+    prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
+    prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
+    prm.heads = static_cast<int32_t>(S / B);
+    prm.groups = static_cast<int32_t>(p.groups);
+    prm.n_total = static_cast<int32_t>(n_total);
+    prm.i0 = static_cast<int32_t>(i0);
+    prm.n = static_cast<int32_t>(n);
+    prm.rows = static_cast<int32_t>(rows);
+    prm.row_tiles = static_cast<int32_t>(row_tiles);
+    prm.scale_log2 = p.scale * kLog2e;
+    prm.capacity = capacity;
+    prm.logits = logits.defined() ? logits.data_ptr<float>() : nullptr;
+    prm.part_m = part_m.data_ptr<float>();
+    prm.part_l = part_l.data_ptr<float>();
+    prm.part_o = part_o.data_ptr<float>();
+
+    if (W > 0) launch_attend<T, D>(rb, prm, W * row_tiles, stream);
+    const int64_t items = S * rows;
+    combine_splits<T, D><<<static_cast<unsigned int>((items + kWarps - 1) / kWarps), kThreads, 0,
+                           stream>>>(prm, S, r.out.data_ptr<T>(),
+                                     stats ? final_m.data_ptr<float>() : nullptr,
+                                     stats ? final_inv_l.data_ptr<float>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (stats && W > 0) {
+      StatsOut st;
+      st.final_m = final_m.data_ptr<float>();
+      st.final_inv_l = final_inv_l.data_ptr<float>();
+      st.mass = r.mass.defined() ? r.mass.data_ptr<float>() : nullptr;
+      st.last = r.last.defined() ? r.last.data_ptr<float>() : nullptr;
+      st.sum_sq = r.sum_sq.defined() ? r.sum_sq.data_ptr<float>() : nullptr;
+      st.count = r.count.defined() ? r.count.data_ptr<int32_t>() : nullptr;
+      slot_stats<T><<<static_cast<unsigned int>(W), kThreads, 0, stream>>>(prm, st);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+}
+
+template <typename T>
+void run_head_dim(const Problem& p, Result& r) {
+  switch (p.q.size(3)) {
+    case 64: run<T, 64>(p, r); break;
+    case 128: run<T, 128>(p, r); break;
+    case 256: run<T, 256>(p, r); break;
+    default:
+      TORCH_CHECK_VALUE(false, "the CUDA attention kernel supports head_dim 64, 128 and 256, got ",
+                        p.q.size(3), "; run this model's attention on the CPU or ask for the size");
+  }
+}
+
+}  // namespace
+
+void ragged_attention_cuda(const Problem& p, Result& r) {
+  const c10::cuda::CUDAGuard guard(p.q.device());
+  // 16-byte loads of K and V rows: D * sizeof(T) is a multiple of 16 for the supported
+  // head dims, and the store allocates its buffers itself, so the bases are aligned.
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(p.k.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(p.v.data_ptr()) % 16 == 0);
+  switch (p.q.scalar_type()) {
+    case at::kFloat: run_head_dim<float>(p, r); break;
+    case at::kHalf: run_head_dim<at::Half>(p, r); break;
+    case at::kBFloat16: run_head_dim<at::BFloat16>(p, r); break;
+    default:
+      TORCH_CHECK_TYPE(false, "the CUDA attention kernel supports float32, float16 and bfloat16, got ",
+                       p.q.scalar_type());
+  }
+}
+
+}  // namespace kvcache_ext::attention

@@ -1,0 +1,42 @@
+// Kernels of the attention over the ragged store, one CPU and one CUDA implementation.
+// They trust their inputs: ragged_attention.cpp checks everything first.
+//
+// Rows of a segment: segment s = (b, h) serves the R = G * n query rows (g, i) of the
+// query heads h * G + g (HF's repeat_kv grouping) and the n new tokens i. Row r = g * n + i,
+// so the rows of a segment are contiguous in q and out ([B, Hq, n, D]).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace kvcache_ext::attention {
+
+struct Problem {
+  at::Tensor q;       // [B, Hq, n, D] contiguous, the store's dtype
+  at::Tensor k, v;    // [capacity, D] the store's buffers
+  at::Tensor pos;     // [capacity] int32
+  at::Tensor start;   // [S] int64
+  at::Tensor len;     // [S] int32
+  const std::vector<int32_t>* len_host;  // host mirror of len (no device sync needed)
+  at::Tensor q_pos;   // [B, n] int32: slot l is visible to query i iff pos[l] <= q_pos[b, i].
+                      // Undefined: every live slot is visible to every query.
+  int64_t groups;     // G = Hq / H
+  float scale;        // softmax scale applied to q . k
+};
+
+// Outputs. `out` is always defined; each statistic is undefined when not requested and
+// otherwise arrives zero-filled (the kernels write the live slots only).
+struct Result {
+  at::Tensor out;     // [B, Hq, n, D] the store's dtype
+  at::Tensor mass;    // [capacity] f32: sum over the n queries and G heads of p
+  at::Tensor last;    // [capacity, G] f32: p of the last query (i = n - 1) per head g
+  at::Tensor sum_sq;  // [capacity] f32: sum over queries of (mean over g of p)^2
+  at::Tensor count;   // [capacity] int32: number of queries that saw the slot
+};
+
+void ragged_attention_cpu(const Problem& p, Result& r);
+#ifdef KVCACHE_EXT_WITH_CUDA
+void ragged_attention_cuda(const Problem& p, Result& r);
+#endif
+
+}  // namespace kvcache_ext::attention

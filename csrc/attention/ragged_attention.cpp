@@ -1,0 +1,67 @@
+// Entry point of the attention over the ragged store: input checks, output allocation,
+// then the CPU or CUDA kernel.
+#include "attention/ragged_attention.h"
+
+#include <cmath>
+
+#include "attention/attention_kernels.h"
+#include "common/checks.h"
+#include "common/device_dispatch.h"
+
+namespace kvcache_ext {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_attention(
+    const at::Tensor& q_in, const RaggedKVStore& store, double scale,
+    const c10::optional<at::Tensor>& q_pos_in, bool want_mass, bool want_last, bool want_sum_sq,
+    bool want_count) {
+  check_defined(q_in, "q");
+  const auto device = store.k().device();
+  check_device_supported(device);
+  check_device(q_in, device, "q");
+  check_dtype(q_in, store.k().scalar_type(), "q (the store's dtype)");
+  TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be [batch, query heads, n, head_dim], got shape ",
+                    q_in.sizes());
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), n = q_in.size(2), D = q_in.size(3);
+  const int64_t H = store.heads();
+  TORCH_CHECK_VALUE(B == store.batch(), "q has batch ", B, " but the store has batch ",
+                    store.batch());
+  TORCH_CHECK_VALUE(D == store.head_dim(), "q has head_dim ", D, " but the store has head_dim ",
+                    store.head_dim());
+  TORCH_CHECK_VALUE(Hq >= H && Hq % H == 0, "q has ", Hq, " query heads, which is not a multiple",
+                    " of the store's ", H, " KV heads");
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK_VALUE(Hq / H * n < INT32_MAX, "too many query rows per KV head");
+
+  attention::Problem p;
+  p.q = q_in.contiguous();  // HF hands q over as a transposed view
+  p.k = store.k();
+  p.v = store.v();
+  p.pos = store.pos();
+  p.start = store.start();
+  p.len = store.len();
+  p.len_host = &store.len_host();
+  p.groups = Hq / H;
+  p.scale = static_cast<float>(scale);
+  if (q_pos_in.has_value() && q_pos_in->defined()) {
+    at::Tensor q_pos = as_int32(*q_pos_in, device, "q_pos");
+    TORCH_CHECK_VALUE((q_pos.dim() == 1 && q_pos.size(0) == n) ||
+                          (q_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == n),
+                      "q_pos must be [n] or [batch, n] = [", B, ", ", n, "], got shape ",
+                      q_pos.sizes());
+    p.q_pos = q_pos.expand({B, n}).contiguous();
+  }
+
+  const int64_t capacity = store.capacity();
+  const auto f32 = p.q.options().dtype(at::kFloat);
+  attention::Result r;
+  r.out = at::empty_like(p.q);
+  if (want_mass) r.mass = at::zeros({capacity}, f32);
+  if (want_last) r.last = at::zeros({capacity, p.groups}, f32);
+  if (want_sum_sq) r.sum_sq = at::zeros({capacity}, f32);
+  if (want_count) r.count = at::zeros({capacity}, f32.dtype(at::kInt));
+  if (r.out.numel() == 0) return {r.out, r.mass, r.last, r.sum_sq, r.count};
+  KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
+  return {r.out, r.mass, r.last, r.sum_sq, r.count};
+}
+
+}  // namespace kvcache_ext

@@ -1,0 +1,77 @@
+"""Attention of new queries over a RaggedKVStore, with the per-slot statistics eviction reads."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from kvcache_ext import _C
+from kvcache_ext.store import RaggedKVStore
+
+STAT_NAMES = ("mass", "last", "sum_sq", "count")
+
+
+@dataclass
+class AttentionStats:
+    """Softmax statistics in the store's slot layout; a field not asked for is None.
+
+    For segment (b, h), query heads h*G .. h*G+G-1 and the n queries of the call:
+
+    - ``mass`` [capacity] f32: probability each slot received, summed over the n queries and
+      the G heads (H2O's accumulated attention).
+    - ``last`` [capacity, G] f32: the last query's probability per head (TOVA, CAOTE).
+    - ``sum_sq`` [capacity] f32: sum over the queries of the square of the G heads' *mean*
+      probability (RoCo averages a group before squaring; equals p^2 summed for G = 1).
+    - ``count`` [capacity] int32: how many of the n queries saw the slot (causal mask).
+
+    Slots beyond each segment's length hold zeros.
+    """
+
+    mass: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+    sum_sq: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+
+def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None = None, *,
+                     q_pos: torch.Tensor | None = None,
+                     stats: bool | Iterable[str] = False
+                     ) -> tuple[torch.Tensor, AttentionStats | None]:
+    """softmax(q k^T * scale) v over every live slot of the store, per (batch item, KV head).
+
+    q [B, Hq, n, D] in the store's dtype, Hq a multiple of the store's heads (query head
+    h*G + g reads KV head h, as HF's ``repeat_kv``). ``q_pos`` ([n] or [B, n] integers), when
+    given, makes the attention causal by position: slot l is visible to query i iff
+    ``pos[l] <= q_pos[b, i]``; without it every live slot is visible to every query. This is
+    what block-wise prefill needs once the block's own tokens are appended to the store.
+    ``scale`` defaults to 1/sqrt(D). A query that sees no slot gets a zero output.
+
+    ``stats``: False (none, no extra work), True (all) or names from ``STAT_NAMES``.
+    Returns ``(out [B, Hq, n, D], AttentionStats or None)``.
+    """
+    if not isinstance(store, RaggedKVStore):
+        raise TypeError(f"store must be a kvcache_ext.RaggedKVStore, got {type(store).__name__}")
+    wanted = _stat_names(stats)
+    if scale is None:
+        scale = 1.0 / math.sqrt(store.head_dim)
+    if q_pos is not None:
+        q_pos = torch.as_tensor(q_pos)
+    out, *fields = _C.ragged_attention(q, store._store, float(scale), q_pos,
+                                       *(name in wanted for name in STAT_NAMES))
+    if not wanted:
+        return out, None
+    return out, AttentionStats(*fields)
+
+
+def _stat_names(stats) -> frozenset:
+    if stats is True:
+        return frozenset(STAT_NAMES)
+    if stats is False or stats is None:
+        return frozenset()
+    names = frozenset([stats] if isinstance(stats, str) else stats)
+    unknown = names - set(STAT_NAMES)
+    if unknown:
+        raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STAT_NAMES}")
+    return names

@@ -1,0 +1,210 @@
+"""ragged_attention against kvcache_ext.reference.ragged_attention (dense, masked, float64)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvcache_ext
+from kvcache_ext import reference
+from conftest import DEVICES, DTYPES
+
+# Output tolerances (atol = rtol) by dtype: the kernels accumulate in float32, the reference
+# in float64 from the same inputs; for half types add one rounding of the output. Logits of
+# magnitude ~10 (scale 0.3 at D = 128) stay inside the float32 bound.
+OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+STAT_TOL = 1e-5  # statistics are float32 on both sides
+
+
+def build_store(gen, B, H, D, dtype, device, prompt, evict, n_new):
+    """A ragged store: `prompt` tokens, a random eviction (keep prob 1 - evict, so some
+    segments end up empty or with one slot), then `n_new` block tokens at the next positions.
+    Returns the store and the positions of the block's tokens [B, n_new]."""
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device)
+    if prompt:
+        k, v = (torch.randn(B, H, prompt, D, generator=gen).to(dtype) for _ in range(2))
+        store.append(k.to(device), v.to(device), torch.arange(prompt))
+        keep = torch.rand(store.capacity, generator=gen) >= evict
+        store.compact(keep.to(device))
+    if n_new:
+        k, v = (torch.randn(B, H, n_new, D, generator=gen).to(dtype) for _ in range(2))
+        store.append(k.to(device), v.to(device), torch.arange(prompt, prompt + n_new))
+    q_pos = torch.arange(prompt, prompt + n_new).expand(B, n_new)
+    return store, q_pos
+
+
+def check_against_reference(store, q, scale, q_pos, stats):
+    out, got = kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=stats)
+    dense = store.to_dense()
+    want_out, want = reference.ragged_attention(q.cpu(), dense.k.cpu(), dense.v.cpu(), dense.pos.cpu(),
+                                                dense.mask.cpu(), scale,
+                                                None if q_pos is None else q_pos.cpu())
+    tol = OUT_TOL[q.dtype]
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=tol, rtol=tol)
+    names = kvcache_ext.STAT_NAMES if stats is True else (stats or ())
+    if not names:
+        assert got is None
+        return
+    for name in kvcache_ext.STAT_NAMES:
+        field = getattr(got, name)
+        if name not in names:
+            assert field is None, name
+            continue
+        assert field.device == q.device and field.shape[0] == store.capacity, name
+        padded = store.to_padded(field).cpu()
+        if name == "count":
+            assert field.dtype == torch.int32
+            assert torch.equal(padded, want[name]), name
+        else:
+            assert field.dtype == torch.float32
+            torch.testing.assert_close(padded, want[name], atol=STAT_TOL, rtol=STAT_TOL, msg=name)
+        # Slack slots (beyond each segment's length) hold zeros.
+        live = torch.zeros(store.capacity, dtype=torch.bool)
+        live[store.slot_index()[0][store.slot_index()[1]].cpu()] = True
+        assert not field.cpu()[~live].any(), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(B=st.integers(1, 3), H=st.integers(1, 3), G=st.sampled_from([1, 3, 4, 8]),
+       D=st.sampled_from([64, 128]), dtype=st.sampled_from(DTYPES),
+       prompt=st.integers(0, 300), evict=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+       n=st.sampled_from([1, 1, 2, 5, 16]), causal=st.booleans(),
+       stats=st.sampled_from([False, True, ("mass",), ("last", "count"), ("sum_sq",)]),
+       scale=st.sampled_from([None, 0.05, 0.3]), seed=st.integers(0, 2**31 - 1))
+def test_random_stores(device, B, H, G, D, dtype, prompt, evict, n, causal, stats, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    store, q_pos = build_store(gen, B, H, D, dtype, device, prompt, evict, n)
+    q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).to(device)
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    check_against_reference(store, q, scale, q_pos if causal else None, stats)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [8, 20, 64])
+def test_small_head_dims_on_cpu(device, D):
+    """The CPU kernel takes any head_dim; CUDA takes 64, 128 and 256 and says so otherwise."""
+    gen = torch.Generator().manual_seed(D)
+    store, q_pos = build_store(gen, 2, 2, D, torch.float32, device, 40, 0.5, 3)
+    q = torch.randn(2, 4, 3, D, generator=gen).to(device)
+    if device == "cuda" and D not in (64, 128, 256):
+        with pytest.raises(ValueError, match="head_dim 64, 128 and 256"):
+            kvcache_ext.ragged_attention(q, store, q_pos=q_pos)
+        return
+    check_against_reference(store, q, D ** -0.5, q_pos, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_segments(device, dtype):
+    """Segments beyond 8K slots, of different lengths, in one batch; decode and a block."""
+    gen = torch.Generator().manual_seed(7)
+    store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=dtype, device=device)
+    L = 9000
+    k, v = (torch.randn(2, 2, L, 64, generator=gen).to(dtype) for _ in range(2))
+    store.append(k.to(device), v.to(device), torch.arange(L))
+    keep = torch.ones(store.capacity, dtype=torch.bool)
+    index, mask = store.slot_index()
+    keep[index[0, 1, 8300:][mask[0, 1, 8300:]].cpu()] = False  # segment (0, 1): 8300 slots
+    keep[index[1, 0, 100:][mask[1, 0, 100:]].cpu()] = False    # segment (1, 0): 100 slots
+    store.compact(keep.to(device))
+    assert store.lens.tolist() == [[L, 8300], [100, L]]
+    for n in (1, 4):
+        new_k, new_v = (torch.randn(2, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
+        first = int(store.pos.max()) + 1
+        store.append(new_k.to(device), new_v.to(device), torch.arange(first, first + n))
+        q = torch.randn(2, 8, n, 64, generator=gen).to(dtype).to(device)
+        check_against_reference(store, q, 0.125, torch.arange(first, first + n), True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_store_and_unseen_queries(device):
+    """No slot to attend: zero output, no NaN, zero statistics."""
+    store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=torch.float16, device=device)
+    q = torch.randn(2, 4, 3, 64, dtype=torch.float16, device=device)
+    out, stats = kvcache_ext.ragged_attention(q, store, stats=True)
+    assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
+    assert store.capacity == 0 and stats.mass.shape == (0,) and stats.last.shape == (0, 2)
+
+    gen = torch.Generator().manual_seed(1)
+    store, _ = build_store(gen, 2, 2, 64, torch.float16, device, 30, 0.0, 0)
+    # Query 0 is before every stored position, query 1 sees the first 10 slots.
+    q_pos = torch.tensor([[-1, 9], [-5, 9]])
+    q = torch.randn(2, 4, 2, 64, generator=gen).half().to(device)
+    out, stats = kvcache_ext.ragged_attention(q, store, q_pos=q_pos, stats=True)
+    assert torch.equal(out[:, :, 0].cpu(), torch.zeros(2, 4, 64, dtype=torch.float16))
+    assert torch.isfinite(out.float()).all()
+    check_against_reference(store, q, 64 ** -0.5, q_pos, True)
+    # Every row that sees something spends all of its probability: G heads, 1 query.
+    assert torch.allclose(store.to_padded(stats.mass).sum(-1).cpu(), torch.full((2, 2), 2.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_sdpa_on_a_full_cache(device):
+    """With nothing evicted, decode and a causal block equal torch's SDPA on the dense cache."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, G, D, L = 2, 2, 3, 64, 50
+    k, v = (torch.randn(B, H, L, D, generator=gen) for _ in range(2))
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.float32, device=device)
+    store.append(k.to(device), v.to(device), torch.arange(L))
+    k_rep, v_rep = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    n = 6  # the last 6 stored tokens as a causal block
+    q = torch.randn(B, H * G, n, D, generator=gen)
+    out, _ = kvcache_ext.ragged_attention(q.to(device), store, q_pos=torch.arange(L - n, L))
+    causal = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    want = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=causal)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+    q1 = torch.randn(B, H * G, 1, D, generator=gen)
+    out1, _ = kvcache_ext.ragged_attention(q1.to(device), store, scale=0.3)
+    want1 = F.scaled_dot_product_attention(q1, k_rep, v_rep, scale=0.3)
+    torch.testing.assert_close(out1.cpu(), want1, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transposed_queries(device):
+    """HF hands q over as a [B, n, Hq, D] tensor viewed as [B, Hq, n, D]: accepted as is."""
+    gen = torch.Generator().manual_seed(4)
+    store, q_pos = build_store(gen, 1, 2, 64, torch.float32, device, 20, 0.3, 4)
+    q = torch.randn(1, 4, 8, 64, generator=gen).to(device).transpose(1, 2)
+    assert not q.is_contiguous()
+    out, _ = kvcache_ext.ragged_attention(q, store, q_pos=q_pos)
+    want, _ = kvcache_ext.ragged_attention(q.contiguous(), store, q_pos=q_pos)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    gen = torch.Generator().manual_seed(5)
+    store, q_pos = build_store(gen, 2, 2, 64, torch.float16, device, 10, 0.0, 2)
+    q = torch.randn(2, 4, 2, 64, generator=gen).half().to(device)
+    before = store.to_dense()
+    attend = kvcache_ext.ragged_attention
+    with pytest.raises(TypeError, match="dtype"):
+        attend(q.float(), store)
+    with pytest.raises(ValueError, match="batch"):
+        attend(q[:1], store)
+    with pytest.raises(ValueError, match="multiple"):
+        attend(torch.cat([q, q[:, :1]], 1), store)
+    with pytest.raises(ValueError, match="head_dim"):
+        attend(q[..., :32], store)
+    with pytest.raises(ValueError, match=r"\[batch, query heads, n, head_dim\]"):
+        attend(q[0], store)
+    with pytest.raises(ValueError, match="q_pos"):
+        attend(q, store, q_pos=torch.arange(3))
+    with pytest.raises(TypeError, match="q_pos"):
+        attend(q, store, q_pos=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="scale"):
+        attend(q, store, scale=float("nan"))
+    with pytest.raises(ValueError, match="unknown statistics"):
+        attend(q, store, stats=("mass", "entropy"))
+    with pytest.raises(TypeError, match="RaggedKVStore"):
+        attend(q, before)
+    if device == "cuda":
+        with pytest.raises(ValueError, match="must be on"):
+            attend(q.cpu(), store)
+    after = store.to_dense()
+    for name in ("k", "v", "pos", "scores", "lens"):
+        assert torch.equal(getattr(after, name), getattr(before, name))
