@@ -14,5 +14,19 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
+# The model integration needs transformers; it is imported on first use so that the kernels
+# alone do not pay for it.
+_LAZY = {"patch": "kvcache_ext.patching", "unpatch": "kvcache_ext.patching", "is_patched": "kvcache_ext.patching",
+         "PatchHandle": "kvcache_ext.patching", "RaggedCache": "kvcache_ext.cache"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvcache_ext' has no attribute {name!r}")
+
+
 __all__ = ["RaggedKVStore", "DenseView", "ragged_attention", "AttentionStats", "STAT_NAMES",
-           "segmented_topk", "grouped_topk", "build_info"]
+           "segmented_topk", "grouped_topk", "build_info", "patch", "unpatch", "is_patched",
+           "PatchHandle", "RaggedCache", "policies"]

@@ -1,0 +1,111 @@
+"""RaggedCache: a transformers ``Cache`` whose layers keep only what the policy keeps."""
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcache_ext.eviction import LayerState
+from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.policies.policy import Policy
+
+# The attention function finds its layer's state through the cache's update() that HF calls
+# just before it (same thread, same key tensor): HF does not pass the cache to attention.
+_pending = threading.local()
+
+
+def take_pending(key: torch.Tensor) -> LayerState | None:
+    """The layer state whose update() returned ``key``, or None (not our cache)."""
+    entry = getattr(_pending, "entry", None)
+    _pending.entry = None
+    if entry is not None and entry[1] is key:
+        return entry[0]
+    return None
+
+
+class RaggedLayer(CacheLayerMixin):
+    """One layer of a RaggedCache. ``update`` stores nothing itself: the attention function
+    appends the new tokens, attends over the store and evicts (``kvcache_ext.eviction``)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, state: LayerState):
+        super().__init__()
+        self.state = state
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        _pending.entry = (self.state, key_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.state.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (padding included), not tokens kept: positions go on after eviction."""
+        return self.state.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("kvcache_ext's RaggedCache does not support beam search; "
+                                  "use greedy or sampling generation")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state.seen:
+            raise NotImplementedError("RaggedCache cannot expand a batch once tokens are cached")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("RaggedCache does not support selecting batch rows")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("RaggedCache cannot be cropped (assisted decoding is not supported)")
+
+
+class RaggedCache(Cache):
+    """The KV cache of a patched model: per layer, one ragged segment per (batch item, KV head)
+    on that layer's device, holding only the tokens its policy keeps.
+
+    ``generate`` on a patched model makes one for every call; build one yourself with
+    ``handle.new_cache()`` (or ``RaggedCache(policy, num_layers)``) to run the model step by step.
+    """
+
+    storage = RaggedLayerKV
+
+    def __init__(self, policy: Policy, num_layers: int):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
+        self.policy = policy
+        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage))
+                                 for i in range(num_layers)])
+
+    def layer_kv(self, layer_idx: int):
+        """The storage of one layer (``None`` before its first token)."""
+        return self.layers[layer_idx].state.kv
+
+    def kept_tokens(self) -> list[torch.Tensor]:
+        """Per layer, [B, H] tokens held per (batch item, KV head)."""
+        return [layer.state.kv.lens if layer.state.kv is not None else torch.zeros(0, dtype=torch.long)
+                for layer in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's storage (K, V, positions, score channels, tables)."""
+        return sum(layer.state.kv.nbytes for layer in self.layers if layer.state.kv is not None)
+
+    def __repr__(self) -> str:
+        kept = sum(int(t.sum()) for t in self.kept_tokens())
+        return (f"{type(self).__name__}(layers={len(self.layers)}, seen={self.get_seq_length()}, "
+                f"kept_tokens={kept}, nbytes={self.nbytes}, policy={self.policy})")

@@ -1,0 +1,214 @@
+"""The eviction engine: one layer's attention call on a patched model, with its policy.
+
+Called by the attention function that ``kvcache_ext.patch`` registers, for a layer whose cache
+is a ``RaggedCache``. Storage-agnostic: ``LayerState.kv`` is the ragged store
+(``layer_kv.RaggedLayerKV``) or the reference's masked dense cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.views import CacheView, PromptView
+
+MAX_BLOCK = 256   # the attention kernel's largest query block
+
+
+class LayerState:
+    """What one layer's cache knows besides its tokens."""
+
+    def __init__(self, layer_idx: int, num_layers: int, policy: Policy, storage):
+        self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.policy, self.storage = policy, storage
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv = None              # the storage, created at the first call
+        self.seen = 0               # tokens seen, padding included: HF's sequence length
+        self.last_pos = None        # [B] newest position of every row
+        self.budget = None          # [B] this layer's per-head budget (prefill, block eviction)
+        self.decode_budget = None   # [B] per-head budget of decode-time eviction
+        self.decode_steps = 0
+
+    def ensure_storage(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        if self.kv is None:
+            B, H, _, D = k.shape
+            self.groups = q.shape[1] // H
+            self.kv = self.storage(B, H, D, k.dtype, k.device, self.policy.scorer.channels)
+            self.last_pos = torch.full((B,), -1, dtype=torch.long, device=k.device)
+
+    def ensure_budget(self, prompt_len: torch.Tensor) -> None:
+        """Fixes the layer's budgets from the first prompt's length [B]."""
+        if self.budget is not None:
+            return
+        p = self.policy
+        reserved = p.protection.size
+        layer = lambda base: p.allocation.layer_budget(base, self.layer_idx, self.num_layers,
+                                                       prompt_len, reserved)
+        self.budget = layer(p.budget_for(prompt_len))
+        target = p.schedule.decode_target
+        self.decode_budget = layer(torch.full_like(prompt_len, target)) if target else self.budget
+
+
+def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention_mask, scale,
+                  position_ids, **kwargs):
+    """Attention of one layer over its evicting cache. Returns [B, n, Hq, D] like HF's functions."""
+    B, _, n, _ = q.shape
+    window = kwargs.get("sliding_window")
+    if window is not None and state.seen + n > window:
+        raise NotImplementedError(
+            f"layer {state.layer_idx} uses sliding-window attention (window {window}) and the "
+            f"sequence is now longer than the window; kvcache_ext does not evict by window yet")
+    valid = new_token_validity(attention_mask, state.seen, n, B, q.device)
+    pos = new_positions(position_ids, state.seen, n, B, q.device)
+    state.ensure_storage(q, k)
+    fresh = state.seen == 0
+    state.seen += n
+    if fresh and n > 1 and state.policy.schedule.prefill_block is None:
+        out = dense_attention(module, q, k, v, attention_mask, scaling=scale, dropout=0.0, **kwargs)[0]
+        compress_prompt(state, q, k, v, pos, valid, scale)
+        return out
+    if fresh:
+        state.ensure_budget(valid.sum(dim=1))
+    if n == 1:
+        return attend_block(state, q, k, v, pos, valid, scale, decode=True).transpose(1, 2)
+    block = min(state.policy.schedule.prefill_block or MAX_BLOCK, MAX_BLOCK)
+    return attend_in_blocks(state, q, k, v, pos, valid, scale, block).transpose(1, 2)
+
+
+def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int):
+    """Several new tokens over the cache, ``block`` at a time.
+
+    Blocks are counted from each row's first real token, so a left-padded row is cut (and
+    evicts) exactly where it would be cut alone; the rows' blocks are gathered side by side."""
+    B, _, n, _ = q.shape
+    first = n - valid.sum(dim=1)                                          # [B] leading padding
+    left_padded = bool((valid == (torch.arange(n, device=valid.device) >= first[:, None])).all())
+    if not left_padded:   # padding elsewhere (unusual): blocks by index
+        first = torch.zeros_like(first)
+    if bool((first == 0).all()):   # no stagger: plain slices
+        outs = [attend_block(state, q[:, :, i:i + block], k[:, :, i:i + block], v[:, :, i:i + block],
+                             pos[:, i:i + block], valid[:, i:i + block], scale, decode=False)
+                for i in range(0, n, block)]
+        return torch.cat(outs, dim=2)
+    out = q.new_zeros(q.shape)
+    real = valid.sum(dim=1)                                               # [B]
+    steps = torch.arange(block, device=q.device)
+    for j in range(0, int(real.max()), block):
+        # The row's tokens j .. j+c-1 fill the block's last c places, so that the block's last
+        # query is the row's newest token (TOVA's query); a row with none sits this block out.
+        count = (real - j).clamp(0, block)
+        inside = steps >= (block - count)[:, None]                        # [B, block]
+        idx = (first + j - (block - count))[:, None] + steps
+        idx = idx.clamp(0, n - 1)
+        take = lambda x: x.gather(2, idx[:, None, :, None].expand(x.shape[0], x.shape[1], block, x.shape[3]))
+        blk = attend_block(state, take(q), take(k), take(v), pos.gather(1, idx),
+                           valid.gather(1, idx) & inside, scale, decode=False, active=count > 0)
+        rows, cols = inside.nonzero(as_tuple=True)
+        out[rows, :, idx[rows, cols]] = blk[rows, :, cols]
+    return out
+
+
+def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
+    """One-shot prefill: score the dense prompt, keep each head's budget, store only that."""
+    p, kv = state.policy, state.kv
+    B, H, n, _ = k.shape
+    state.ensure_budget(valid.sum(dim=1))
+    state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
+    view = PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
+                      layer_idx=state.layer_idx, num_layers=state.num_layers)
+    scores, channels = p.scorer.prompt_scores(view)
+    pos_h = pos[:, None, :].expand(B, H, n)
+    mask = valid[:, None, :].expand(B, H, n)
+    protected = p.protection.mask(pos_h, state.last_pos) & mask
+    scores = scores.float().masked_fill(protected, float("inf"))
+    counts = lambda s, m, total: kv.prompt_grouped_counts(s, pos, valid, total)
+    per_head = p.allocation.head_budgets(state.budget, scores, mask, protected, counts)
+    keep = kv.prompt_keep(scores, pos, valid, per_head)
+    kv.append(k, v, pos, keep)
+    if channels is not None and p.schedule.evicts_over_cache:
+        kv.set_prompt_channels(channels, keep)
+
+
+def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, active=None):
+    """Appends a block (or one decode token), attends over the cache, feeds the scorer, evicts.
+    ``active`` [B]: rows that have tokens in this block (the others keep their cache as is)."""
+    p, kv = state.policy, state.kv
+    B, H, m, _ = k.shape
+    kv.append(k, v, pos, valid[:, None, :].expand(B, H, m))
+    state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
+    q_pos = pos.masked_fill(~valid, -1) if m > 1 else None   # a padding query sees nothing
+    if decode:
+        state.decode_steps += 1
+        every = p.schedule.decode_every
+        evict_now = every is not None and state.decode_steps % every == 0
+        target = state.decode_budget
+    else:
+        evict_now = p.schedule.prefill_block is not None
+        target = state.budget
+    scorer = p.scorer
+    track = scorer.update_stats if p.schedule.evicts_over_cache else ()
+    wanted = scorer.evict_stats if evict_now else ()
+    window = scorer.stats_window if wanted else None
+    if window is not None and m > window:
+        # The eviction statistics come from the last `window` queries only (SnapKV's window).
+        head, head_stats = kv.attend(q[:, :, :m - window], scale, q_pos[:, :m - window], track)
+        if track:
+            scorer.update(kv.channels, head_stats)
+        tail, stats = kv.attend(q[:, :, m - window:], scale, q_pos[:, m - window:], _union(track, wanted))
+        out, n_stat = torch.cat([head, tail], dim=2), window
+    else:
+        out, stats = kv.attend(q, scale, q_pos, _union(track, wanted))
+        n_stat = m
+    if track:
+        scorer.update(kv.channels, stats)
+    if evict_now:
+        evict(state, target, {name: stats[name] for name in wanted}, n_stat, active)
+    return out
+
+
+def evict(state: LayerState, target: torch.Tensor, stats: dict, stat_queries: int,
+          active: torch.Tensor | None = None) -> None:
+    """Scores the cached tokens and keeps the allocation's budget of each head (of the
+    ``active`` rows only, when given)."""
+    p, kv = state.policy, state.kv
+    parts = kv.view(stats, p.scorer.needs_kv)
+    mask = parts["mask"]
+    lens = mask.sum(dim=-1)
+    if bool((lens <= target.view(-1, 1).to(lens.device)).all()):
+        return   # every head is within its budget: nothing to score
+    view = CacheView(pos=parts["pos"], mask=mask, channels=parts["channels"], last_pos=state.last_pos,
+                     layer_idx=state.layer_idx, num_layers=state.num_layers,
+                     groups=state.groups, stats=parts["stats"],
+                     stat_queries=stat_queries, k=parts.get("k"), v=parts.get("v"))
+    scores = p.scorer.cache_scores(view).float()
+    protected = p.protection.mask(view.pos, state.last_pos) & mask
+    scores = scores.masked_fill(protected, float("inf"))
+    per_head = p.allocation.head_budgets(target.to(scores.device), scores, mask, protected, kv.grouped_counts)
+    if active is not None:
+        per_head = torch.where(active.to(per_head.device)[:, None], per_head, lens)
+    kv.evict(scores, per_head)
+
+
+def _union(a, b):
+    return tuple(dict.fromkeys(a + b))
+
+
+def new_token_validity(mask, seen: int, n: int, batch: int, device) -> torch.Tensor:
+    """[B, n] bool: False for the padding tokens among the n new ones.
+
+    HF's 4-D masks ([B, 1, n, seen + n], bool for SDPA, additive float for eager) mask padding
+    keys for every query, so a new token is real iff it may attend to itself."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return torch.ones(batch, n, dtype=torch.bool, device=device)
+    i = torch.arange(n, device=mask.device)
+    diag = mask[:, 0, i, seen + i] if mask.shape[-1] >= seen + n else mask[:, 0, i, mask.shape[-1] - n + i]
+    valid = diag if diag.dtype == torch.bool else diag == 0
+    return valid.expand(batch, n).to(device)
+
+
+def new_positions(position_ids, seen: int, n: int, batch: int, device) -> torch.Tensor:
+    """[B, n] int64 positions of the new tokens: HF's position_ids (left padding aware)."""
+    if position_ids is None:
+        return (torch.arange(n, device=device) + seen).expand(batch, n)
+    return position_ids.to(device).long().expand(batch, n)

@@ -1,0 +1,116 @@
+"""Storage of one layer's cache for the eviction engine: the ragged store (``RaggedLayerKV``).
+
+The engine (``kvcache_ext.eviction``) talks to a storage through the methods below; the
+reference path (``kvcache_ext.reference.masked_cache.MaskedLayerKV``) implements the same
+methods with a dense, masked cache, so both run the same policy code.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcache_ext.attention import ragged_attention
+from kvcache_ext.select import grouped_topk, segmented_topk
+from kvcache_ext.store import RaggedKVStore
+
+
+def pack_valid(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """valid [..., n] bool -> (order [..., n]: the valid indices first, in order; counts [...])."""
+    order = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)
+    return order, valid.sum(dim=-1)
+
+
+class RaggedLayerKV:
+    """One layer's tokens in a ``RaggedKVStore``: only the kept tokens are stored."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, channels: int):
+        self.store = RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device,
+                                   score_channels=channels)
+
+    # --- storage -------------------------------------------------------------------------
+    def append(self, k, v, pos, keep) -> None:
+        """k, v [B, H, n, D]; pos [B, n]; keep [B, H, n] bool: the tokens to store."""
+        self.store.append(k.contiguous(), v.contiguous(), pos.to(torch.int32), valid=keep)
+
+    def set_prompt_channels(self, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """values [B, H, n, C] of a fresh prompt's tokens, keep [B, H, n]: the first append."""
+        order, counts = pack_valid(keep)
+        width = int(counts.max().item()) if counts.numel() else 0
+        packed = values.gather(2, order[..., :width, None].expand(-1, -1, -1, values.shape[-1]))
+        self.store.scores.copy_(self.store.from_padded(packed.float()))
+
+    @property
+    def channels(self) -> torch.Tensor:
+        return self.store.scores
+
+    def attend(self, q, scale, q_pos, stats):
+        out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)
+        if st is None:
+            return out, None
+        return out, {name: getattr(st, name) for name in stats}
+
+    # --- views and selection -------------------------------------------------------------
+    def view(self, stats: dict | None, need_kv: bool) -> dict:
+        index, mask = self.store.slot_index()
+        parts = dict(pos=self.store.pos[index].long(), mask=mask,
+                     channels=self.store.scores[index])
+        padded = {}
+        for name, value in (stats or {}).items():
+            padded[name] = value[index].masked_fill(~mask.view(mask.shape + (1,) * (value.dim() - 1)), 0)
+        parts["stats"] = padded
+        if need_kv:
+            parts["k"], parts["v"] = self.store.k[index], self.store.v[index]
+        return parts
+
+    def evict(self, scores: torch.Tensor, k: torch.Tensor) -> None:
+        """scores [B, H, L] of the cached tokens (padded view), k [B, H]: keep k per head."""
+        slot_scores = self.store.from_padded(scores.float().contiguous())
+        keep = self.store.select(k.to(self.store.device), slot_scores)
+        self.store.compact(keep)
+
+    def grouped_counts(self, scores, mask, k):
+        slot_scores = self.store.from_padded(scores.float().contiguous())
+        _, counts = self.store.select(k.to(self.store.device), slot_scores, grouped=True)
+        return counts.long()
+
+    @staticmethod
+    def prompt_keep(scores, pos, valid, k):
+        """Top-k of a dense prompt: scores [B, H, n], pos [B, n], valid [B, n], k [B, H]
+        -> keep [B, H, n] (the compiled segmented top-k on the packed prompt)."""
+        flat, pos32, start, lens = _packed_prompt(scores, pos, valid)
+        keep = segmented_topk(flat, pos32, start, lens, k.reshape(-1).to(torch.int64))
+        return _unpack(keep, scores, valid)
+
+    @staticmethod
+    def prompt_grouped_counts(scores, pos, valid, k):
+        flat, pos32, start, lens = _packed_prompt(scores, pos, valid)
+        _, counts = grouped_topk(flat, pos32, start, lens, scores.shape[1], k.to(torch.int64))
+        return counts.view(scores.shape[:2]).long()
+
+    # --- accounting ------------------------------------------------------------------------
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.store.lens
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+
+def _packed_prompt(scores, pos, valid):
+    """A dense prompt as segments of the flat layout: every (b, h) row with its valid tokens
+    first, so segment s = b * H + h starts at s * n and holds the row's valid count."""
+    B, H, n = scores.shape
+    order, counts = pack_valid(valid)                                  # [B, n], [B]
+    flat = scores.float().gather(2, order[:, None, :].expand(B, H, n)).reshape(-1).contiguous()
+    pos32 = pos.gather(1, order).to(torch.int32)[:, None, :].expand(B, H, n).reshape(-1).contiguous()
+    start = torch.arange(B * H, device=scores.device, dtype=torch.int64) * n
+    lens = counts.to(torch.int32)[:, None].expand(B, H).reshape(-1).contiguous()
+    return flat, pos32, start, lens
+
+
+def _unpack(keep_flat, scores, valid):
+    B, H, n = scores.shape
+    order, _ = pack_valid(valid)
+    keep = torch.zeros(B, H, n, dtype=torch.bool, device=scores.device)
+    return keep.scatter_(2, order[:, None, :].expand(B, H, n), keep_flat.view(B, H, n))

@@ -1,0 +1,30 @@
+"""Eviction policies: a scorer, an allocation, a schedule and a protection, with a budget.
+
+Any scorer combines with any allocation::
+
+    from kvcache_ext.policies import Policy, SnapKV, AdaKV, Pyramid, EveryStep, H2O
+    Policy(SnapKV(), budget=256)                                   # SnapKV
+    Policy(SnapKV(), budget=256, allocation=AdaKV())               # Ada-SnapKV
+    Policy(SnapKV(), budget=256, allocation=AdaKV(layers=Pyramid()))  # Ada-Pyramid
+    Policy(H2O(), budget=256, schedule=EveryStep())                # H2O held at its budget
+"""
+from kvcache_ext.policies.adakv import AdaKV
+from kvcache_ext.policies.allocation import Allocation
+from kvcache_ext.policies.h2o import H2O
+from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.protection import Protection
+from kvcache_ext.policies.pyramid import Pyramid
+from kvcache_ext.policies.random_eviction import Random
+from kvcache_ext.policies.schedule import BlockwisePrefill, EveryNSteps, EveryStep, OneShot, Schedule
+from kvcache_ext.policies.scorer import Scorer
+from kvcache_ext.policies.snapkv import SnapKV
+from kvcache_ext.policies.streaming_llm import StreamingLLM
+from kvcache_ext.policies.tova import TOVA
+from kvcache_ext.policies.uniform import Uniform
+from kvcache_ext.policies.views import CacheView, PromptView
+
+__all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
+           "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random",
+           "Uniform", "Pyramid", "AdaKV",
+           "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
+           "PromptView", "CacheView"]

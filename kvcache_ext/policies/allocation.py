@@ -1,0 +1,24 @@
+"""The allocation interface: how a policy splits its budget over layers and KV heads."""
+from __future__ import annotations
+
+import torch
+
+
+class Allocation:
+    """``layer_budget``: tokens per KV head for one layer (fixed when the layer's prompt is
+    compressed). ``head_budgets``: the split of a layer's budget over its KV heads at an
+    eviction step. Budgets include the protected tokens (sinks, recent window)."""
+
+    def layer_budget(self, budget: torch.Tensor, layer_idx: int, num_layers: int,
+                     prompt_len: torch.Tensor, reserved: int) -> torch.Tensor:
+        """budget, prompt_len [B] int64 (per row); reserved: protected tokens per head."""
+        return budget
+
+    def head_budgets(self, layer_budget: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,
+                     protected: torch.Tensor, grouped_counts) -> torch.Tensor:
+        """layer_budget [B]; scores, mask, protected [B, H, L] -> [B, H] int64 tokens kept.
+
+        ``grouped_counts(scores, mask, k [B]) -> [B, H]``: how many of each head's tokens are
+        among the k best of its row (Ada-KV's Algorithm 2), computed by the storage's kernels.
+        """
+        return layer_budget[:, None].expand(scores.shape[:2])

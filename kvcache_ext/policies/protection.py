@@ -1,0 +1,38 @@
+"""Tokens a policy never evicts: attention sinks (the first tokens) and a recent window."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Protection:
+    """``sinks``: positions 0 .. sinks-1 (StreamingLLM's attention sinks).
+    ``recent``: the ``recent`` newest positions of each row (SnapKV's observation window).
+
+    Protected tokens get an infinite score, so they are kept and count toward the budget.
+    """
+
+    sinks: int = 0
+    recent: int = 0
+
+    def __post_init__(self):
+        if self.sinks < 0 or self.recent < 0:
+            raise ValueError(f"sinks and recent must be >= 0, got {self.sinks}, {self.recent}")
+
+    @property
+    def size(self) -> int:
+        return self.sinks + self.recent
+
+    def mask(self, pos: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
+        """pos [B, H, L] positions, last_pos [B] newest position per row -> protected [B, H, L]."""
+        protected = pos < self.sinks
+        if self.recent:
+            protected |= pos > (last_pos.view(-1, 1, 1) - self.recent)
+        return protected
+
+    def apply(self, scores: torch.Tensor, pos: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
+        if not self.size:
+            return scores
+        return scores.masked_fill(self.mask(pos, last_pos), float("inf"))

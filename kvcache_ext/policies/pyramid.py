@@ -1,0 +1,41 @@
+"""PyramidKV's layer schedule: more budget to the shallow layers, less to the deep ones."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcache_ext.policies.allocation import Allocation
+
+
+@dataclass
+class Pyramid(Allocation):
+    """Per-head budget of layer l falls linearly from ``max`` (layer 0) to ``min`` (last layer),
+    averaging the policy's budget over the layers.
+
+    The Ada-KV paper gives no formula (research/seed-001-adakv.md §2.5); this is the schedule
+    of the public Ada-KV code that implements Ada-Pyramid (§10), applied to the budget that is
+    left after the protected tokens (its "prefix" budget): min = b // beta, max = 2b - min;
+    if max >= the prompt's unprotected length n, then max = n and min = 2b - max;
+    step = (max - min) // (layers - 1); layer l keeps max - l * step. ``beta`` = 20 as there.
+    A model of one layer keeps the budget.
+    """
+
+    beta: int = 20
+
+    def __post_init__(self):
+        if self.beta < 1:
+            raise ValueError(f"Pyramid beta must be >= 1, got {self.beta}")
+
+    def layer_budget(self, budget, layer_idx, num_layers, prompt_len, reserved):
+        if num_layers <= 1:
+            return budget      # a single layer: the average over the layers is the budget itself
+        b = (budget - reserved).clamp_min(0)
+        n = (prompt_len - reserved).clamp_min(0)
+        lo = b // self.beta
+        hi = 2 * b - lo
+        capped = hi >= n
+        hi = torch.where(capped, n, hi)
+        lo = torch.where(capped, 2 * b - hi, lo)
+        step = (hi - lo) // num_layers
+        return (hi - layer_idx * step).clamp_min(0) + reserved

@@ -1,0 +1,54 @@
+"""The scorer interface: how a policy rates cached tokens (higher = keep)."""
+from __future__ import annotations
+
+import torch
+
+from kvcache_ext.policies.protection import Protection
+from kvcache_ext.policies.views import CacheView, PromptView
+
+GQA_MODES = ("mean", "max")
+
+
+class Scorer:
+    """Base class of the scorers. A scorer is a small dataclass of its paper's parameters.
+
+    - ``prompt_scores``: scores of a fresh prompt's tokens from the dense prompt (one-shot
+      prefill), and the initial values of the scorer's per-token channels.
+    - ``update``: folds the statistics of an attention over the cache into the channels
+      (elementwise, so it works on any layout); called after every attention over the cache
+      when the schedule will evict again.
+    - ``cache_scores``: scores of the cached tokens at an eviction step.
+    """
+
+    channels: int = 0                        # float32 per-token channels the scorer owns
+    update_stats: tuple[str, ...] = ()       # statistics ``update`` reads
+    evict_stats: tuple[str, ...] = ()        # statistics ``cache_scores`` reads (latest call)
+    stats_window: int | None = None          # evict_stats over the last queries of a call only
+    needs_kv: bool = False                   # ``cache_scores`` reads view.k / view.v
+
+    def default_protection(self) -> Protection:
+        return Protection()
+
+    def check(self, schedule) -> None:
+        """Raises ValueError for a schedule this scorer cannot serve."""
+
+    def prompt_scores(self, p: PromptView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def update(self, channels: torch.Tensor, stats: dict) -> None:
+        """channels [..., C] and stats in the same (any) slot layout."""
+
+    def cache_scores(self, view: CacheView) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def group_reduce(x: torch.Tensor, groups: int, mode: str = "mean") -> torch.Tensor:
+    """[B, Hq, ...] per query head -> [B, H, ...] per KV head (query head h*G + g reads h)."""
+    x = x.unflatten(1, (x.shape[1] // groups, groups))
+    if mode == "mean":
+        return x.mean(dim=2)
+    if mode == "max":
+        return x.amax(dim=2)
+    if mode == "sum":
+        return x.sum(dim=2)
+    raise ValueError(f"unknown GQA aggregation {mode!r}; choose from {GQA_MODES}")

@@ -1,0 +1,43 @@
+"""TOVA (Oren et al., 2024): keep the tokens the newest query attends to most."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcache_ext.policies.scorer import Scorer
+from kvcache_ext.policies.views import CacheView, PromptView
+
+
+@dataclass
+class TOVA(Scorer):
+    """Score of a token = attention from the last query (research/seed-000-caote.md §4.2).
+
+    ``per_head=False`` (the default, as the TOVA authors do it): the last query's attention
+    averaged over all heads of the layer, so every head ranks tokens the same way.
+    ``per_head=True``: averaged over the G query heads of each KV head only.
+    """
+
+    per_head: bool = False
+
+    evict_stats = ("last",)
+
+    def prompt_scores(self, p: PromptView):
+        B, H, n, _ = p.k.shape
+        (_, last), = p.probs(slice(n - 1, n))          # [B, Hq, 1, n]
+        last = last[:, :, 0]
+        if self.per_head:
+            return last.unflatten(1, (H, p.groups)).mean(dim=2), None
+        return last.mean(dim=1, keepdim=True).expand(B, H, n).contiguous(), None
+
+    def cache_scores(self, view: CacheView):
+        last = view.stats["last"]                      # [B, H, L, G]
+        if self.per_head:
+            return last.mean(dim=-1)
+        # Heads may hold different tokens (head-wise budgets): average by position.
+        B, H, L = view.pos.shape
+        per_pos = last.new_zeros(B, int(view.pos.max().item()) + 2 if view.pos.numel() else 1)
+        idx = view.pos.masked_fill(~view.mask, per_pos.shape[1] - 1).view(B, H * L)
+        per_pos.scatter_add_(1, idx, last.sum(dim=-1).masked_fill(~view.mask, 0).view(B, H * L))
+        per_pos /= H * view.groups
+        return per_pos.gather(1, idx).view(B, H, L)

@@ -1,0 +1,118 @@
+"""The reference path of a patched model: a dense, full-size cache where eviction only masks.
+
+Same interface as ``kvcache_ext.layer_kv.RaggedLayerKV``, written in plain PyTorch and
+independent of the compiled kernels: attention is ``reference.ragged_attention`` (float64),
+selection is ``reference.segmented_topk`` / ``grouped_topk`` (a full sort). Evicted tokens
+stay in memory, masked per head, which is how masking-based tools implement head-wise
+eviction; the tests compare the ragged path's logits with this one's.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcache_ext.cache import RaggedCache
+from kvcache_ext.reference.attention import ragged_attention
+from kvcache_ext.reference.select import grouped_topk, segmented_topk
+
+
+class MaskedLayerKV:
+    def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, channels: int):
+        B, H, D = batch, heads, head_dim
+        self.k = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
+        self.v = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
+        self.pos = torch.zeros(B, H, 0, dtype=torch.long, device=device)
+        self.alive = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
+        self.channels = torch.zeros(B, H, 0, channels, dtype=torch.float32, device=device)
+
+    def append(self, k, v, pos, keep) -> None:
+        B, H, n, _ = k.shape
+        self.k = torch.cat([self.k, k], dim=2)
+        self.v = torch.cat([self.v, v], dim=2)
+        self.pos = torch.cat([self.pos, pos.long()[:, None, :].expand(B, H, n)], dim=2)
+        self.alive = torch.cat([self.alive, keep], dim=2)
+        self.channels = torch.cat([self.channels, self.channels.new_zeros(B, H, n, self.channels.shape[-1])], dim=2)
+
+    def set_prompt_channels(self, values, keep) -> None:
+        n = values.shape[2]
+        self.channels[:, :, -n:] = values.float() * keep[..., None]
+
+    def attend(self, q, scale, q_pos, stats):
+        out, st = ragged_attention(q, self.k, self.v, self.pos, self.alive, scale, q_pos)
+        return out, ({name: st[name] for name in stats} if stats else None)
+
+    def _order(self):
+        """The alive tokens of every head first, in position order, as the ragged store keeps them."""
+        order = torch.argsort((~self.alive).to(torch.uint8), dim=-1, stable=True)
+        lens = self.alive.sum(dim=-1)
+        width = int(lens.max().item()) if lens.numel() else 0
+        return order[..., :width], lens
+
+    def view(self, stats, need_kv):
+        order, lens = self._order()
+        mask = torch.arange(order.shape[-1], device=order.device) < lens[..., None]
+
+        def take(x):
+            idx = order.view(order.shape + (1,) * (x.dim() - 3)).expand(order.shape + x.shape[3:])
+            out = x.gather(2, idx)
+            return out.masked_fill(~mask.view(mask.shape + (1,) * (x.dim() - 3)), 0)
+
+        parts = dict(pos=take(self.pos), mask=mask, channels=take(self.channels),
+                     stats={name: take(value) for name, value in (stats or {}).items()})
+        if need_kv:
+            parts["k"], parts["v"] = take(self.k), take(self.v)
+        return parts
+
+    def _flat(self, scores):
+        order, lens = self._order()
+        B, H, L = order.shape
+        return (scores.reshape(B * H, L).float().cpu(), self.pos.gather(2, order).reshape(B * H, L).cpu(),
+                lens.reshape(-1).cpu(), order)
+
+    def evict(self, scores, k) -> None:
+        flat, pos, lens, order = self._flat(scores)
+        keep = segmented_topk(flat, pos, lens, k.reshape(-1).cpu()).to(order.device).view(order.shape)
+        kept = torch.zeros_like(self.alive).scatter_(2, order, keep)
+        self.alive &= kept
+
+    def grouped_counts(self, scores, mask, k):
+        flat, pos, lens, order = self._flat(scores)
+        _, counts = grouped_topk(flat, pos, lens, order.shape[1], k.cpu())
+        return counts.view(order.shape[:2]).long().to(scores.device)
+
+    @staticmethod
+    def prompt_keep(scores, pos, valid, k):
+        B, H, n = scores.shape
+        order = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)      # [B, n]
+        lens = valid.sum(dim=-1)[:, None].expand(B, H).reshape(-1)
+        flat = scores.gather(2, order[:, None].expand(B, H, n)).reshape(B * H, n).float().cpu()
+        fpos = pos.gather(1, order)[:, None].expand(B, H, n).reshape(B * H, n).cpu()
+        keep = segmented_topk(flat, fpos, lens.cpu(), k.reshape(-1).cpu()).to(scores.device).view(B, H, n)
+        return torch.zeros_like(keep).scatter_(2, order[:, None].expand(B, H, n), keep)
+
+    @staticmethod
+    def prompt_grouped_counts(scores, pos, valid, k):
+        B, H, n = scores.shape
+        order = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)
+        lens = valid.sum(dim=-1)[:, None].expand(B, H).reshape(-1)
+        flat = scores.gather(2, order[:, None].expand(B, H, n)).reshape(B * H, n).float().cpu()
+        fpos = pos.gather(1, order)[:, None].expand(B, H, n).reshape(B * H, n).cpu()
+        _, counts = grouped_topk(flat, fpos, lens.cpu(), H, k.cpu())
+        return counts.view(B, H).long().to(scores.device)
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.alive.sum(dim=-1).cpu()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the full-size K and V (evicted tokens included) plus the masks."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.alive, self.channels))
+
+
+
+class MaskedCache(RaggedCache):
+    """The reference path's cache: full-size dense K/V per layer, evicted tokens masked.
+    ``kvcache_ext.patch(model, policy).new_cache(reference=True)`` builds one."""
+
+    storage = MaskedLayerKV

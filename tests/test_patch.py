@@ -1,0 +1,328 @@
+"""kvcache_ext.patch on tiny random-weight HF models of every supported architecture.
+
+- budget >= sequence length: the patched model gives the unpatched model's logits;
+- with eviction: the ragged path (RaggedCache: compiled store, kernels) gives the logits of
+  the reference path (MaskedCache: dense full-size cache, evicted entries masked per head,
+  plain PyTorch), for every scorer, allocation and schedule;
+- batches with left padding, positions after eviction, generate modes, unpatch, errors.
+"""
+import gc
+import itertools
+import weakref
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TextIteratorStreamer
+
+import kvcache_ext
+from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot,
+                                  Policy, Pyramid, Random, SnapKV, StreamingLLM, Uniform)
+from kvcache_ext.reference.masked_cache import MaskedCache
+from tiny_models import ARCHS, VOCAB, tiny_model
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread is faster, and immune to OpenMP spinning when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+HEAD_LAYOUTS = {"gqa": (6, 2), "mqa": (4, 1), "mha": (4, 4)}
+
+
+def inputs(batch=1, length=48, pad=(), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, p in enumerate(pad):
+        mask[row, :p] = 0
+    return ids, mask
+
+
+def fed_tokens(batch, steps, seed=2):
+    return torch.randint(0, VOCAB, (batch, steps), generator=torch.Generator().manual_seed(seed))
+
+
+def teacher_forced(model, cache, ids, mask, steps=6, fed=None):
+    """Logits of the prompt's last token and of `steps` fed tokens, one at a time: [B, steps+1, V]."""
+    fed = fed_tokens(ids.shape[0], steps) if fed is None else fed
+    out = []
+    # Positions as generate computes them: left padding does not shift a row's positions.
+    pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    with torch.no_grad():
+        kwargs = {} if cache is None else {"past_key_values": cache}
+        o = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
+        cache = o.past_key_values
+        out.append(o.logits[:, -1])
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            o = model(fed[:, t:t + 1], attention_mask=mask, position_ids=pos[:, -1:] + t + 1,
+                      past_key_values=cache, use_cache=True)
+            out.append(o.logits[:, -1])
+    return torch.stack(out, dim=1)
+
+
+def scorers():
+    return [StreamingLLM(sinks=2), H2O(), H2O(recent=4), TOVA(), TOVA(per_head=True),
+            SnapKV(window=4, kernel=3), SnapKV(window=4, kernel=5, pooling="avg"), Random(seed=3)]
+
+
+SCHEDULES = [OneShot(), BlockwisePrefill(16), EveryStep(), EveryNSteps(3, target=14),
+             EveryStep(prefill_block=8)]
+ALLOCATIONS = [Uniform(), Pyramid(beta=4), AdaKV(), AdaKV(alpha=1.0, layers=Pyramid(beta=4))]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("layout", list(HEAD_LAYOUTS))
+def test_budget_at_least_length_gives_unpatched_logits(arch, layout):
+    heads, kv_heads = HEAD_LAYOUTS[layout]
+    model = tiny_model(arch, heads=heads, kv_heads=kv_heads)
+    ids, mask = inputs(batch=2, pad=(0, 5))
+    expected = teacher_forced(model, None, ids, mask)
+    for policy in [Policy(H2O(), budget=64), Policy(SnapKV(window=4), budget=64, schedule=EveryStep()),
+                   Policy(TOVA(), budget=64, allocation=AdaKV(), schedule=BlockwisePrefill(16)),
+                   Policy(StreamingLLM(), budget=64, schedule=EveryNSteps(2)),
+                   Policy(Random(), ratio=1.0, allocation=Pyramid())]:
+        with kvcache_ext.patch(model, policy) as handle:
+            got = teacher_forced(model, handle.new_cache(), ids, mask)
+        # Rows of padding are not compared: HF's output there is arbitrary.
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5, msg=str(policy))
+
+
+@pytest.mark.parametrize("scorer,allocation,schedule",
+                         list(itertools.product(scorers(), ALLOCATIONS, SCHEDULES)),
+                         ids=lambda x: repr(x).replace(" ", ""))
+def test_ragged_path_equals_reference_path(scorer, allocation, schedule):
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=60, pad=(0, 7))
+    policy = Policy(scorer, budget=20, allocation=allocation, schedule=schedule)
+    with kvcache_ext.patch(model, policy) as handle:
+        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
+        got = teacher_forced(model, ragged, ids, mask, steps=8)
+        expected = teacher_forced(model, reference, ids, mask, steps=8)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for layer in range(3):   # the same tokens kept per head, and the ragged store holds only them
+        lens = ragged.layer_kv(layer).lens
+        assert lens.tolist() == reference.layer_kv(layer).lens.tolist()
+        assert ragged.layer_kv(layer).store.num_tokens == int(lens.sum())
+    assert int(ragged.kept_tokens()[0].sum()) < 2 * 2 * (60 + 8)   # eviction happened
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("layout", list(HEAD_LAYOUTS))
+def test_every_architecture_evicts_like_the_reference(arch, layout):
+    heads, kv_heads = HEAD_LAYOUTS[layout]
+    model = tiny_model(arch, heads=heads, kv_heads=kv_heads)
+    ids, mask = inputs(batch=2, length=50, pad=(3, 0))
+    for policy in [Policy(SnapKV(window=4, kernel=3), budget=16, allocation=AdaKV()),
+                   Policy(H2O(recent=2), budget=16, schedule=EveryStep(prefill_block=16))]:
+        with kvcache_ext.patch(model, policy) as handle:
+            got = teacher_forced(model, handle.new_cache(), ids, mask)
+            expected = teacher_forced(model, handle.new_cache(reference=True), ids, mask)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(SnapKV(window=4, kernel=3), budget=12, allocation=AdaKV()),
+    Policy(H2O(), budget=12, schedule=EveryStep()),
+    Policy(TOVA(), ratio=0.4, schedule=BlockwisePrefill(8)),
+    Policy(StreamingLLM(sinks=2), budget=10, allocation=Pyramid(beta=3), schedule=EveryNSteps(2)),
+], ids=lambda p: type(p.scorer).__name__)
+def test_left_padded_batch_gives_each_row_its_own_result(policy):
+    model = tiny_model("qwen2", heads=4, kv_heads=2)
+    lengths = [40, 33, 26]
+    ids, mask = inputs(batch=3, length=40, pad=[40 - n for n in lengths])
+    fed = fed_tokens(3, 6)
+    with kvcache_ext.patch(model, policy) as handle:
+        batched = teacher_forced(model, handle.new_cache(), ids, mask, fed=fed)
+        for row, n in enumerate(lengths):
+            alone = teacher_forced(model, handle.new_cache(), ids[row:row + 1, 40 - n:],
+                                   mask[row:row + 1, 40 - n:], fed=fed[row:row + 1])
+            torch.testing.assert_close(batched[row:row + 1], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_positions_after_eviction():
+    """StreamingLLM at its budget every step: decode token p attends to the sinks and the
+    newest budget - sinks tokens. The unpatched model with that attention pattern as an explicit
+    mask over the whole sequence (true positions everywhere) gives the same logits."""
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    sinks, budget, prompt, steps = 2, 12, 30, 10
+    ids, mask = inputs(length=prompt)
+    with kvcache_ext.patch(model, Policy(StreamingLLM(sinks=sinks), budget=budget,
+                                         schedule=EveryStep())) as handle:
+        cache = handle.new_cache()
+        got = teacher_forced(model, cache, ids, mask, steps=steps)
+        assert cache.get_seq_length() == prompt + steps
+        kept = cache.layer_kv(0).store.to_dense().pos[0, 0]
+        assert kept.tolist() == [0, 1] + list(range(prompt + steps - budget + sinks, prompt + steps))
+    fed = fed_tokens(1, steps)
+    full = torch.cat([ids, fed], dim=1)
+    T = full.shape[1]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = j <= i
+    # One-shot compression after the prompt: query p >= prompt sees the sinks, the newest
+    # budget - sinks cached tokens before it, and itself.
+    decode = i >= prompt
+    allowed &= ~decode | (j < sinks) | (j >= i - (budget - sinks))
+    with torch.no_grad():
+        logits = model(full, attention_mask=allowed[None, None]).logits
+    torch.testing.assert_close(got[0], logits[0, prompt - 1:], atol=2e-5, rtol=1e-5)
+
+
+def test_generate_greedy_sampling_and_streaming():
+    model = tiny_model("qwen3", heads=4, kv_heads=2)
+    ids, mask = inputs(batch=2, length=40, pad=(0, 6))
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=100)):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), plain)
+    policy = Policy(H2O(), budget=16, schedule=EveryStep())
+    with kvcache_ext.patch(model, policy) as handle:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             return_dict_in_generate=True)
+        assert out.sequences.shape == (2, 48)
+        cache = out.past_key_values
+        assert handle.last_cache is cache
+        assert isinstance(cache, kvcache_ext.RaggedCache)
+        assert cache.get_seq_length() == 47       # the last token is sampled, not fed
+        for lens in cache.kept_tokens():
+            assert lens.max() <= 16
+        torch.manual_seed(0)
+        sampled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20)
+        assert sampled.shape == (2, 48)
+
+        class Collect:
+            def __init__(self):
+                self.chunks = []
+
+            def put(self, value):
+                self.chunks.append(value)
+
+            def end(self):
+                self.chunks.append(None)
+
+        streamer = Collect()
+        streamed = model.generate(ids[:1], max_new_tokens=5, do_sample=False, streamer=streamer)
+        assert streamer.chunks[-1] is None and len(streamer.chunks) == 1 + 5 + 1
+        assert torch.equal(streamed, model.generate(ids[:1], max_new_tokens=5, do_sample=False))
+
+
+def test_second_generate_gets_a_fresh_cache_and_the_first_is_freed():
+    model = tiny_model("llama")
+    ids, _ = inputs(length=30)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=10, schedule=EveryStep())) as handle:
+        first = model.generate(ids, max_new_tokens=4, do_sample=False)
+        gc.collect()
+        assert handle.last_cache is None           # nothing keeps the finished cache alive
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, first)
+        assert out.past_key_values.get_seq_length() == 33
+        ref = weakref.ref(out.past_key_values)
+        del out
+        gc.collect()
+        assert ref() is None
+
+
+def test_unpatch_restores_the_model_exactly():
+    model = tiny_model("mistral", attn="eager")
+    ids, mask = inputs(batch=2, pad=(0, 4))
+    before = teacher_forced(model, None, ids, mask)
+    prepare = model._prepare_cache_for_generation
+    handle = kvcache_ext.patch(model, Policy(TOVA(), budget=8, schedule=EveryStep()))
+    assert kvcache_ext.is_patched(model) and model.config._attn_implementation == "kvcache_ext_eager"
+    kvcache_ext.patch(model, Policy(H2O(), budget=8))          # re-patching replaces the policy
+    kvcache_ext.unpatch(model)
+    assert not kvcache_ext.is_patched(model)
+    assert model.config._attn_implementation == "eager"
+    assert "_prepare_cache_for_generation" not in vars(model)
+    assert model._prepare_cache_for_generation == prepare
+    torch.testing.assert_close(teacher_forced(model, None, ids, mask), before, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not patched"):
+        kvcache_ext.unpatch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        handle.unpatch()
+
+
+def test_eager_models_use_their_own_prefill_and_match():
+    model = tiny_model("llama", attn="eager")
+    ids, mask = inputs(batch=2, pad=(0, 4))
+    expected = teacher_forced(model, None, ids, mask)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=100, schedule=EveryStep())) as handle:
+        torch.testing.assert_close(teacher_forced(model, handle.new_cache(), ids, mask), expected,
+                                   atol=2e-5, rtol=1e-5)
+
+
+def test_patched_model_without_our_cache_runs_its_own_attention():
+    model = tiny_model("llama")
+    ids, mask = inputs()
+    expected = model(ids, attention_mask=mask).logits
+    with kvcache_ext.patch(model, Policy(H2O(), budget=4)):
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected)
+        torch.testing.assert_close(model(ids, attention_mask=mask, use_cache=False).logits, expected)
+
+
+def test_stores_hold_only_the_kept_tokens():
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=200)
+    budget = 24
+    policy = Policy(SnapKV(window=8), budget=budget, allocation=AdaKV())
+    with kvcache_ext.patch(model, policy) as handle:
+        ragged, masked = handle.new_cache(), handle.new_cache(reference=True)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=ragged, use_cache=True)
+            model(ids, attention_mask=mask, past_key_values=masked, use_cache=True)
+    H, D, B = 2, 16, 2
+    for layer in range(3):
+        kv = ragged.layer_kv(layer)
+        assert kv.lens.sum(dim=1).tolist() == [H * budget] * B     # Ada-KV: sum of B_i = H * budget
+        assert kv.lens.tolist() == masked.layer_kv(layer).lens.tolist()
+        store = kv.store
+        assert store.num_tokens == B * H * budget
+        # slack of the growth policy only: at most max(16, half the live tokens) per segment
+        assert store.capacity <= store.num_tokens + B * H * max(16, budget)
+    kv_bytes = lambda cache: sum(c.layer_kv(i).store.k.nbytes + c.layer_kv(i).store.v.nbytes
+                                 for i in range(3) for c in [cache])
+    full_kv = 3 * 2 * B * H * 200 * D * 4
+    assert sum(masked.layer_kv(i).k.nbytes + masked.layer_kv(i).v.nbytes for i in range(3)) == full_kv
+    assert kv_bytes(ragged) <= full_kv * 2 * budget / 200
+    assert ragged.nbytes < masked.nbytes / 3
+
+
+def test_bfloat16_model_runs_and_matches_unpatched_at_full_budget():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    ids, mask = inputs(batch=2, pad=(0, 3))
+    expected = teacher_forced(model, None, ids, mask)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=100, schedule=EveryStep())) as handle:
+        got = teacher_forced(model, handle.new_cache(), ids, mask)
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=12, allocation=AdaKV())):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 52)
+
+
+def test_errors_are_clear():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3"):
+        kvcache_ext.patch(gpt2, Policy(H2O(), budget=8))
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="Policy"):
+        kvcache_ext.patch(model, H2O())
+    with pytest.raises(TypeError, match="Policy"):
+        MaskedCache("budget", 2)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=8)):
+        ids, _ = inputs(length=20)
+        with pytest.raises(NotImplementedError, match="beam search"):
+            model.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
+
+
+def test_sliding_window_beyond_the_window_is_refused():
+    model = tiny_model("mistral", sliding_window=24)
+    ids, mask = inputs(length=20)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=8)) as handle:
+        cache = handle.new_cache()
+        teacher_forced(model, cache, ids, mask, steps=3)      # within the window: fine
+        with pytest.raises(NotImplementedError, match="sliding-window"):
+            teacher_forced(model, handle.new_cache(), *inputs(length=30))
