@@ -88,7 +88,8 @@ class RaggedCache(Cache):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
         self.policy = policy
-        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage))
+        shared = {}   # cross-layer state of the policy (e.g. K-VEC's coverage counts)
+        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage, shared))
                                  for i in range(num_layers)])
 
     def layer_kv(self, layer_idx: int):

@@ -17,9 +17,10 @@ MAX_BLOCK = 256   # the attention kernel's largest query block
 class LayerState:
     """What one layer's cache knows besides its tokens."""
 
-    def __init__(self, layer_idx: int, num_layers: int, policy: Policy, storage):
+    def __init__(self, layer_idx: int, num_layers: int, policy: Policy, storage, shared: dict | None = None):
         self.layer_idx, self.num_layers = layer_idx, num_layers
         self.policy, self.storage = policy, storage
+        self.shared = {} if shared is None else shared   # one dict per cache: cross-layer state
         self.reset()
 
     def reset(self) -> None:
@@ -29,6 +30,8 @@ class LayerState:
         self.budget = None          # [B] this layer's per-head budget (prefill, block eviction)
         self.decode_budget = None   # [B] per-head budget of decode-time eviction
         self.decode_steps = 0
+        if self.layer_idx == 0:
+            self.shared.clear()
 
     def ensure_storage(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if self.kv is None:
@@ -118,7 +121,8 @@ def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
     state.ensure_budget(valid.sum(dim=1))
     state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
     view = PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
-                      layer_idx=state.layer_idx, num_layers=state.num_layers)
+                      layer_idx=state.layer_idx, num_layers=state.num_layers,
+                      budget=state.budget, shared=state.shared)
     scores, channels = p.scorer.prompt_scores(view)
     pos_h = pos[:, None, :].expand(B, H, n)
     mask = valid[:, None, :].expand(B, H, n)
@@ -165,12 +169,14 @@ def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, ac
     if track:
         scorer.update(kv.channels, stats)
     if evict_now:
-        evict(state, target, {name: stats[name] for name in wanted}, n_stat, active)
+        evicted = evict(state, target, {name: stats[name] for name in wanted}, n_stat, active)
+        if evicted and scorer.output_after_eviction:
+            out, _ = kv.attend(q, scale, q_pos, ())   # the block's output over what was kept
     return out
 
 
 def evict(state: LayerState, target: torch.Tensor, stats: dict, stat_queries: int,
-          active: torch.Tensor | None = None) -> None:
+          active: torch.Tensor | None = None) -> bool:
     """Scores the cached tokens and keeps the allocation's budget of each head (of the
     ``active`` rows only, when given)."""
     p, kv = state.policy, state.kv
@@ -178,11 +184,12 @@ def evict(state: LayerState, target: torch.Tensor, stats: dict, stat_queries: in
     mask = parts["mask"]
     lens = mask.sum(dim=-1)
     if bool((lens <= target.view(-1, 1).to(lens.device)).all()):
-        return   # every head is within its budget: nothing to score
+        return False   # every head is within its budget: nothing to score
     view = CacheView(pos=parts["pos"], mask=mask, channels=parts["channels"], last_pos=state.last_pos,
                      layer_idx=state.layer_idx, num_layers=state.num_layers,
                      groups=state.groups, stats=parts["stats"],
-                     stat_queries=stat_queries, k=parts.get("k"), v=parts.get("v"))
+                     stat_queries=stat_queries, k=parts.get("k"), v=parts.get("v"),
+                     budget=target, shared=state.shared)
     scores = p.scorer.cache_scores(view).float()
     protected = p.protection.mask(view.pos, state.last_pos) & mask
     scores = scores.masked_fill(protected, float("inf"))
@@ -190,6 +197,7 @@ def evict(state: LayerState, target: torch.Tensor, stats: dict, stat_queries: in
     if active is not None:
         per_head = torch.where(active.to(per_head.device)[:, None], per_head, lens)
     kv.evict(scores, per_head)
+    return True
 
 
 def _union(a, b):

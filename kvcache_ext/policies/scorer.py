@@ -25,6 +25,7 @@ class Scorer:
     evict_stats: tuple[str, ...] = ()        # statistics ``cache_scores`` reads (latest call)
     stats_window: int | None = None          # evict_stats over the last queries of a call only
     needs_kv: bool = False                   # ``cache_scores`` reads view.k / view.v
+    output_after_eviction: bool = False      # a block's output over the kept tokens only (CAOTE Eq. 7)
 
     def default_protection(self) -> Protection:
         return Protection()

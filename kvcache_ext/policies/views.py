@@ -22,6 +22,8 @@ class PromptView:
     scale: float             # softmax scale
     layer_idx: int
     num_layers: int
+    budget: torch.Tensor | None = None   # [B] this layer's per-head budget (average over heads)
+    shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
 
     @property
     def groups(self) -> int:
@@ -72,3 +74,5 @@ class CacheView:
     stat_queries: int = 0
     k: torch.Tensor | None = None   # [B, H, L, D] when the scorer needs keys or values
     v: torch.Tensor | None = None
+    budget: torch.Tensor | None = None   # [B] per-head budget this eviction keeps (average over heads)
+    shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
