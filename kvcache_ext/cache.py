@@ -101,6 +101,14 @@ class RaggedCache(Cache):
         return [layer.state.kv.lens if layer.state.kv is not None else torch.zeros(0, dtype=torch.long)
                 for layer in self.layers]
 
+    def shrink_to_fit(self) -> None:
+        """Gives back every layer's unused slots (the store keeps headroom so that decoding
+        appends without regrowing; call this when no more tokens will come, or to measure)."""
+        for layer in self.layers:
+            kv = layer.state.kv
+            if kv is not None and hasattr(kv, "store"):
+                kv.store.shrink_to_fit()
+
     @property
     def nbytes(self) -> int:
         """Bytes held by every layer's storage (K, V, positions, score channels, tables)."""
