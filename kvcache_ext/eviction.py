@@ -168,28 +168,43 @@ def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, ac
         n_stat = m
     if track:
         scorer.update(kv.channels, stats)
+    queries = (q, q_pos, scale)
+    if scorer.updates_from_view and p.schedule.evicts_over_cache:
+        # Scorers whose per-token state needs more than the kernel's statistics (their own
+        # softmax of the new queries over the cached keys, say) update from a padded view.
+        view = cache_view(state, {name: stats[name] for name in track}, n_stat, target, queries)
+        kv.set_channels(scorer.update_view(view))
     if evict_now:
-        evicted = evict(state, target, {name: stats[name] for name in wanted}, n_stat, active)
+        evicted = evict(state, target, {name: stats[name] for name in wanted}, n_stat, active, queries)
         if evicted and scorer.output_after_eviction:
             out, _ = kv.attend(q, scale, q_pos, ())   # the block's output over what was kept
     return out
 
 
+def cache_view(state: LayerState, stats: dict, stat_queries: int, target: torch.Tensor,
+               queries=None) -> CacheView:
+    """The cached tokens of one layer, padded, with what the scorer asked for."""
+    scorer = state.policy.scorer
+    parts = state.kv.view(stats, scorer.needs_kv)
+    q, q_pos, scale = queries if queries is not None and scorer.needs_queries else (None, None, None)
+    return CacheView(pos=parts["pos"], mask=parts["mask"], channels=parts["channels"],
+                     last_pos=state.last_pos, layer_idx=state.layer_idx, num_layers=state.num_layers,
+                     groups=state.groups, stats=parts["stats"], stat_queries=stat_queries,
+                     k=parts.get("k"), v=parts.get("v"), budget=target, shared=state.shared,
+                     q=q, q_pos=q_pos, scale=scale)
+
+
 def evict(state: LayerState, target: torch.Tensor, stats: dict, stat_queries: int,
-          active: torch.Tensor | None = None) -> bool:
+          active: torch.Tensor | None = None, queries=None) -> bool:
     """Scores the cached tokens and keeps the allocation's budget of each head (of the
-    ``active`` rows only, when given)."""
+    ``active`` rows only, when given). Returns whether anything was scored."""
     p, kv = state.policy, state.kv
-    parts = kv.view(stats, p.scorer.needs_kv)
-    mask = parts["mask"]
-    lens = mask.sum(dim=-1)
-    if bool((lens <= target.view(-1, 1).to(lens.device)).all()):
+    lens = kv.lens.to(target.device)
+    if bool((lens <= target.view(-1, 1)).all()):
         return False   # every head is within its budget: nothing to score
-    view = CacheView(pos=parts["pos"], mask=mask, channels=parts["channels"], last_pos=state.last_pos,
-                     layer_idx=state.layer_idx, num_layers=state.num_layers,
-                     groups=state.groups, stats=parts["stats"],
-                     stat_queries=stat_queries, k=parts.get("k"), v=parts.get("v"),
-                     budget=target, shared=state.shared)
+    view = cache_view(state, stats, stat_queries, target, queries)
+    mask = view.mask
+    lens = mask.sum(dim=-1)
     scores = p.scorer.cache_scores(view).float()
     protected = p.protection.mask(view.pos, state.last_pos) & mask
     scores = scores.masked_fill(protected, float("inf"))

@@ -43,6 +43,10 @@ class RaggedLayerKV:
     def channels(self) -> torch.Tensor:
         return self.store.scores
 
+    def set_channels(self, padded: torch.Tensor) -> None:
+        """Channels of the cached tokens from a padded [B, H, L, C] tensor (as ``view`` gives)."""
+        self.store.scores.copy_(self.store.from_padded(padded.float()))
+
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)
         if st is None:

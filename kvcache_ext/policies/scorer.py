@@ -25,7 +25,9 @@ class Scorer:
     evict_stats: tuple[str, ...] = ()        # statistics ``cache_scores`` reads (latest call)
     stats_window: int | None = None          # evict_stats over the last queries of a call only
     needs_kv: bool = False                   # ``cache_scores`` reads view.k / view.v
+    needs_queries: bool = False              # views carry the latest call's queries (view.q)
     output_after_eviction: bool = False      # a block's output over the kept tokens only (CAOTE Eq. 7)
+    updates_from_view: bool = False          # ``update_view`` runs after every attention over the cache
 
     def default_protection(self) -> Protection:
         return Protection()
@@ -38,6 +40,11 @@ class Scorer:
 
     def update(self, channels: torch.Tensor, stats: dict) -> None:
         """channels [..., C] and stats in the same (any) slot layout."""
+
+    def update_view(self, view: CacheView) -> torch.Tensor:
+        """With ``updates_from_view``: the new channels [B, H, L, C] of the cached tokens, from a
+        padded view (for state the kernel's statistics cannot give)."""
+        raise NotImplementedError
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
         raise NotImplementedError

@@ -76,3 +76,6 @@ class CacheView:
     v: torch.Tensor | None = None
     budget: torch.Tensor | None = None   # [B] per-head budget this eviction keeps (average over heads)
     shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
+    q: torch.Tensor | None = None        # [B, Hq, n, D] the latest call's queries (needs_queries)
+    q_pos: torch.Tensor | None = None    # [B, n] their positions (-1: padding), None for one decode query
+    scale: float | None = None           # the model's softmax scale

@@ -37,6 +37,13 @@ class MaskedLayerKV:
         n = values.shape[2]
         self.channels[:, :, -n:] = values.float() * keep[..., None]
 
+    def set_channels(self, padded) -> None:
+        order, _ = self._order()
+        idx = order[..., None].expand(order.shape + padded.shape[-1:])
+        fresh = self.channels.clone()
+        fresh.scatter_(2, idx, padded.float())
+        self.channels = torch.where(self.alive[..., None], fresh, self.channels)
+
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.k, self.v, self.pos, self.alive, scale, q_pos)
         return out, ({name: st[name] for name in stats} if stats else None)
