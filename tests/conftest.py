@@ -21,3 +21,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster than handing work to two, and immune to OpenMP
+    spinning when the machine is busy. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,13 +22,7 @@ from tiny_models import ARCHS, VOCAB, tiny_model
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is faster, and immune to OpenMP spinning when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HEAD_LAYOUTS = {"gqa": (6, 2), "mqa": (4, 1), "mha": (4, 4)}

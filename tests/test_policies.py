@@ -35,13 +35,7 @@ head_layouts = st.tuples(st.integers(1, 4), st.sampled_from([1, 2, 4]))
 prompt_lens = st.one_of(st.just(1), st.integers(1, 6), st.integers(7, 40))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors here are tiny: thread hand-offs would cost more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- literal helpers
