@@ -31,3 +31,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(model, tokenizer) of the default model, loaded once per test run (about 20 s)."""
+    from kvcache_ext.models import load_model
+    return load_model()

@@ -6,7 +6,6 @@ Without the model package these tests fail with the install command (they are no
 import pytest
 
 import kvcache_ext
-from kvcache_ext.models import load_model
 from kvcache_ext.policies import AdaKV, Policy, SnapKV
 from kvcache_ext.tasks import make_passkey_prompt, run_passkey
 
@@ -14,8 +13,8 @@ CASES = [(0.1, 1), (0.5, 2), (0.9, 3)]   # (depth, seed)
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
-    return load_model()
+def model_and_tokenizer(default_model):
+    return default_model
 
 
 @pytest.mark.parametrize("policy", [

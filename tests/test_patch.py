@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TextIteratorStreamer
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvcache_ext
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot,

@@ -1,7 +1,6 @@
 """A policy = scorer + allocation + schedule + protection, with a budget."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

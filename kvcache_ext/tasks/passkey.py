@@ -15,8 +15,13 @@ sentences first, then words of one more sentence.
 The seed picks the passkey and where in the corpus the filler starts (the corpus is read
 cyclically, so any length works; about 10K tokens of it come before the first repeat).
 
-    >>> p = make_passkey_prompt(tokenizer, n_tokens=2000, depth=0.5, seed=3)
-    >>> text, correct = run_passkey(model, tokenizer, p)
+    p = make_passkey_prompt(tokenizer, n_tokens=2000, depth=0.5, seed=3)
+    text, correct = run_passkey(model, tokenizer, p)   # (" 41190.", True)
+
+Measured with the unpatched default model (SmolLM2-135M-Instruct, fp32, CPU, greedy): correct on
+34 of 34 chat prompts of 2K tokens (depths 0 to 1, seeds 0 to 4 and 10 to 12) and 6 of 6 plain ones,
+3 of 3 at 4K tokens, 2 of 3 at 8K (its context limit; it missed depth 0.1). About 5 s per 2K-token
+prompt on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ class PasskeyPrompt:
     """One passkey prompt. ``input_ids`` is what the model is given (1-D, no batch dimension)."""
     prompt: str                # the full prompt text (chat template applied when ``chat``)
     input_ids: torch.Tensor    # 1-D LongTensor, ``length`` tokens
-    answer: str                # the pass key, digits only
+    answer: str                # the pass key (five digits unless one was given)
     n_tokens: int              # length asked for
     length: int                # actual number of tokens (== input_ids.numel(), <= n_tokens)
     depth: float               # depth asked for, in [0, 1]
