@@ -143,7 +143,8 @@ def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, ac
     B, H, m, _ = k.shape
     kv.append(k, v, pos, valid[:, None, :].expand(B, H, m))
     state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
-    q_pos = pos.masked_fill(~valid, -1) if m > 1 else None   # a padding query sees nothing
+    # Padding queries see nothing (q_pos -1); a lone real decode query needs no positions.
+    q_pos = pos.masked_fill(~valid, -1) if m > 1 or not bool(valid.all()) else None
     if decode:
         state.decode_steps += 1
         every = p.schedule.decode_every

@@ -9,13 +9,17 @@ Any scorer combines with any allocation::
     Policy(H2O(), budget=256, schedule=EveryStep())                # H2O held at its budget
 """
 from kvcache_ext.policies.adakv import AdaKV
+from kvcache_ext.policies.ahakv import AhaKV
 from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.h2o import H2O
+from kvcache_ext.policies.kvec import KVEC
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.pyramid import Pyramid
 from kvcache_ext.policies.random_eviction import Random
+from kvcache_ext.policies.roco import RoCo
 from kvcache_ext.policies.schedule import BlockwisePrefill, EveryNSteps, EveryStep, OneShot, Schedule
+from kvcache_ext.policies.scissorhands import ScissorHands
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.snapkv import SnapKV
 from kvcache_ext.policies.streaming_llm import StreamingLLM
@@ -24,7 +28,8 @@ from kvcache_ext.policies.uniform import Uniform
 from kvcache_ext.policies.views import CacheView, PromptView
 
 __all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
-           "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random",
+           "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
+           "AhaKV", "KVEC",
            "Uniform", "Pyramid", "AdaKV",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
            "PromptView", "CacheView"]

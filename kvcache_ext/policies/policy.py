@@ -51,7 +51,7 @@ class Policy:
         target = self.schedule.decode_target
         if target is not None and target <= self.protection.size:
             raise ValueError(f"decode_target {target} must exceed the {self.protection.size} protected tokens")
-        self.scorer.check(self.schedule)
+        self.scorer.check_policy(self)
 
     def budget_for(self, prompt_len: torch.Tensor) -> torch.Tensor:
         """[B] tokens per KV head for prompts of prompt_len [B] tokens."""

@@ -35,6 +35,11 @@ class Scorer:
     def check(self, schedule) -> None:
         """Raises ValueError for a schedule this scorer cannot serve."""
 
+    def check_policy(self, policy) -> None:
+        """Raises ValueError for a policy (allocation, protection, schedule) this scorer cannot
+        serve; ``Policy`` calls it. By default only the schedule is checked."""
+        self.check(policy.schedule)
+
     def prompt_scores(self, p: PromptView) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
