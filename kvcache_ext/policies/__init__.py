@@ -11,6 +11,7 @@ Any scorer combines with any allocation::
 from kvcache_ext.policies.adakv import AdaKV
 from kvcache_ext.policies.ahakv import AhaKV
 from kvcache_ext.policies.allocation import Allocation
+from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.kvec import KVEC
 from kvcache_ext.policies.policy import Policy
@@ -29,7 +30,7 @@ from kvcache_ext.policies.views import CacheView, PromptView
 
 __all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
-           "AhaKV", "KVEC",
+           "AhaKV", "KVEC", "CAOTE", "FastCAOTE", "caote_policy",
            "Uniform", "Pyramid", "AdaKV",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
            "PromptView", "CacheView"]
