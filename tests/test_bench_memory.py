@@ -17,7 +17,10 @@ DECODE_STEPS = 3
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "memory.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # The script must import the kvcache_ext this test runs with (installed, or built in place).
+    import kvcache_ext
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, SCRIPT, "--tiny", "--quick", "--batch", "2",
                            "--decode-steps", str(DECODE_STEPS), "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
