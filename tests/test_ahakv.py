@@ -21,6 +21,7 @@ from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryStep,
 from kvcache_ext.policies.ahakv import AhaKV, sg_lambda
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
 from test_patch import inputs, teacher_forced
+from literal import held_layout
 from tiny_models import tiny_model
 
 TOL = dict(rtol=1e-5, atol=1e-6)        # the scorer's float32 against the literal float64
@@ -254,13 +255,8 @@ def test_a_block_over_the_cache_rescores_from_its_last_queries():
     B, H, G, D, span = 4, 2, 3, 8, 30
     hold = torch.rand(B, H, span, generator=gen) < 0.6
     hold[..., -6:] = True                                     # the block's tokens are cached
-    lens = hold.sum(dim=-1)
-    L = int(lens.max())
-    pos = torch.zeros(B, H, L, dtype=torch.long)
-    for b in range(B):
-        for h in range(H):
-            pos[b, h, :lens[b, h]] = torch.nonzero(hold[b, h]).flatten()
-    mask = torch.arange(L) < lens[..., None]
+    pos, mask = held_layout(hold)
+    lens, L = mask.sum(dim=-1), pos.shape[-1]
     k = torch.randn(B, H, L, D, generator=gen) * mask[..., None]
     v = torch.randn(B, H, L, D, generator=gen) * mask[..., None]
     old = torch.rand(B, H, L, 1, generator=gen) * mask[..., None]

@@ -24,6 +24,7 @@ from kvcache_ext.policies import (AdaKV, BlockwisePrefill, EveryNSteps, EverySte
 from kvcache_ext.policies.kvec import KVEC, SHARED_KEY, CoverageState, top_k_mask
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
 from test_patch import inputs, teacher_forced
+from literal import literal_pool
 from tiny_models import tiny_model
 
 
@@ -71,16 +72,6 @@ def literal_group(x: torch.Tensor, G: int, how: str) -> torch.Tensor:
     """[Hq, ...] -> [H, ...] over each KV head's G query heads."""
     parts = [x[h * G:(h + 1) * G] for h in range(x.shape[0] // G)]
     return torch.stack([t.mean(0) if how == "mean" else t.amax(0) for t in parts])
-
-
-def literal_pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
-    """Stride 1, same length: max of the existing neighbours, or their sum / kernel."""
-    r, m = kernel // 2, x.shape[-1]
-    out = torch.empty_like(x)
-    for j in range(m):
-        near = x[..., max(0, j - r):min(m, j + r + 1)]
-        out[..., j] = near.amax(dim=-1) if kind == "max" else near.sum(dim=-1) / kernel
-    return out
 
 
 def ranked(values, positions, among):

@@ -87,23 +87,30 @@ def test_budget_at_least_length_gives_unpatched_logits(arch, layout):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5, msg=str(policy))
 
 
+def assert_paths_agree(policy, steps=8):
+    """Runs a 3-layer GQA model on a left-padded batch of 2 (60 tokens, then `steps` fed tokens)
+    through the ragged path and the reference path; asserts the same logits, the same tokens
+    kept per head, a store holding only those, and real eviction. Returns (ragged, logits)."""
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=60, pad=(0, 7))
+    with kvcache_ext.patch(model, policy) as handle:
+        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
+        got = teacher_forced(model, ragged, ids, mask, steps=steps)
+        expected = teacher_forced(model, reference, ids, mask, steps=steps)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for layer in range(3):
+        a, b = ragged.layer_kv(layer).view(None, False), reference.layer_kv(layer).view(None, False)
+        assert torch.equal(a["pos"].masked_fill(~a["mask"], -1), b["pos"].masked_fill(~b["mask"], -1))
+        assert ragged.layer_kv(layer).store.num_tokens == int(a["mask"].sum())
+    assert int(ragged.kept_tokens()[0].sum()) < 2 * 2 * (60 + steps)   # eviction happened
+    return ragged, got
+
+
 @pytest.mark.parametrize("scorer,allocation,schedule",
                          list(itertools.product(scorers(), ALLOCATIONS, SCHEDULES)),
                          ids=lambda x: repr(x).replace(" ", ""))
 def test_ragged_path_equals_reference_path(scorer, allocation, schedule):
-    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
-    ids, mask = inputs(batch=2, length=60, pad=(0, 7))
-    policy = Policy(scorer, budget=20, allocation=allocation, schedule=schedule)
-    with kvcache_ext.patch(model, policy) as handle:
-        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
-        got = teacher_forced(model, ragged, ids, mask, steps=8)
-        expected = teacher_forced(model, reference, ids, mask, steps=8)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    for layer in range(3):   # the same tokens kept per head, and the ragged store holds only them
-        lens = ragged.layer_kv(layer).lens
-        assert lens.tolist() == reference.layer_kv(layer).lens.tolist()
-        assert ragged.layer_kv(layer).store.num_tokens == int(lens.sum())
-    assert int(ragged.kept_tokens()[0].sum()) < 2 * 2 * (60 + 8)   # eviction happened
+    assert_paths_agree(Policy(scorer, budget=20, allocation=allocation, schedule=schedule))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -24,6 +24,7 @@ from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView,
 from kvcache_ext.policies.adakv import largest_remainder
 from kvcache_ext.policies.random_eviction import position_hash
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
+from literal import held_layout, literal_pool
 
 EXAMPLES = settings.default.max_examples        # the profile's (conftest.py): 200 on CI
 heavy = settings(max_examples=max(EXAMPLES // 5, 10))   # the tests with Python loops per token
@@ -79,18 +80,6 @@ def per_kv_head(x: torch.Tensor, groups: int, how: str) -> torch.Tensor:
     parts = [x[h * groups:(h + 1) * groups] for h in range(x.shape[0] // groups)]
     reduce = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0)}[how]
     return torch.stack([reduce(t) for t in parts])
-
-
-def literal_pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
-    """Pooling along the last axis with stride 1 and padding kernel // 2 (same length): max over
-    the neighbours that exist, or their sum divided by the kernel (zero padding, PyTorch's
-    avg_pool1d as SnapKV uses it)."""
-    r, m = kernel // 2, x.shape[-1]
-    out = torch.empty_like(x)
-    for j in range(m):
-        near = x[..., max(0, j - r):min(m, j + r + 1)]
-        out[..., j] = near.amax(dim=-1) if kind == "max" else near.sum(dim=-1) / kernel
-    return out
 
 
 def literal_h2o(P, groups):
@@ -214,14 +203,7 @@ def random_cache(gen, batch, heads, span, fill=0.6):
     (in order, padded at the end): pos [B, H, L], mask [B, H, L]."""
     hold = torch.rand(batch, heads, span, generator=gen) < fill
     hold[..., -1] = True                                    # the newest token is everywhere
-    lens = hold.sum(dim=-1)
-    L = int(lens.max())
-    pos = torch.zeros(batch, heads, L, dtype=torch.long)
-    for b in range(batch):
-        for h in range(heads):
-            pos[b, h, :lens[b, h]] = torch.nonzero(hold[b, h]).flatten()
-    mask = torch.arange(L) < lens[..., None]
-    return pos, mask
+    return held_layout(hold)
 
 
 def cache_view(pos, mask, groups, stats=None, stat_queries=1, channels=None, layer_idx=0):

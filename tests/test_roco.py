@@ -17,13 +17,12 @@ import math
 import pytest
 import torch
 
-import kvcache_ext
 from kvcache_ext.eviction import LayerState, attend_block, attend_in_blocks, compress_prompt
 from kvcache_ext.layer_kv import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryNSteps, EveryStep, OneShot,
                                   Policy, PromptView, Pyramid, RoCo, Schedule, ScissorHands, Uniform)
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
-from test_patch import inputs, teacher_forced
+from test_patch import assert_paths_agree, inputs, teacher_forced
 from tiny_models import tiny_model
 
 
@@ -43,6 +42,27 @@ def literal_softmax_row(q, keys, scale):
     e = [math.exp(x - top) for x in logits]
     s = sum(e)
     return [x / s for x in e]
+
+
+def run_literal_schedule(cache, attend, evict, budget, prompt_len, block, steps, decode_evict):
+    """The engine's order, token by token: append (a block, or the whole prompt at once),
+    attend, evict to the budget; then decode steps. Returns the kept positions."""
+    if block is None:
+        cache.extend(range(prompt_len))
+        attend(range(prompt_len))
+        evict(budget)
+    else:
+        for i in range(0, prompt_len, block):
+            new = list(range(i, min(i + block, prompt_len)))
+            cache.extend(new)
+            attend(new)
+            evict(budget)
+    for t in range(prompt_len, prompt_len + steps):
+        cache.append(t)
+        attend([t])
+        if decode_evict:
+            evict(budget)
+    return sorted(cache)
 
 
 def literal_roco_head(qs, ks, scale, budget, robust, prompt_len, block, steps, decode_evict):
@@ -88,22 +108,7 @@ def literal_roco_head(qs, ks, scale, budget, robust, prompt_len, block, steps, d
             cache.remove(j)
             del acc[j], acc_sq[j], count[j]
 
-    if block is None:
-        cache.extend(range(prompt_len))
-        attend(range(prompt_len))
-        evict(budget)
-    else:
-        for i in range(0, prompt_len, block):
-            new = list(range(i, min(i + block, prompt_len)))
-            cache.extend(new)
-            attend(new)
-            evict(budget)
-    for t in range(prompt_len, prompt_len + steps):
-        cache.append(t)
-        attend([t])
-        if decode_evict:
-            evict(budget)
-    return sorted(cache)
+    return run_literal_schedule(cache, attend, evict, budget, prompt_len, block, steps, decode_evict)
 
 
 def random_layer(seed, B, H, G, n, steps, D=8):
@@ -511,22 +516,7 @@ def literal_scissorhands_head(qs, ks, scale, budget, window, inclusive, prompt_l
         for j in sorted(scope, key=lambda j: (aqas[j], -j))[:n - B]:     # ties: keep the lower
             cache.remove(j)
 
-    if block is None:
-        cache.extend(range(prompt_len))
-        attend(range(prompt_len))
-        evict(budget)
-    else:
-        for i in range(0, prompt_len, block):
-            new = list(range(i, min(i + block, prompt_len)))
-            cache.extend(new)
-            attend(new)
-            evict(budget)
-    for t in range(prompt_len, prompt_len + steps):
-        cache.append(t)
-        attend([t])
-        if decode_evict:
-            evict(budget)
-    return sorted(cache)
+    return run_literal_schedule(cache, attend, evict, budget, prompt_len, block, steps, decode_evict)
 
 
 SH_CASES = [  # (block, decode eviction, budget or ratio, window, inclusive, H, G)
@@ -585,22 +575,10 @@ MODEL_CASES = (
 
 @pytest.mark.parametrize("scorer,allocation,schedule", MODEL_CASES, ids=lambda x: repr(x).replace(" ", ""))
 def test_ragged_path_equals_reference_path(scorer, allocation, schedule):
-    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
-    ids, mask = inputs(batch=2, length=60, pad=(0, 7))
     policy = Policy(scorer, budget=20, allocation=allocation, schedule=schedule)
-    with kvcache_ext.patch(model, policy) as handle:
-        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
-        got = teacher_forced(model, ragged, ids, mask, steps=8)
-        expected = teacher_forced(model, reference, ids, mask, steps=8)
-        full = teacher_forced(model, None, ids, mask, steps=8)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    for layer in range(3):   # the same tokens kept per head, and the ragged store holds only them
-        lens = ragged.layer_kv(layer).lens
-        assert lens.tolist() == reference.layer_kv(layer).lens.tolist()
-        assert ragged.layer_kv(layer).store.num_tokens == int(lens.sum())
-        a, b = ragged.layer_kv(layer).view(None, False), reference.layer_kv(layer).view(None, False)
-        assert torch.equal(a["pos"].masked_fill(~a["mask"], -1), b["pos"].masked_fill(~b["mask"], -1))
-        if schedule.decode_every is not None and isinstance(allocation, Uniform):
-            assert lens.max() <= 20
-    assert int(ragged.kept_tokens()[0].sum()) < 2 * 2 * (60 + 8)   # eviction happened
-    assert not torch.allclose(got, full, atol=1e-3)                  # and it changed the logits
+    ragged, got = assert_paths_agree(policy)
+    if schedule.decode_every is not None and isinstance(allocation, Uniform):
+        assert all(int(lens.max()) <= 20 for lens in ragged.kept_tokens())
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    full = teacher_forced(model, None, *inputs(batch=2, length=60, pad=(0, 7)), steps=8)
+    assert not torch.allclose(got, full, atol=1e-3)                  # eviction changed the logits
