@@ -100,6 +100,7 @@ setup(
     extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate", "tqdm"],
                     "test": ["pytest", "hypothesis", "transformers>=5.0", "gguf", "accelerate", "tqdm"]},
     # + cmake and libgtest-dev from the system for the C++ tests
+    entry_points={"console_scripts": ["kvcache-ext = kvcache_ext.cli:main"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     zip_safe=False,
