@@ -53,6 +53,9 @@ class LayerState:
         # Decoding grows the cache past a short prompt: its budgets are not capped by the prompt.
         target = torch.full_like(prompt_len, p.schedule.decode_target) if p.schedule.decode_target else base
         self.decode_budget = layer(target, torch.maximum(prompt_len, 2 * target))
+        # Host copies (one sync, at prefill): "is every head within its budget?" is then asked
+        # of the store's host lengths at every step without touching the device.
+        self.budget_host, self.decode_budget_host = self.budget.cpu(), self.decode_budget.cpu()
 
 
 def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention_mask, scale,
@@ -65,6 +68,8 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
             f"layer {state.layer_idx} uses sliding-window attention (window {window}) and the "
             f"sequence is now longer than the window; kvcache_ext does not evict by window yet")
     valid = new_token_validity(attention_mask, state.seen, n, B, q.device)
+    # Known on the host without a sync when HF gives no mask (no padding anywhere).
+    all_valid = attention_mask is None or bool(valid.all())
     pos = new_positions(position_ids, state.seen, n, B, q.device)
     state.ensure_storage(q, k)
     fresh = state.seen == 0
@@ -76,24 +81,26 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     if fresh:
         state.ensure_budget(valid.sum(dim=1))
     if n == 1:
-        return attend_block(state, q, k, v, pos, valid, scale, decode=True).transpose(1, 2)
+        return attend_block(state, q, k, v, pos, valid, scale, decode=True,
+                            all_valid=all_valid).transpose(1, 2)
     block = min(state.policy.schedule.prefill_block or MAX_BLOCK, MAX_BLOCK)
-    return attend_in_blocks(state, q, k, v, pos, valid, scale, block).transpose(1, 2)
+    return attend_in_blocks(state, q, k, v, pos, valid, scale, block, all_valid).transpose(1, 2)
 
 
-def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int):
+def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int,
+                     all_valid: bool = False):
     """Several new tokens over the cache, ``block`` at a time.
 
     Blocks are counted from each row's first real token, so a left-padded row is cut (and
     evicts) exactly where it would be cut alone; the rows' blocks are gathered side by side."""
     B, _, n, _ = q.shape
     first = n - valid.sum(dim=1)                                          # [B] leading padding
-    left_padded = bool((valid == (torch.arange(n, device=valid.device) >= first[:, None])).all())
-    if not left_padded:   # padding elsewhere (unusual): blocks by index
-        first = torch.zeros_like(first)
-    if bool((first == 0).all()):   # no stagger: plain slices
+    if not all_valid and not bool((valid == (torch.arange(n, device=valid.device) >= first[:, None])).all()):
+        first = torch.zeros_like(first)   # padding elsewhere (unusual): blocks by index
+    if all_valid or bool((first == 0).all()):   # no stagger: plain slices
         outs = [attend_block(state, q[:, :, i:i + block], k[:, :, i:i + block], v[:, :, i:i + block],
-                             pos[:, i:i + block], valid[:, i:i + block], scale, decode=False)
+                             pos[:, i:i + block], valid[:, i:i + block], scale, decode=False,
+                             all_valid=all_valid)
                 for i in range(0, n, block)]
         return torch.cat(outs, dim=2)
     out = q.new_zeros(q.shape)
@@ -136,23 +143,26 @@ def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
         kv.set_prompt_channels(channels, keep)
 
 
-def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, active=None):
+def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, active=None,
+                 all_valid: bool = False):
     """Appends a block (or one decode token), attends over the cache, feeds the scorer, evicts.
-    ``active`` [B]: rows that have tokens in this block (the others keep their cache as is)."""
+    ``active`` [B]: rows that have tokens in this block (the others keep their cache as is).
+    ``all_valid``: no padding in the block, known on the host (saves the syncs that a validity
+    mask costs the store's append and this function)."""
     p, kv = state.policy, state.kv
     B, H, m, _ = k.shape
-    kv.append(k, v, pos, valid[:, None, :].expand(B, H, m))
+    kv.append(k, v, pos, None if all_valid else valid[:, None, :].expand(B, H, m))
     state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
     # Padding queries see nothing (q_pos -1); a lone real decode query needs no positions.
-    q_pos = pos.masked_fill(~valid, -1) if m > 1 or not bool(valid.all()) else None
+    q_pos = pos.masked_fill(~valid, -1) if m > 1 or not all_valid else None
     if decode:
         state.decode_steps += 1
         every = p.schedule.decode_every
         evict_now = every is not None and state.decode_steps % every == 0
-        target = state.decode_budget
+        target, target_host = state.decode_budget, state.decode_budget_host
     else:
         evict_now = p.schedule.prefill_block is not None
-        target = state.budget
+        target, target_host = state.budget, state.budget_host
     scorer = p.scorer
     track = scorer.update_stats if p.schedule.evicts_over_cache else ()
     wanted = scorer.evict_stats if evict_now else ()
@@ -176,7 +186,8 @@ def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, ac
         view = cache_view(state, {name: stats[name] for name in track}, n_stat, target, queries)
         kv.set_channels(scorer.update_view(view))
     if evict_now:
-        evicted = evict(state, target, {name: stats[name] for name in wanted}, n_stat, active, queries)
+        evicted = evict(state, target, target_host, {name: stats[name] for name in wanted}, n_stat,
+                        active, queries)
         if evicted and scorer.output_after_eviction:
             out, _ = kv.attend(q, scale, q_pos, ())   # the block's output over what was kept
     return out
@@ -195,13 +206,12 @@ def cache_view(state: LayerState, stats: dict, stat_queries: int, target: torch.
                      q=q, q_pos=q_pos, scale=scale)
 
 
-def evict(state: LayerState, target: torch.Tensor, stats: dict, stat_queries: int,
+def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, stats: dict, stat_queries: int,
           active: torch.Tensor | None = None, queries=None) -> bool:
     """Scores the cached tokens and keeps the allocation's budget of each head (of the
     ``active`` rows only, when given). Returns whether anything was scored."""
     p, kv = state.policy, state.kv
-    lens = kv.lens.to(target.device)
-    if bool((lens <= target.view(-1, 1)).all()):
+    if bool((kv.lens <= target_host.view(-1, 1)).all()):   # host lengths: no device sync
         return False   # every head is within its budget: nothing to score
     view = cache_view(state, stats, stat_queries, target, queries)
     mask = view.mask

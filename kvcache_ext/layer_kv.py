@@ -29,7 +29,8 @@ class RaggedLayerKV:
 
     # --- storage -------------------------------------------------------------------------
     def append(self, k, v, pos, keep) -> None:
-        """k, v [B, H, n, D]; pos [B, n]; keep [B, H, n] bool: the tokens to store."""
+        """k, v [B, H, n, D]; pos [B, n]; keep [B, H, n] bool: the tokens to store (None: all,
+        with no device sync)."""
         self.store.append(k.contiguous(), v.contiguous(), pos.to(torch.int32), valid=keep)
 
     def set_prompt_channels(self, values: torch.Tensor, keep: torch.Tensor) -> None:

@@ -186,7 +186,7 @@ class AhaKV(Scorer):
 
         Query i sees the real keys at positions <= its own; a padding query adds nothing."""
         B, Hq, r, D = q.shape
-        H, L = k.shape[1], k.shape[2]
+        H = k.shape[1]
         G = Hq // H
         logits = torch.einsum("bhgrd,bhld->bhgrl", q.float().reshape(B, H, G, r, D), k.float())
         logits = logits * scale.float().expand(B, H, r)[:, :, None, :, None]

@@ -26,7 +26,10 @@ class MaskedLayerKV:
         self.channels = torch.zeros(B, H, 0, channels, dtype=torch.float32, device=device)
 
     def append(self, k, v, pos, keep) -> None:
+        """keep [B, H, n] bool, or None: every token."""
         B, H, n, _ = k.shape
+        if keep is None:
+            keep = torch.ones(B, H, n, dtype=torch.bool, device=k.device)
         self.k = torch.cat([self.k, k], dim=2)
         self.v = torch.cat([self.v, v], dim=2)
         self.pos = torch.cat([self.pos, pos.long()[:, None, :].expand(B, H, n)], dim=2)
