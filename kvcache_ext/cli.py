@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=8)
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from kvcache_ext.evaluation.run import add_arguments
+    evaluate = sub.add_parser("eval", help="one task over policies x budgets: JSON, table, plot",
+                              description="Retrieval (passkey, needle) in query-aware and "
+                              "query-agnostic prompt modes, perplexity under block-wise eviction "
+                              "(ppl), or KL and top-1 agreement against the full cache (fidelity).")
+    add_arguments(evaluate)
     return parser
 
 
@@ -28,6 +34,9 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from kvcache_ext.demo import main as demo_main
         return demo_main(args)
+    if args.command == "eval":
+        from kvcache_ext.evaluation.run import main as eval_main
+        return eval_main(args)
     return 2
 
 

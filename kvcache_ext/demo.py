@@ -49,27 +49,15 @@ def demo_policies(budget: int) -> dict:
     }
 
 
-def full_cache_bytes(cache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
-
 @torch.no_grad()
 def greedy(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_id: int | None):
     """Greedy decoding by hand: returns (new token ids, prefill seconds, decode seconds per token)."""
+    from kvcache_ext.evaluation.decoding import greedy_continue
     start = time.perf_counter()
     out = model(input_ids, past_key_values=cache, use_cache=True)
     prefill = time.perf_counter() - start
-    token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-    new = [int(token)]
-    start = time.perf_counter()
-    for _ in range(max_new_tokens - 1):
-        if eos_id is not None and new[-1] == eos_id:
-            break
-        out = model(token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        new.append(int(token))
-    steps = max(len(new) - 1, 1)
-    return new, prefill, (time.perf_counter() - start) / steps
+    new, decode = greedy_continue(model, cache, out.logits[:, -1], max_new_tokens, eos_id)
+    return new, prefill, decode
 
 
 def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
@@ -79,6 +67,7 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
     from tqdm.auto import tqdm
 
     import kvcache_ext
+    from kvcache_ext.evaluation.decoding import cache_bytes
     from kvcache_ext.tasks import check_answer, make_passkey_prompt
 
     prompts = [make_passkey_prompt(tokenizer, n, depth, seed=i)
@@ -95,7 +84,7 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
                 new, prefill, decode = greedy(model, p.input_ids[None], cache, max_new_tokens,
                                               tokenizer.eos_token_id)
                 text = tokenizer.decode(new, skip_special_tokens=True)
-                held = full_cache_bytes(cache) if handle is None else cache.nbytes
+                held = cache_bytes(cache)
                 if handle is None:
                     full[i] = held
                 row = rows[name]

@@ -1,8 +1,11 @@
-"""The kvcache-ext command: `demo` on the default model (loaded once for the session)."""
+"""The kvcache-ext command: `demo` and `eval` on the default model (loaded once for the session)."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
 
 import kvcache_ext
 import kvcache_ext.models as models
@@ -40,3 +43,62 @@ def test_python_dash_m_help(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvcache_ext", "demo", "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--budget" in proc.stdout
+
+
+def _use_session_model(monkeypatch, default_model):
+    monkeypatch.setattr(models, "load_model", lambda name=None, **kwargs: default_model)
+
+
+def test_eval_passkey_smoke(default_model, monkeypatch, tmp_path, capsys):
+    """CI's eval smoke test: both prompt modes, JSON and plot, on one short prompt."""
+    _use_session_model(monkeypatch, default_model)
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    code = cli.main(["eval", "--task", "passkey", "--policy", "full,snapkv,ada-snapkv", "--budget", "96",
+                     "--lengths", "600", "--depths", "0.5", "--json", str(out), "--plot", str(png),
+                     "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "passkey (aware): accuracy" in printed and "passkey (agnostic): accuracy" in printed
+    doc = json.loads(out.read_text())
+    rows = {(r["mode"], r["policy"]): r for r in doc["rows"]}
+    assert set(rows) == {(m, p) for m in ("aware", "agnostic") for p in ("full", "snapkv", "ada-snapkv")}
+    assert rows[("aware", "full")]["correct"] == 1 and rows[("agnostic", "full")]["correct"] == 1
+    for (mode, policy), row in rows.items():
+        assert row["n"] == 1
+        if policy != "full":
+            assert row["budget"] == 96 and row["kv_fraction"] < 0.5
+    assert len(doc["records"]) == 6 and all(r["output"] for r in doc["records"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_ppl_and_fidelity_smoke(default_model, monkeypatch, tmp_path):
+    _use_session_model(monkeypatch, default_model)
+    model, tokenizer = default_model
+    ppl_json, fid_json = tmp_path / "ppl.json", tmp_path / "fid.json"
+    assert cli.main(["eval", "--task", "ppl", "--policy", "full,h2o", "--budget", "64,512", "--lengths", "300",
+                     "--prefill-block", "64", "--json", str(ppl_json), "--no-progress"]) == 0
+    rows = {(r["policy"], r["budget"]): r for r in json.loads(ppl_json.read_text())["rows"]}
+    from kvcache_ext.tasks.prose import prose_ids
+    ids = prose_ids(tokenizer, 300, seed=0)[None]
+    with torch.no_grad():
+        loss = float(model(ids, labels=ids).loss)
+    assert rows[("full", None)]["nll"] == pytest.approx(loss, rel=1e-5)
+    # A budget above the length evicts nothing: the same perplexity; 64 of 300 tokens changes it.
+    assert rows[("h2o", 512)]["nll"] == pytest.approx(loss, rel=1e-4)
+    assert abs(rows[("h2o", 64)]["nll"] - loss) > 1e-3
+
+    assert cli.main(["eval", "--task", "fidelity", "--policy", "snapkv", "--budget", "64,512", "--lengths", "300",
+                     "--continuation", "16", "--json", str(fid_json), "--no-progress"]) == 0
+    rows = {r["budget"]: r for r in json.loads(fid_json.read_text())["rows"]}
+    assert rows[512]["kl"] < 1e-6 and rows[512]["top1"] == 1.0
+    assert rows[64]["kl"] > 1e-3 and rows[64]["n"] == 1
+
+
+def test_eval_bad_arguments_say_what_is_wrong(default_model, monkeypatch, capsys):
+    _use_session_model(monkeypatch, default_model)
+    assert cli.main(["eval", "--task", "passkey", "--policy", "snapkv2", "--no-progress"]) == 2
+    assert "unknown policies ['snapkv2']" in capsys.readouterr().err
+    assert cli.main(["eval", "--task", "needle", "--mode", "sideways", "--no-progress"]) == 2
+    assert "--mode takes aware, agnostic" in capsys.readouterr().err
+    assert cli.main(["eval", "--task", "ppl", "--policy", "kvec", "--no-progress"]) == 2
+    assert "one-shot" in capsys.readouterr().err

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvcache_ext.models import INSTALL_HINT, default_model_path
-from kvcache_ext.tasks import PasskeyPrompt, check_answer, make_passkey_prompt, run_passkey
+from kvcache_ext.tasks import FACTS, PasskeyPrompt, check_answer, make_needle_prompt, make_passkey_prompt, run_passkey
 from kvcache_ext.tasks.passkey import corpus_text
+from kvcache_ext.tasks.prose import prose_ids
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +134,32 @@ def test_unpatched_default_model_finds_passkey(model_and_tokenizer):
     p = make_passkey_prompt(tokenizer, 2000, 0.5, seed=0)
     text, correct = run_passkey(model, tokenizer, p)
     assert correct, f"expected {p.answer}, got {text!r}"
+
+
+@pytest.mark.parametrize("seed", range(len(FACTS)))
+def test_needle_prompts_plant_one_fact(tokenizer, seed):
+    fact = FACTS[seed % len(FACTS)]
+    p = make_needle_prompt(tokenizer, 700, 0.4, seed=seed)
+    assert p.answer == fact.answer and p.length <= 700 and p.length >= 690
+    assert p.prompt.count(fact.needle) == 1 and p.prompt.endswith(fact.answer_prefix)
+    assert p.prompt.index(fact.needle) < p.prompt.index(fact.question)
+    assert tokenizer.decode(p.input_ids[p.needle_start:p.needle_end]).strip() == fact.needle
+    assert abs(p.needle_depth - 0.4) < 0.1
+    # The answer word is nowhere else in the prompt: it can only come from the needle.
+    assert p.prompt.lower().count(fact.answer.lower()) == 1
+
+
+def test_needle_answers_are_not_in_the_corpus():
+    text = corpus_text().lower()
+    assert len(FACTS) >= 10 and len({f.answer for f in FACTS}) == len(FACTS)
+    assert [f.answer for f in FACTS if f.answer.lower() in text] == []
+
+
+def test_prose_ids(tokenizer):
+    a = prose_ids(tokenizer, 500, seed=3)
+    assert a.shape == (500,) and a.dtype == torch.long
+    assert torch.equal(a, prose_ids(tokenizer, 500, seed=3))
+    assert not torch.equal(a, prose_ids(tokenizer, 500, seed=4))
+    assert torch.equal(prose_ids(tokenizer, 800, seed=3)[:500], a)   # longer texts extend shorter ones
+    with pytest.raises(ValueError):
+        prose_ids(tokenizer, 1)

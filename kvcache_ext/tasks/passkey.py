@@ -44,7 +44,7 @@ ANSWER_PREFIX = "The pass key is"
 
 @dataclass
 class PasskeyPrompt:
-    """One passkey prompt. ``input_ids`` is what the model is given (1-D, no batch dimension)."""
+    """One retrieval prompt (passkey or needle). ``input_ids`` is what the model is given (1-D, no batch dimension)."""
     prompt: str                # the full prompt text (chat template applied when ``chat``)
     input_ids: torch.Tensor    # 1-D LongTensor, ``length`` tokens
     answer: str                # the pass key (five digits unless one was given)
@@ -89,17 +89,28 @@ def _join(units: Sequence[Tuple[str, bool]]) -> str:
     return "".join(parts)
 
 
-def _render(tokenizer, before: str, needle: str, after: str, chat: bool) -> Tuple[str, int, int, int, int]:
+@dataclass(frozen=True)
+class PromptTexts:
+    """The fixed texts of a retrieval prompt around the filler."""
+    instruction: str
+    needle: str
+    question: str
+    answer_prefix: str
+
+
+
+def _render(tokenizer, before: str, texts: PromptTexts, after: str, chat: bool) -> Tuple[str, int, int, int, int]:
     """Full prompt text and the character spans of the haystack and of the needle in it."""
+    needle = texts.needle
     pieces = [before, needle, after]
     haystack = "\n\n".join(p for p in pieces if p)
-    user = f"{INSTRUCTION}\n\n{haystack}\n\n{QUESTION}"
+    user = f"{texts.instruction}\n\n{haystack}\n\n{texts.question}"
     if chat:
         messages = [{"role": "user", "content": user}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        text += ANSWER_PREFIX
+        text += texts.answer_prefix
     else:
-        text = f"{user}\n\n{ANSWER_PREFIX}"
+        text = f"{user}\n\n{texts.answer_prefix}"
     h0 = text.index(haystack)
     n0 = h0 + haystack.index(needle)
     return text, h0, h0 + len(haystack), n0, n0 + len(needle)
@@ -130,15 +141,24 @@ def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: Optiona
     the corpus the filler starts. ``chat=True`` wraps the prompt in the tokenizer's chat template
     (which it must have) and opens the answer with "The pass key is".
     """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(seed)
     drawn = str(rng.randint(10000, 99999))  # drawn always, so that the filler does not depend on passkey
     key = str(passkey) if passkey is not None else drawn
     start = rng.randrange(len(_corpus_units()))
+    texts = PromptTexts(INSTRUCTION, NEEDLE.format(key=key), QUESTION, ANSWER_PREFIX)
+    return make_retrieval_prompt(tokenizer, n_tokens, depth, texts, key, start, seed=seed, chat=chat)
+
+
+def make_retrieval_prompt(tokenizer, n_tokens: int, depth: float, texts: PromptTexts, answer: str,
+                          corpus_start: int, seed: int = 0, chat: bool = True) -> PasskeyPrompt:
+    """The prompt of ``texts`` fitted to ``n_tokens``: filler read from sentence ``corpus_start``
+    of the corpus, with ``texts.needle`` as its own paragraph at ``depth`` of the filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True needs a tokenizer with a chat template; pass chat=False")
-    needle = NEEDLE.format(key=key)
+    start = corpus_start % len(_corpus_units())
+    key = answer
 
     units = _corpus_units()
 
@@ -167,7 +187,7 @@ def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: Optiona
         k = bisect.bisect_left(cum, target)
         if k > 0 and (k == len(cum) or target - cum[k - 1] <= cum[k] - target):
             k -= 1
-        text, h0, h1, n0, n1 = _render(tokenizer, _join(chosen[:k]), needle, _join(chosen[k:]), chat)
+        text, h0, h1, n0, n1 = _render(tokenizer, _join(chosen[:k]), texts, _join(chosen[k:]), chat)
         return text, _encode(tokenizer, text, chat), (h0, h1, n0, n1)
 
     empty_len = len(build(0)[1])
@@ -242,4 +262,4 @@ def run_passkey(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 1
     return text, check_answer(text, prompt.answer)
 
 
-__all__ = ["PasskeyPrompt", "make_passkey_prompt", "check_answer", "run_passkey", "corpus_text"]
+__all__ = ["PasskeyPrompt", "PromptTexts", "make_retrieval_prompt", "make_passkey_prompt", "check_answer", "run_passkey", "corpus_text"]

@@ -1,0 +1,82 @@
+"""Fidelity: how far the next-token distributions drift from the full cache's, teacher-forced.
+
+A context of corpus prose is prefilled (and compressed by the policy), then the true
+continuation is fed token by token. At each continuation token we compare the policy's
+next-token distribution q with the full cache's p: KL(p || q) in nats and whether the argmax
+agrees. With a one-shot schedule and no decode eviction, the continuation goes in one call
+(the same as token by token, since nothing is evicted meanwhile) over the shared prefill.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import kvcache_ext
+from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from
+from kvcache_ext.evaluation.named_policies import make_policy
+from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+
+
+@dataclass
+class FidelityRecord:
+    task: str
+    mode: str
+    policy: str
+    budget: int | None
+    length: int         # context tokens
+    seed: int
+    kl: float           # mean KL(full || policy) per continuation token, nats
+    top1: float         # share of continuation tokens where the argmax agrees
+    tokens: int         # continuation tokens compared
+    kv_bytes: int
+    full_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _feed(model, cache, tokens: torch.Tensor, one_call: bool) -> torch.Tensor:
+    """Logits [C, V] after each of ``tokens`` [1, C] fed over ``cache``."""
+    if one_call:
+        return model(tokens, past_key_values=cache, use_cache=True).logits[0]
+    return torch.cat([model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0]
+                      for i in range(tokens.shape[1])])
+
+
+@torch.no_grad()
+def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int, policies, budgets,
+             schedule=None, on_run=None):
+    """Every (policy, budget) on one context [1, n] and its continuation [1, C]."""
+    recorded = record_prefill(model, context)
+    full = full_cache_from(model, recorded)
+    full_bytes = cache_bytes(full)
+    p_log = torch.log_softmax(_feed(model, full, continuation, True).float(), dim=-1)
+    del full
+    out = []
+    n, c = context.shape[1], continuation.shape[1]
+    if "full" in policies:
+        out.append(FidelityRecord("fidelity", "teacher-forced", "full", None, n, seed, 0.0, 1.0, c,
+                                  full_bytes, full_bytes))
+        on_run and on_run()
+    for name in policies:
+        if name == "full":
+            continue
+        for budget in budgets:
+            policy = make_policy(name, budget, schedule)
+            sched = policy.schedule
+            with kvcache_ext.patch(model, policy) as handle:
+                if sched.prefill_block is None:
+                    cache = compressed_cache(policy, recorded)
+                else:
+                    cache = handle.new_cache()
+                    model(context, past_key_values=cache, use_cache=True)
+                one_call = sched.prefill_block is None and sched.decode_every is None
+                q_log = torch.log_softmax(_feed(model, cache, continuation, one_call).float(), dim=-1)
+            kl = (p_log.exp() * (p_log - q_log)).sum(dim=-1)
+            top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
+            out.append(FidelityRecord("fidelity", "teacher-forced", name, budget, n, seed,
+                                      float(kl.mean()), float(top1.mean()), c, cache_bytes(cache),
+                                      full_bytes))
+            on_run and on_run()
+    return out

@@ -1,0 +1,80 @@
+"""The policies the harness knows by name, each at a budget and with a schedule.
+
+Names are what ``kvcache-ext eval --policy`` takes. "full" is HF's full cache (the model
+unpatched). The schedule is the same for every named policy of one run (``--prefill-block``,
+``--decode-every``), so that methods are compared under one protocol; the papers' own protocols
+are in docs/policies.md and the protocol of each result in docs/results.md.
+"""
+from __future__ import annotations
+
+from kvcache_ext.policies import (
+    CAOTE,
+    H2O,
+    KVEC,
+    TOVA,
+    AdaKV,
+    AhaKV,
+    Policy,
+    Pyramid,
+    Random,
+    RoCo,
+    Schedule,
+    ScissorHands,
+    SnapKV,
+    StreamingLLM,
+)
+
+
+def _h2o(budget: int) -> H2O:
+    # The H2O paper's own split: half heavy hitters, half recent window (seed-003 §5).
+    return H2O(recent=budget // 2)
+
+
+# name -> (scorer(budget), allocation())
+_RECIPES = {
+    "streamingllm": (lambda b: StreamingLLM(), None),
+    "random": (lambda b: Random(), None),
+    "h2o": (_h2o, None),
+    "tova": (lambda b: TOVA(), None),
+    "tova-head": (lambda b: TOVA(per_head=True), None),
+    "snapkv": (lambda b: SnapKV(), None),
+    "pyramidkv": (lambda b: SnapKV(), lambda: Pyramid()),
+    "ada-snapkv": (lambda b: SnapKV(), lambda: AdaKV()),
+    "ada-pyramidkv": (lambda b: SnapKV(), lambda: AdaKV(layers=Pyramid())),
+    "caote-h2o": (lambda b: CAOTE(_h2o(b)), None),
+    "caote-tova": (lambda b: CAOTE(TOVA()), None),
+    # CAOTE on TOVA's own layer-averaged score, one CAOTE score per KV head (gqa="shared").
+    "caote-tova-shared": (lambda b: CAOTE(TOVA(), gqa="shared"), None),
+    "caote-snapkv": (lambda b: CAOTE(SnapKV()), None),
+    "ahakv": (lambda b: AhaKV(), None),
+    "roco": (lambda b: RoCo(), None),
+    "scissorhands": (lambda b: ScissorHands(), None),
+    "kvec": (lambda b: KVEC(), None),
+}
+
+POLICY_NAMES = ("full",) + tuple(_RECIPES)
+
+
+def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Policy | None:
+    """The policy called ``name`` at ``budget`` tokens per KV head (None for "full")."""
+    key = name.strip().lower()
+    if key == "full":
+        return None
+    if key not in _RECIPES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    scorer, allocation = _RECIPES[key]
+    kwargs = {"schedule": schedule} if schedule is not None else {}
+    if allocation is not None:
+        kwargs["allocation"] = allocation()
+    return Policy(scorer(budget), budget=budget, **kwargs)
+
+
+def parse_policies(text: str) -> list[str]:
+    """A comma-separated list of names; "all" is every name."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(POLICY_NAMES)
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)} (or all)")
+    return names

@@ -1,0 +1,68 @@
+"""Perplexity of long prose under block-wise eviction (CAOTE's protocol, seed-000 §4).
+
+The text is fed in one call to the patched model with a ``BlockwisePrefill(m)`` schedule: the
+layers process it m tokens at a time over the ragged cache and evict down to the budget after
+each block, so every token is predicted from what was kept of the tokens before it. (A one-shot
+schedule would evict only after the whole text, which leaves the perplexity unchanged.)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import kvcache_ext
+from kvcache_ext.evaluation.decoding import cache_bytes
+from kvcache_ext.evaluation.named_policies import make_policy
+
+
+@dataclass
+class PerplexityRecord:
+    task: str
+    mode: str
+    policy: str
+    budget: int | None
+    length: int
+    seed: int
+    nll: float          # mean next-token negative log-likelihood, nats
+    tokens: int         # tokens predicted
+    kv_bytes: int
+    full_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _mean_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    return float(-logp.gather(-1, ids[0, 1:, None]).mean())
+
+
+@torch.no_grad()
+def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, on_run=None):
+    """Every (policy, budget) on one text ``ids`` [1, n]."""
+    from transformers import DynamicCache
+    if schedule is None or schedule.prefill_block is None:
+        raise ValueError("ppl needs a block-wise prefill schedule (e.g. --prefill-block 128)")
+    n = ids.shape[1]
+    full = DynamicCache(config=model.config)
+    full_nll = _mean_nll(model(ids, past_key_values=full, use_cache=True).logits, ids)
+    full_bytes = cache_bytes(full)
+    del full
+    out = []
+    if "full" in policies:
+        out.append(PerplexityRecord("ppl", "blockwise", "full", None, n, seed, full_nll, n - 1,
+                                    full_bytes, full_bytes))
+        on_run and on_run()
+    for name in policies:
+        if name == "full":
+            continue
+        for budget in budgets:
+            policy = make_policy(name, budget, schedule)
+            with kvcache_ext.patch(model, policy) as handle:
+                cache = handle.new_cache()
+                nll = _mean_nll(model(ids, past_key_values=cache, use_cache=True).logits, ids)
+            out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,
+                                        cache_bytes(cache), full_bytes))
+            on_run and on_run()
+    return out

@@ -1,0 +1,108 @@
+"""Results of ``kvcache-ext eval``: one row per (task, mode, policy, budget), a table, a plot."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+METRICS = {   # task -> (metric of a row, its label, higher is better)
+    "passkey": ("accuracy", "accuracy", True),
+    "needle": ("accuracy", "accuracy", True),
+    "ppl": ("ppl", "perplexity", False),
+    "fidelity": ("kl", "KL(full || policy), nats/token", False),
+}
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Rows: per (task, mode, policy, budget), the task's metric over the records, and the
+    KV bytes held as a fraction of the full cache's."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["mode"], r["policy"], r["budget"])].append(r)
+    rows = []
+    for (task, mode, policy, budget), rs in groups.items():
+        row = {"task": task, "mode": mode, "policy": policy, "budget": budget, "n": len(rs),
+               "kv_fraction": sum(r["kv_bytes"] for r in rs) / max(sum(r["full_bytes"] for r in rs), 1)}
+        if task in ("passkey", "needle"):
+            row["correct"] = sum(r["correct"] for r in rs)
+            row["accuracy"] = row["correct"] / len(rs)
+        elif task == "ppl":
+            tokens = sum(r["tokens"] for r in rs)
+            row["nll"] = sum(r["nll"] * r["tokens"] for r in rs) / tokens
+            row["ppl"] = math.exp(row["nll"])
+        elif task == "fidelity":
+            tokens = sum(r["tokens"] for r in rs)
+            row["kl"] = sum(r["kl"] * r["tokens"] for r in rs) / tokens
+            row["top1"] = sum(r["top1"] * r["tokens"] for r in rs) / tokens
+        rows.append(row)
+    modes = ("aware", "agnostic", "blockwise", "teacher-forced")
+    order = lambda r: (r["task"], modes.index(r["mode"]), r["policy"] != "full", r["budget"] or 0)
+    return sorted(rows, key=order)   # stable: policies stay in the order they ran
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table: one line per (task, mode, policy), one column per budget."""
+    if not rows:
+        return "(no results)"
+    lines = []
+    for (task, mode) in dict.fromkeys((r["task"], r["mode"]) for r in rows):
+        _, label, _ = METRICS[task]
+        sub = [r for r in rows if r["task"] == task and r["mode"] == mode]
+        budgets = sorted({r["budget"] for r in sub if r["budget"] is not None})
+        lines += [f"{task} ({mode}): {label}; in brackets, KV bytes held / full cache", "",
+                  "| policy | " + " | ".join(f"B={b}" for b in budgets) + " |",
+                  "| --- |" + " --- |" * len(budgets)]
+        for policy in dict.fromkeys(r["policy"] for r in sub):
+            cells = {r["budget"]: r for r in sub if r["policy"] == policy}
+            if None in cells:   # the full cache: the same value in every column
+                text = [_cell(task, cells[None])] * len(budgets)
+            else:
+                text = [_cell(task, cells[b]) if b in cells else "" for b in budgets]
+            lines.append(f"| {policy} | " + " | ".join(text) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(task: str, row: dict) -> str:
+    kv = f" ({row['kv_fraction']:.2f})"
+    if task in ("passkey", "needle"):
+        return f"{row['correct']}/{row['n']}" + kv
+    if task == "ppl":
+        return f"{row['ppl']:.2f}" + kv
+    return f"{row['kl']:.3f}, top-1 {row['top1']:.2f}" + kv
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """The task's metric against the budget, one line per policy, one panel per (task, mode)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["task"], r["mode"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (task, mode) in zip(axes[0], panels):
+        metric, label, _ = METRICS[task]
+        sub = [r for r in rows if r["task"] == task and r["mode"] == mode]
+        for policy in dict.fromkeys(r["policy"] for r in sub):
+            pts = sorted((r["budget"], r[metric]) for r in sub if r["policy"] == policy and r["budget"])
+            full = [r[metric] for r in sub if r["policy"] == policy and r["budget"] is None]
+            if full and task == "fidelity":
+                continue   # KL 0 against itself: nothing to draw on a log scale
+            if full:
+                ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label="full cache")
+            elif pts:
+                ax.plot([b for b, _ in pts], [m for _, m in pts], marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        budgets = sorted({r["budget"] for r in sub if r["budget"]})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget (tokens per KV head)")
+        ax.set_ylabel(label)
+        if task in ("ppl", "fidelity"):
+            ax.set_yscale("log")
+        ax.set_title(f"{task}, {mode}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best", ncol=2)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

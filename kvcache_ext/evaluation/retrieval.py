@@ -1,0 +1,142 @@
+"""Passkey and needle retrieval under eviction, in two prompt modes.
+
+- ``aware``: the question is part of the prompt that gets compressed (the papers' setting:
+  SnapKV's observation window then holds the question).
+- ``agnostic``: the context (everything before the question) is compressed first; the question
+  arrives afterwards over the compressed cache, as kvpress evaluates. Query-aware scorers can
+  no longer aim at the question.
+
+With a one-shot schedule every policy shares one dense prefill per prompt
+(``shared_prefill``); a block-wise prefill runs the patched model on the prompt for each policy.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import kvcache_ext
+from kvcache_ext.evaluation.decoding import (
+    cache_bytes,
+    full_cache_from,
+    greedy_continue,
+)
+from kvcache_ext.evaluation.named_policies import make_policy
+from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt
+
+MODES = ("aware", "agnostic")
+MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
+
+
+@dataclass
+class RetrievalRecord:
+    task: str
+    mode: str
+    policy: str
+    budget: int | None
+    length: int
+    depth: float
+    seed: int
+    answer: str
+    output: str
+    correct: bool
+    kv_bytes: int
+    full_bytes: int
+    decode_s_per_token: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def split_prompt(prompt, mode: str):
+    """(context ids, question ids or None) [1, n] of a retrieval prompt in ``mode``."""
+    ids = prompt.input_ids[None]
+    if mode == "aware":
+        return ids, None
+    if mode == "agnostic":
+        return ids[:, :prompt.haystack_end], ids[:, prompt.haystack_end:]
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+@torch.no_grad()
+def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list[int],
+               schedule=None, max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
+    """Every (policy, budget) on one prompt in one mode. ``on_run()`` is called after each run."""
+    device = next(model.parameters()).device
+    context, question = split_prompt(prompt, mode)
+    context = context.to(device)
+    question = question.to(device) if question is not None else None
+    eos = tokenizer.eos_token_id
+    recorded = None
+    full_bytes = None
+
+    def last_logits(cache, recorded_logits):
+        if question is None:
+            return recorded_logits[:, -1]
+        return model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    def record(name, budget, new, decode_s, held):
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        return RetrievalRecord(task, mode, name, budget, prompt.length, prompt.depth, prompt.seed,
+                               prompt.answer, text, check_answer(text, prompt.answer), held, full_bytes,
+                               decode_s)
+
+    # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
+    runs = [("full", None)] + [(name, b) for name in policies if name != "full" for b in budgets]
+    out = []
+    for name, budget in runs:
+        policy = make_policy(name, budget, schedule) if name != "full" else None
+        if recorded is None and (policy is None or policy.schedule.prefill_block is None):
+            recorded = record_prefill(model, context)
+        if policy is None:
+            cache = full_cache_from(model, recorded)
+            new, decode_s = greedy_continue(model, cache, last_logits(cache, recorded.logits),
+                                            max_new_tokens, eos)
+            full_bytes = cache_bytes(cache)
+            if "full" not in policies:
+                continue
+            out.append(record(name, None, new, decode_s, full_bytes))
+        else:
+            with kvcache_ext.patch(model, policy) as handle:
+                if policy.schedule.prefill_block is None:
+                    cache = compressed_cache(policy, recorded)
+                    logits = last_logits(cache, recorded.logits)
+                else:
+                    cache = handle.new_cache()
+                    logits = model(context, past_key_values=cache, use_cache=True).logits[:, -1]
+                    if question is not None:
+                        logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+                new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
+                out.append(record(name, budget, new, decode_s, cache_bytes(cache)))
+        if on_run is not None:
+            on_run()
+    return out
+
+
+def make_prompts(tokenizer, task: str, lengths, depths, seeds: int):
+    """The task's prompts: every length x depth, ``seeds`` of each (distinct seeds throughout)."""
+    make = MAKERS[task]
+    prompts, seed = [], 0
+    for n in lengths:
+        for depth in depths:
+            for _ in range(seeds):
+                prompts.append(make(tokenizer, n, depth, seed=seed))
+                seed += 1
+    return prompts
+
+
+def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
+                  schedule=None, max_new_tokens: int = 8, progress: bool = True) -> list[RetrievalRecord]:
+    from tqdm.auto import tqdm
+    prompts = make_prompts(tokenizer, task, lengths, depths, seeds)
+    per_prompt = ("full" in policies) + sum(len(budgets) for p in policies if p != "full")
+    bar = tqdm(total=len(prompts) * len(modes) * per_prompt, desc=f"eval {task}", unit="run",
+               disable=not progress)
+    records = []
+    for mode in modes:
+        for prompt in prompts:
+            records += run_prompt(model, tokenizer, prompt, task, mode, policies, budgets, schedule,
+                                  max_new_tokens, on_run=lambda: bar.update(1))
+    bar.close()
+    return records
