@@ -96,6 +96,10 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
         make_policy("kvec", 64, Schedule(prefill_block=16))
     assert isinstance(make_policy("ada-snapkv", 64).allocation, AdaKV)
     assert make_policy("h2o", 64).scorer.recent == 32          # the H2O paper's half-recent split
+    # CAOTE under the baselines' protocol, and Eq. 7 literally under its own name.
+    assert not make_policy("caote-h2o", 64).scorer.output_after_eviction
+    assert make_policy("caote-h2o-eq7", 64).scorer.output_after_eviction
+    assert make_policy("caote-tova-shared", 64).scorer.gqa == "shared"
     assert parse_policies("all") == list(POLICY_NAMES)
     assert parse_policies(" SnapKV , full") == ["snapkv", "full"]
     with pytest.raises(ValueError, match="unknown policy"):

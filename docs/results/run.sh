@@ -17,7 +17,7 @@ kvcache-ext eval --task passkey --policy "$CHEAP" --budget 64,128,256,512 --leng
 
 # Perplexity under block-wise eviction (CAOTE's protocol: blocks of 128 over 2K tokens of prose).
 kvcache-ext eval --task ppl --prefill-block 128 \
-  --policy full,streamingllm,h2o,tova,snapkv,caote-h2o,caote-tova,caote-snapkv,ahakv,roco,scissorhands \
+  --policy full,streamingllm,h2o,tova,snapkv,caote-h2o,caote-tova,caote-snapkv,caote-h2o-eq7,ahakv,roco,scissorhands \
   --budget 64,128,256,512 --lengths 2048 --json ppl.json --plot ppl.png --no-progress
 
 # Fidelity: KL and top-1 agreement against the full cache over 64 teacher-forced tokens
@@ -28,3 +28,9 @@ kvcache-ext eval --task fidelity --policy "$PAPERS" --budget 64,128,256,512 --le
 # Needle retrieval (a made-up fact in prose), both modes, one-shot.
 kvcache-ext eval --task needle --policy "$PAPERS" --budget 64,128,256,512 --lengths 2048 \
   --depths 0.1,0.5,0.9 --mode aware,agnostic --json needle.json --plot needle.png --no-progress
+
+# TOVA's two readings (layer-averaged, per KV head) with and without CAOTE: what CAOTE(TOVA)'s
+# passkey misses come from.
+kvcache-ext eval --task passkey --policy full,tova,tova-head,caote-tova,caote-tova-shared \
+  --budget 64,128,256,512 --lengths 1024,2048 --depths 0.1,0.5,0.9 --mode aware \
+  --json passkey-tova.json --plot passkey-tova.png --no-progress

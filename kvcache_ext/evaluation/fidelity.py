@@ -14,7 +14,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from
-from kvcache_ext.evaluation.named_policies import make_policy
+from kvcache_ext.evaluation.named_policies import policy_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 
 
@@ -59,24 +59,20 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
         out.append(FidelityRecord("fidelity", "teacher-forced", "full", None, n, seed, 0.0, 1.0, c,
                                   full_bytes, full_bytes))
         on_run and on_run()
-    for name in policies:
-        if name == "full":
-            continue
-        for budget in budgets:
-            policy = make_policy(name, budget, schedule)
-            sched = policy.schedule
-            with kvcache_ext.patch(model, policy) as handle:
-                if sched.prefill_block is None:
-                    cache = compressed_cache(policy, recorded)
-                else:
-                    cache = handle.new_cache()
-                    model(context, past_key_values=cache, use_cache=True)
-                one_call = sched.prefill_block is None and sched.decode_every is None
-                q_log = torch.log_softmax(_feed(model, cache, continuation, one_call).float(), dim=-1)
-            kl = (p_log.exp() * (p_log - q_log)).sum(dim=-1)
-            top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
-            out.append(FidelityRecord("fidelity", "teacher-forced", name, budget, n, seed,
-                                      float(kl.mean()), float(top1.mean()), c, cache_bytes(cache),
-                                      full_bytes))
-            on_run and on_run()
+    for name, budget, policy in policy_runs(policies, budgets, schedule):
+        sched = policy.schedule
+        with kvcache_ext.patch(model, policy) as handle:
+            if sched.prefill_block is None:
+                cache = compressed_cache(policy, recorded)
+            else:
+                cache = handle.new_cache()
+                model(context, past_key_values=cache, use_cache=True)
+            one_call = sched.prefill_block is None and sched.decode_every is None
+            q_log = torch.log_softmax(_feed(model, cache, continuation, one_call).float(), dim=-1)
+        kl = (p_log.exp() * (p_log - q_log)).sum(dim=-1)
+        top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
+        out.append(FidelityRecord("fidelity", "teacher-forced", name, budget, n, seed,
+                                  float(kl.mean()), float(top1.mean()), c, cache_bytes(cache),
+                                  full_bytes))
+        on_run and on_run()
     return out

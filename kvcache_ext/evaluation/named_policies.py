@@ -41,11 +41,15 @@ _RECIPES = {
     "pyramidkv": (lambda b: SnapKV(), lambda: Pyramid()),
     "ada-snapkv": (lambda b: SnapKV(), lambda: AdaKV()),
     "ada-pyramidkv": (lambda b: SnapKV(), lambda: AdaKV(layers=Pyramid())),
-    "caote-h2o": (lambda b: CAOTE(_h2o(b)), None),
-    "caote-tova": (lambda b: CAOTE(TOVA()), None),
+    # CAOTE's scores under the baselines' protocol: a block's output is computed before its
+    # eviction, as for every other policy here, so that only the scores differ from the base's.
+    "caote-h2o": (lambda b: CAOTE(_h2o(b), output_after_eviction=False), None),
+    "caote-tova": (lambda b: CAOTE(TOVA(), output_after_eviction=False), None),
     # CAOTE on TOVA's own layer-averaged score, one CAOTE score per KV head (gqa="shared").
-    "caote-tova-shared": (lambda b: CAOTE(TOVA(), gqa="shared"), None),
-    "caote-snapkv": (lambda b: CAOTE(SnapKV()), None),
+    "caote-tova-shared": (lambda b: CAOTE(TOVA(), gqa="shared", output_after_eviction=False), None),
+    "caote-snapkv": (lambda b: CAOTE(SnapKV(), output_after_eviction=False), None),
+    # CAOTE's Eq. 7 read literally (the library's default): a block's output over the kept tokens.
+    "caote-h2o-eq7": (lambda b: CAOTE(_h2o(b)), None),
     "ahakv": (lambda b: AhaKV(), None),
     "roco": (lambda b: RoCo(), None),
     "scissorhands": (lambda b: ScissorHands(), None),
@@ -78,3 +82,9 @@ def parse_policies(text: str) -> list[str]:
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)} (or all)")
     return names
+
+
+def policy_runs(policies, budgets, schedule: Schedule | None = None):
+    """(name, budget, Policy) of every named policy but "full" at every budget, in order."""
+    return [(name, budget, make_policy(name, budget, schedule))
+            for name in policies if name != "full" for budget in budgets]

@@ -13,7 +13,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.evaluation.decoding import cache_bytes
-from kvcache_ext.evaluation.named_policies import make_policy
+from kvcache_ext.evaluation.named_policies import policy_runs
 
 
 @dataclass
@@ -54,15 +54,11 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
         out.append(PerplexityRecord("ppl", "blockwise", "full", None, n, seed, full_nll, n - 1,
                                     full_bytes, full_bytes))
         on_run and on_run()
-    for name in policies:
-        if name == "full":
-            continue
-        for budget in budgets:
-            policy = make_policy(name, budget, schedule)
-            with kvcache_ext.patch(model, policy) as handle:
-                cache = handle.new_cache()
-                nll = _mean_nll(model(ids, past_key_values=cache, use_cache=True).logits, ids)
-            out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,
-                                        cache_bytes(cache), full_bytes))
-            on_run and on_run()
+    for name, budget, policy in policy_runs(policies, budgets, schedule):
+        with kvcache_ext.patch(model, policy) as handle:
+            cache = handle.new_cache()
+            nll = _mean_nll(model(ids, past_key_values=cache, use_cache=True).logits, ids)
+        out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,
+                                    cache_bytes(cache), full_bytes))
+        on_run and on_run()
     return out

@@ -78,6 +78,11 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((r["task"], r["mode"]) for r in rows))
+    # Up to 20 policies in distinct colours, and markers/dashes so that crossing lines stay apart.
+    names = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != "full"]
+    colours = plt.get_cmap("tab20").colors
+    style = {p: dict(color=colours[(2 * i) % 20 + (2 * i) // 20], marker="osD^v<>p*hX"[i % 11],
+                     linestyle=("-", "--", ":")[i % 3]) for i, p in enumerate(names)}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, (task, mode) in zip(axes[0], panels):
         metric, label, _ = METRICS[task]
@@ -90,7 +95,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
             if full:
                 ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label="full cache")
             elif pts:
-                ax.plot([b for b, _ in pts], [m for _, m in pts], marker="o", label=policy)
+                ax.plot([b for b, _ in pts], [m for _, m in pts], label=policy, **style[policy])
         ax.set_xscale("log", base=2)
         budgets = sorted({r["budget"] for r in sub if r["budget"]})
         ax.set_xticks(budgets, [str(b) for b in budgets])

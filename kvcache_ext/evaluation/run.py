@@ -51,9 +51,12 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _git_commit() -> str | None:
+    """The commit of the kvcache_ext that runs (None when it is not a git checkout)."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip() or None
+                              check=True, timeout=10, cwd=here).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
