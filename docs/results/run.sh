@@ -34,3 +34,7 @@ kvcache-ext eval --task needle --policy "$PAPERS" --budget 64,128,256,512 --leng
 kvcache-ext eval --task passkey --policy full,tova,tova-head,caote-tova,caote-tova-shared \
   --budget 64,128,256,512 --lengths 1024,2048 --depths 0.1,0.5,0.9 --mode aware \
   --json passkey-tova.json --plot passkey-tova.png --no-progress
+
+# The four methods left out of the 4K sweep above, query-aware only (about 35 minutes).
+kvcache-ext eval --task passkey --policy full,h2o,caote-h2o,ahakv,roco --budget 64,128,256,512 \
+  --lengths 4096 --depths 0.1,0.5,0.9 --mode aware --json passkey-4k-dense.json --plot passkey-4k-dense.png --no-progress

@@ -21,7 +21,7 @@ from kvcache_ext.evaluation.decoding import (
     full_cache_from,
     greedy_continue,
 )
-from kvcache_ext.evaluation.named_policies import make_policy
+from kvcache_ext.evaluation.named_policies import policy_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt
 
@@ -83,10 +83,8 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                                decode_s)
 
     # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
-    runs = [("full", None)] + [(name, b) for name in policies if name != "full" for b in budgets]
     out = []
-    for name, budget in runs:
-        policy = make_policy(name, budget, schedule) if name != "full" else None
+    for name, budget, policy in [("full", None, None)] + policy_runs(policies, budgets, schedule):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
         if policy is None:

@@ -66,7 +66,7 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
     from tqdm.auto import tqdm
 
     from kvcache_ext.evaluation import fidelity, perplexity
-    from kvcache_ext.evaluation.named_policies import make_policy, parse_policies
+    from kvcache_ext.evaluation.named_policies import parse_policies, policy_runs
     from kvcache_ext.evaluation.report import summarize
     from kvcache_ext.evaluation.retrieval import MODES, run_retrieval
     from kvcache_ext.policies import Schedule
@@ -79,9 +79,7 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
     if args.task == "ppl" and block is None:
         block = 128
     schedule = Schedule(prefill_block=block, decode_every=args.decode_every)
-    for name in policies:   # refuse a bad combination now, not after an hour of runs
-        for budget in budgets:
-            make_policy(name, budget, schedule)
+    policy_runs(policies, budgets, schedule)   # refuse a bad combination now, not after an hour of runs
     device = next(model.parameters()).device
     progress = not args.no_progress
     if args.task in ("passkey", "needle"):
