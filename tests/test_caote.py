@@ -191,7 +191,7 @@ def make_prompt(seed, B=2, H=2, G=2, n=12, D=8, dtype=torch.float32):
     valid = torch.arange(n) >= (n - lens)[:, None]
     pos = (torch.arange(n) - (n - lens)[:, None]).masked_fill(~valid, 1)
     return PromptView(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), pos=pos, valid=valid,
-                      scale=1 / math.sqrt(D), layer_idx=0, num_layers=1)
+                      scale=1 / math.sqrt(D), layer_idx=0, num_layers=1, chunk=5)
 
 
 @pytest.mark.parametrize("base", [H2O(), TOVA(), SnapKV(window=4, kernel=3),

@@ -51,8 +51,9 @@ def make_prompt(seed: int, batch: int, heads: int, groups: int, n: int, pad: boo
     lens = torch.randint(1, n + 1, (batch,), generator=gen) if pad else torch.full((batch,), n)
     valid = torch.arange(n) >= (n - lens)[:, None]
     pos = (torch.arange(n) - (n - lens)[:, None]).masked_fill(~valid, 1)
+    # Small probability blocks, so that the scorers' sums run over several of them.
     return PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=1 / math.sqrt(head_dim),
-                      layer_idx=layer_idx, num_layers=num_layers)
+                      layer_idx=layer_idx, num_layers=num_layers, chunk=1 + seed % 8)
 
 
 def literal_attention(p: PromptView):
@@ -222,6 +223,39 @@ def assert_on_real_tokens(got, rows):
 
 
 # --------------------------------------------------------------------------- scorers on prompts
+
+@given(shape=st.tuples(st.integers(1, 3), head_layouts, prompt_lens), pad=st.booleans(), seed=seeds,
+       shuffle=st.booleans(), chunk=st.integers(1, 9), first=st.integers(0, 40))
+def test_prompt_probs_are_the_causal_softmax_by_position(shape, pad, seed, shuffle, chunk, first):
+    """PromptView.probs against a float64 softmax written from positions, not token order: query
+    i sees the real keys j with pos[j] <= pos[i]. Shuffled tokens (positions out of order) take
+    the full-width path; ordered ones may leave out the keys after the chunk, which must be
+    invisible."""
+    B, (H, G), n = shape
+    p = make_prompt(seed, B, H, G, n, pad)
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        p = PromptView(q=p.q[:, :, order], k=p.k[:, :, order], v=p.v[:, :, order], pos=p.pos[:, order],
+                       valid=p.valid[:, order], scale=p.scale, layer_idx=0, num_layers=1)
+    lo = min(first, n - 1)
+    blocks = list(p.probs(slice(lo, n), chunk=chunk))
+    assert [i0 for i0, _ in blocks] == list(range(lo, n, chunk))
+    q, k = p.q.double(), p.k.double().repeat_interleave(G, dim=1)
+    for i0, got in blocks:
+        c, m = got.shape[2:]
+        assert got.shape[:2] == (B, H * G) and got.dtype == torch.float32
+        assert c == min(chunk, n - i0) and m in (i0 + c, n)
+        for b in range(B):
+            for i in range(i0, i0 + c):
+                seen = p.valid[b] & (p.pos[b] <= p.pos[b, i]) & p.valid[b, i]
+                want = torch.zeros(H * G, n, dtype=torch.float64)
+                if seen.any():
+                    logits = torch.einsum("hd,hjd->hj", q[b, :, i], k[b]) * p.scale
+                    want = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+                torch.testing.assert_close(got[b, :, i - i0].double(), want[:, :m], **TOL)
+                assert torch.all(want[:, m:] == 0)             # what was left out is invisible
+
+
 
 @given(shape=st.tuples(st.integers(1, 3), head_layouts, prompt_lens), pad=st.booleans(), seed=seeds)
 def test_h2o_prompt_scores_are_accumulated_column_sums(shape, pad, seed):

@@ -379,7 +379,7 @@ def test_roco_prompt_channels_are_the_dense_statistics():
     valid[1, :3] = False
     pos = (torch.arange(n) - valid.logical_not().sum(1, keepdim=True)).masked_fill(~valid, 1)
     p = PromptView(q=q, k=k, v=k, pos=pos, valid=valid, scale=0.5, layer_idx=0, num_layers=1,
-                   budget=torch.tensor([4, 4]))
+                   budget=torch.tensor([4, 4]), chunk=4)
     scores, ch = RoCo().prompt_scores(p)
     for b in range(B):
         real = torch.nonzero(valid[b]).flatten().tolist()
@@ -447,7 +447,7 @@ def test_scissorhands_prompt_scores_are_literal_aqas(H, G, inclusive):
         pos = (torch.arange(n) - (n - lens)[:, None]).masked_fill(~valid, 1)
         budget = torch.tensor([6, 7])
         p = PromptView(q=q, k=k, v=k, pos=pos, valid=valid, scale=1 / math.sqrt(D), layer_idx=0,
-                       num_layers=1, budget=budget)
+                       num_layers=1, budget=budget, chunk=5)
         scores, channels = ScissorHands(inclusive=inclusive).prompt_scores(p)
         for b, (real, counts, margin) in enumerate(literal_aqas(q, k, valid, pos, G, p.scale, inclusive)):
             if margin < 1e-6:

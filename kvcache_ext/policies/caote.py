@@ -225,7 +225,7 @@ class CAOTE(Scorer):
             G = self._check_groups(p.groups)
             h = p.q.new_zeros(B, p.q.shape[1], n, dtype=torch.float32)
             for _, probs in p.probs():
-                h += probs.sum(dim=2)
+                h[..., :probs.shape[-1]] += probs.sum(dim=2)
             h = h.unflatten(1, (H, G))                                   # [B, H, G, n]
             own = torch.cat([h.permute(0, 1, 3, 2), h.new_zeros(B, H, n, self.max_groups - G)], dim=-1)
         elif source == "tova":

@@ -32,7 +32,7 @@ class H2O(Scorer):
         B, H, n, _ = p.k.shape
         mass = p.q.new_zeros(B, p.q.shape[1], n, dtype=torch.float32)
         for _, probs in p.probs():
-            mass += probs.sum(dim=2)
+            mass[..., :probs.shape[-1]] += probs.sum(dim=2)
         mass = mass.unflatten(1, (H, p.groups)).sum(dim=2)  # the group's heads, as the kernel does
         return mass, mass.unsqueeze(-1)
 

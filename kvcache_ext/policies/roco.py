@@ -83,12 +83,12 @@ class RoCo(Scorer):
         sum_sq = torch.zeros_like(mass)
         count = torch.zeros(B, n, dtype=torch.float32, device=p.q.device)
         for i0, probs in p.probs():
-            c = probs.shape[2]
-            grouped = probs.unflatten(1, (H, G))                   # [B, H, G, c, n]
-            mass += grouped.sum(dim=(2, 3))
-            sum_sq += grouped.mean(dim=2).square().sum(dim=2)
-            seen = (p.pos[:, None, :] <= p.pos[:, i0:i0 + c, None]) & p.valid[:, None, :]
-            count += (seen & p.valid[:, i0:i0 + c, None]).sum(dim=1)
+            c, m = probs.shape[2:]
+            grouped = probs.unflatten(1, (H, G))                   # [B, H, G, c, m]
+            mass[..., :m] += grouped.sum(dim=(2, 3))
+            sum_sq[..., :m] += grouped.mean(dim=2).square().sum(dim=2)
+            seen = (p.pos[:, None, :m] <= p.pos[:, i0:i0 + c, None]) & p.valid[:, None, :m]
+            count[:, :m] += (seen & p.valid[:, i0:i0 + c, None]).sum(dim=1)
         channels = torch.stack([mass, sum_sq, count[:, None, :].expand(B, H, n)], dim=-1)
         pos = p.pos[:, None, :].expand(B, H, n)
         mask = p.valid[:, None, :].expand(B, H, n)

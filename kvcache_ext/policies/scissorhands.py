@@ -60,12 +60,12 @@ class ScissorHands(Scorer):
         G = p.groups
         aqas = torch.zeros(B, H, n, dtype=torch.float32, device=p.q.device)
         for i0, probs in p.probs():
-            c = probs.shape[2]
-            a = probs.unflatten(1, (H, G)).mean(dim=2)                  # [B, H, c, n]
-            seen = (p.pos[:, None, :] <= p.pos[:, i0:i0 + c, None]) & p.valid[:, None, :]
-            seen &= p.valid[:, i0:i0 + c, None]                        # [B, c, n]
+            c, m = probs.shape[2:]
+            a = probs.unflatten(1, (H, G)).mean(dim=2)                  # [B, H, c, m]
+            seen = (p.pos[:, None, :m] <= p.pos[:, i0:i0 + c, None]) & p.valid[:, None, :m]
+            seen &= p.valid[:, i0:i0 + c, None]                        # [B, c, m]
             above = self._above(a, seen.sum(dim=-1)[:, None]) & seen[:, None]
-            aqas += above.sum(dim=2)
+            aqas[..., :m] += above.sum(dim=2)
         pos = p.pos[:, None, :].expand(B, H, n)
         return self._scores(aqas, pos, p.last_pos, p.budget), aqas.unsqueeze(-1)
 

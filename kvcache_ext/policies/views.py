@@ -24,6 +24,7 @@ class PromptView:
     num_layers: int
     budget: torch.Tensor | None = None   # [B] this layer's per-head budget (average over heads)
     shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
+    chunk: int = 256         # query rows per block of ``probs``: bounds its [c, n] memory
 
     @property
     def groups(self) -> int:
@@ -35,23 +36,36 @@ class PromptView:
         """[B] position of the newest token of every row."""
         return self.pos.masked_fill(~self.valid, -1).max(dim=1).values
 
-    def probs(self, queries: slice | None = None, chunk: int = 256):
-        """Yields ``(i0, p)``: softmax probabilities ``p [B, Hq, c, n]`` (float32) of prompt
-        queries ``i0 .. i0 + c`` over the prompt keys, causal by position and blind to padding.
+    def probs(self, queries: slice | None = None, chunk: int | None = None):
+        """Yields ``(i0, p)``: softmax probabilities ``p [B, Hq, c, m]`` (float32) of prompt
+        queries ``i0 .. i0 + c`` over the first ``m`` prompt keys, causal by position and blind
+        to padding. The keys after ``m`` are invisible to these queries (probability 0).
 
-        Chunked over queries so that the [c, n] blocks stay small on long prompts.
+        ``m = i0 + c`` when positions grow along the prompt, as HF's position ids always do:
+        later keys are in the causal future of the chunk, and skipping them halves the work on a
+        long prompt. Otherwise ``m = n``. Chunked over queries (``chunk``, default ``self.chunk``)
+        so that the blocks stay small.
         """
         n = self.q.shape[2]
+        chunk = chunk or self.chunk
         lo, hi, _ = (queries or slice(0, n)).indices(n)
+        ordered = self._positions_increase()
         k = self.k.float().repeat_interleave(self.groups, dim=1)
         for i0 in range(lo, hi, chunk):
             i1 = min(i0 + chunk, hi)
-            logits = torch.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1].float(), k) * self.scale
-            visible = (self.pos[:, None, :] <= self.pos[:, i0:i1, None]) & self.valid[:, None, :]
+            m = i1 if ordered else n
+            logits = torch.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1].float(), k[:, :, :m]) * self.scale
+            visible = (self.pos[:, None, :m] <= self.pos[:, i0:i1, None]) & self.valid[:, None, :m]
             visible = visible & self.valid[:, i0:i1, None]
             logits = logits.masked_fill(~visible[:, None], float("-inf"))
             p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a padded query sees nothing
             yield i0, p
+
+    def _positions_increase(self) -> bool:
+        """Whether the real tokens' positions strictly increase along the prompt in every row."""
+        pos = self.pos.masked_fill(~self.valid, -1)
+        before = pos.cummax(dim=1).values[:, :-1]          # the largest real position so far
+        return bool(((pos[:, 1:] > before) | ~self.valid[:, 1:]).all())
 
 
 @dataclass
