@@ -1,0 +1,421 @@
+"""End to end: prefill, decode speed and memory of a whole model, full cache against eviction.
+
+    python bench/e2e.py                        # GPU: Llama-3.1-8B's architecture with random bf16
+                                               # weights, contexts 8K/32K/128K, batch 1/4/16
+    python bench/e2e.py --model smollm2        # CPU: the default model, the small version
+    python bench/e2e.py --model tiny --quick   # a tiny random Llama, a few seconds (the smoke test)
+
+Every (context, batch) runs these methods side by side in one process, on the same prompt:
+
+- ``full``: the unpatched model with transformers' ``DynamicCache`` and SDPA.
+- ``masked-ada-snapkv``: head-wise eviction by masking a full-size cache, the way kvpress runs
+  Ada-KV: the full ``DynamicCache`` stays in memory, and every decode step attends over all of
+  it with a per-head mask of Ada-SnapKV's kept tokens (the same tokens ``ada-snapkv`` keeps, taken
+  from its run). Attention packs the G query heads of a KV head, so K/V are not repeated: the
+  fastest masked decode we know through SDPA. Its prefill is the full one; the scoring is not
+  counted, which flatters it.
+- ``snapkv`` and ``ada-snapkv``: ours, compressed once after the prefill (one-shot); the cache
+  then grows by one token per decode step.
+- ``h2o-step`` and ``caote-step``: ours, per-step decode eviction holding the cache at its
+  budget. The prefill is block-wise (blocks of 128, evicting after each, the H2O and CAOTE
+  papers' protocol), so the prompt's cache never exceeds the budget plus a block.
+
+Reported per run: prefill seconds, decode tokens/s (batch x steps / decode seconds), peak GPU
+memory (``torch.cuda.max_memory_allocated`` over prefill and decode; not measured on CPU),
+the model's bytes, the KV bytes at the end (``DynamicCache`` K+V; ``RaggedCache.nbytes``: K, V,
+positions, score channels and the free slots the store reserves; for the masked cache, K+V plus
+one bool per token and head), the tokens held (over layers, rows and KV heads; the masked cache
+holds them all), and the workspace: peak - model - KV.
+A run that does not fit is recorded as out of memory, and the next methods go on.
+
+Derived, from runs of one process only:
+- ``x full``: decode tokens/s over the full cache's at the same context and batch.
+- ``eviction share`` of ``h2o-step`` and ``caote-step``: 1 - decode time of ``snapkv`` at the
+  same budget / theirs. SnapKV's decode does no scoring, selection or compaction (its cache
+  grows), so the difference is the eviction work (an estimate: SnapKV's cache is up to
+  ``--steps`` tokens per head longer).
+- the largest batch x context of the grid that each method ran without running out of memory.
+
+Results go to bench/results/e2e-<device>-<date>.json (not with --quick unless --out is given),
+and with --plot to a PNG of decode throughput and peak memory against context.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import device_name, git_commit, sync, write_results  # noqa: E402
+
+from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
+
+# Llama-3.1-8B's architecture (its config.json), built with random weights: no download.
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
+
+STEP_BLOCK = 128   # the block-wise prefill of the per-step eviction methods
+POLICIES = {       # name -> Policy at budget b
+    "snapkv": lambda b: Policy(SnapKV(), budget=b),
+    "ada-snapkv": lambda b: Policy(SnapKV(), budget=b, allocation=AdaKV()),
+    "h2o-step": lambda b: Policy(H2O(recent=b // 2), budget=b,
+                                 schedule=Schedule(prefill_block=STEP_BLOCK, decode_every=1)),
+    "caote-step": lambda b: Policy(CAOTE(H2O(recent=b // 2), output_after_eviction=False), budget=b,
+                                   schedule=Schedule(prefill_block=STEP_BLOCK, decode_every=1)),
+}
+METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES)
+MASKED = "kvcache_bench_masked"   # the masked method's registered attention function
+
+
+# --- the model and the prompt -----------------------------------------------------------------
+def build_model(name: str, device: str, dtype: torch.dtype):
+    """(model, tokenizer or None): random weights from a config, or the default model."""
+    if name == "smollm2":
+        from kvcache_ext.models import load_model
+        return load_model(None, dtype=dtype, device=device)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**(LLAMA_8B if name == "llama8b" else TINY))
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)        # built in its dtype, on its device: no fp32 copy of 8B
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.set_attn_implementation("sdpa")
+    return model.eval(), None
+
+
+def prompt_ids(model, tokenizer, context: int, batch: int, device: str) -> torch.Tensor:
+    """[batch, context]: corpus prose for a real model (row b from seed b), else seeded random ids."""
+    if tokenizer is not None:
+        from kvcache_ext.tasks.prose import prose_ids
+        return torch.stack([prose_ids(tokenizer, context, seed=b) for b in range(batch)]).to(device)
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.config.vocab_size, (batch, context), generator=gen).to(device)
+
+
+# --- the masked method ------------------------------------------------------------------------
+class HeadMasks:
+    """Per layer, keep [B, H, n] bool over the prompt; decode tokens are always visible."""
+
+    def __init__(self, keep: list[torch.Tensor], steps: int, device: str):
+        B, H, n = keep[0].shape
+        # Allocated once with room for every decode token, so a step only slices.
+        self.visible = [torch.cat([k, k.new_ones(B, H, steps + 1)], dim=2)[:, :, None, :].to(device)
+                        for k in keep]
+        self.nbytes = sum(k.numel() for k in keep)   # one byte per bool
+
+
+_active_masks: HeadMasks | None = None
+
+
+def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA with a per-head mask at decode (one query token); the model's SDPA otherwise."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if _active_masks is None or query.shape[2] != 1:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
+                                              scaling=scaling, dropout=dropout, **kwargs)
+    B, Hq, _, D = query.shape
+    H, L = key.shape[1], key.shape[2]
+    mask = _active_masks.visible[module.layer_idx][..., :L]               # [B, H, 1, L]
+    packed = query.reshape(B, H, Hq // H, D)                              # G queries per KV head
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
+                                                           scale=scaling)
+    return out.reshape(B, Hq, 1, D).transpose(1, 2), None
+
+
+def register_masked() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    AttentionInterface.register(MASKED, masked_attention)
+    AttentionMaskInterface.register(MASKED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def kept_masks(cache, prompt_len: int) -> list[torch.Tensor]:
+    """Per layer, [B, H, prompt_len] bool: the prompt positions a RaggedCache holds per head."""
+    masks = []
+    for i in range(len(cache.layers)):
+        view = cache.layer_kv(i).store.to_dense()
+        hits = torch.zeros(view.mask.shape[:2] + (prompt_len,), dtype=torch.int32, device=view.mask.device)
+        hits.scatter_add_(2, view.pos.long().clamp(0, prompt_len - 1), view.mask.int())
+        masks.append((hits > 0).cpu())
+    return masks
+
+
+# --- one run ----------------------------------------------------------------------------------
+def kv_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def kv_tokens(cache) -> int:
+    """Tokens held, summed over layers, batch rows and KV heads."""
+    if hasattr(cache, "kept_tokens"):
+        return sum(int(t.sum()) for t in cache.kept_tokens())
+    return sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
+
+
+@torch.no_grad()
+def run_one(model, ids, method: str, budget: int | None, steps: int, device: str,
+            masks: list[torch.Tensor] | None = None, on_prefill=None) -> dict:
+    """Prefill ``ids`` and decode ``steps`` greedy tokens with one method; the record."""
+    global _active_masks
+    import kvcache_ext
+    from transformers import DynamicCache
+    cuda = device.startswith("cuda")
+    record = dict(method=method, budget=budget, context=ids.shape[1], batch=ids.shape[0], steps=steps)
+    handle = None
+    cache = None
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        if method in POLICIES:
+            handle = kvcache_ext.patch(model, POLICIES[method](budget))
+            cache = handle.new_cache()
+        else:
+            cache = DynamicCache(config=model.config)
+            if method.startswith("masked"):
+                model.set_attn_implementation(MASKED)
+        sync(device)
+        t0 = time.perf_counter()
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        sync(device)
+        record["prefill_s"] = time.perf_counter() - t0
+        del out
+        if on_prefill is not None:
+            on_prefill(cache)
+        if method.startswith("masked"):
+            _active_masks = HeadMasks(masks, steps, device)
+        sync(device)
+        t0 = time.perf_counter()
+        tokens = [token]
+        for _ in range(steps):
+            out = model(tokens[-1], past_key_values=cache, use_cache=True)
+            tokens.append(out.logits[:, -1].argmax(dim=-1, keepdim=True))
+        sync(device)
+        record["decode_s"] = time.perf_counter() - t0
+        # The greedy tokens: methods that keep the same tokens must agree (checked by the tests).
+        record["tokens"] = torch.cat(tokens, dim=1).tolist()
+        if steps:
+            record["decode_tokens_per_s"] = ids.shape[0] * steps / record["decode_s"]
+        record["kv_bytes"] = kv_bytes(cache) + (_active_masks.nbytes if _active_masks is not None else 0)
+        record["kv_tokens"] = kv_tokens(cache)
+        if cuda:
+            record["peak_bytes"] = torch.cuda.max_memory_allocated()
+        record["status"] = "ok"
+    except torch.OutOfMemoryError:
+        record["status"] = "out of memory"
+    finally:
+        _active_masks = None
+        if handle is not None:
+            handle.unpatch()
+        elif method.startswith("masked"):
+            model.set_attn_implementation("sdpa")
+        del cache
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return record
+
+
+def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
+    from tqdm.auto import tqdm
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget_methods = [m for m in args.methods if m != "full"]
+    total = len(args.contexts) * len(args.batches) * (("full" in args.methods) + len(budget_methods) * len(args.budgets))
+    bar = tqdm(total=total, desc="e2e", disable=not progress)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            ids = prompt_ids(model, tokenizer, context, batch, device)
+            runs = [("full", None)] if "full" in args.methods else []
+            runs += [(m, b) for b in args.budgets for m in budget_methods]
+            # The masked method needs Ada-SnapKV's kept tokens of its budget: it runs after it.
+            runs.sort(key=lambda r: r[0].startswith("masked"))
+            masks = {}   # budget -> Ada-SnapKV's kept tokens (on the CPU: not in the others' peaks)
+
+            def keep_masks(budget):
+                return lambda cache: masks.__setitem__(budget, kept_masks(cache, context))
+            for method, budget in runs:
+                bar.set_postfix_str(f"{context} x {batch}: {method}" + (f" B={budget}" if budget else ""))
+                if method.startswith("masked") and budget not in masks:   # ada-snapkv not asked for
+                    run_one(model, ids, "ada-snapkv", budget, 0, device, on_prefill=keep_masks(budget))
+                record = run_one(model, ids, method, budget, args.steps, device, masks=masks.get(budget),
+                                 on_prefill=keep_masks(budget) if method == "ada-snapkv" else None)
+                record["model_bytes"] = model_bytes
+                if "peak_bytes" in record:
+                    record["workspace_bytes"] = record["peak_bytes"] - model_bytes - record["kv_bytes"]
+                rows.append(record)
+                bar.update()
+            del ids, masks
+    bar.close()
+    return rows
+
+
+# --- what the runs say ------------------------------------------------------------------------
+def derive(rows: list[dict]) -> dict:
+    """Ratios within one (context, batch), the eviction share, and the largest fit per method."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    def find(method, context, batch, budget=None):
+        return next((r for r in ok if (r["method"], r["context"], r["batch"], r["budget"]) ==
+                     (method, context, batch, budget)), None)
+    for r in ok:
+        full = find("full", r["context"], r["batch"])
+        if full is not None:
+            r["x_full"] = r["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        if r["method"] in ("h2o-step", "caote-step"):
+            snap = find("snapkv", r["context"], r["batch"], r["budget"])
+            if snap is not None:
+                r["eviction_share"] = 1 - snap["decode_s"] / r["decode_s"]
+    largest = {}
+    for r in ok:
+        key = r["method"] + (f"@{r['budget']}" if r["budget"] else "")
+        size = r["batch"] * r["context"]
+        if size > largest.get(key, (0,))[0]:
+            largest[key] = (size, r["batch"], r["context"])
+    return {key: dict(batch=b, context=c) for key, (_, b, c) in largest.items()}
+
+
+def format_table(rows: list[dict]) -> str:
+    big = max((r.get("peak_bytes", r.get("kv_bytes", 0)) for r in rows), default=0) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+
+    def size(n) -> str:
+        return "—" if n is None else f"{n / scale:.2f}"
+    head = (f"| context | batch | method | B | prefill s | decode tok/s | x full | peak {unit} | KV {unit} "
+            f"| workspace {unit} | eviction share |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['budget'] or '—'} "
+                         f"| {r['status']} | | | | | | |")
+            continue
+        x = f"{r['x_full']:.2f}" if "x_full" in r else "—"
+        share = f"{100 * r['eviction_share']:.1f}%" if "eviction_share" in r else "—"
+        lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['budget'] or '—'} "
+                     f"| {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {x} "
+                     f"| {size(r.get('peak_bytes'))} | {size(r['kv_bytes'])} | {size(r.get('workspace_bytes'))} "
+                     f"| {share} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in rows if r["status"] == "ok"]
+    batches = sorted({r["batch"] for r in ok})
+    keys = sorted({(r["method"], r["budget"] or 0) for r in ok})
+    fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 8), squeeze=False)
+    for col, batch in enumerate(batches):
+        for method, budget in keys:
+            pts = sorted((r["context"], r["decode_tokens_per_s"], r.get("peak_bytes", r["kv_bytes"]))
+                         for r in ok if (r["method"], r["budget"] or 0, r["batch"]) == (method, budget, batch))
+            if not pts:
+                continue
+            label = method + (f" B={budget}" if budget else "")
+            ctx = [p[0] for p in pts]
+            axes[0, col].plot(ctx, [p[1] for p in pts], marker="o", label=label)
+            axes[1, col].plot(ctx, [p[2] / 2**30 for p in pts], marker="o", label=label)
+        axes[0, col].set_title(f"batch {batch}")
+        for row, ylabel in enumerate(("decode tokens/s", "peak GiB" if any("peak_bytes" in r for r in ok)
+                                      else "KV GiB")):
+            axes[row, col].set_xscale("log", base=2)
+            axes[row, col].set_xlabel("context (tokens)")
+            axes[row, col].set_ylabel(ylabel)
+    axes[0, -1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --- the command line -------------------------------------------------------------------------
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("llama8b", "smollm2", "tiny"),
+                        help="default: llama8b on CUDA, smollm2 on CPU")
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--contexts", type=ints, help="default: 8192,32768,131072 (GPU); 1024,2048,4096 (CPU)")
+    parser.add_argument("--batches", type=ints, help="default: 1,4,16 (GPU); 1,4 (CPU)")
+    parser.add_argument("--budgets", type=ints, help="tokens per KV head; default 512,1024,2048 (GPU), 128,256 (CPU)")
+    parser.add_argument("--steps", type=int, help="decode steps; default 256 (GPU), 64 (CPU)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    parser.add_argument("--quick", action="store_true", help="small sizes, prints only (a smoke run)")
+    parser.add_argument("--out", help="the JSON path (default bench/results/e2e-<device>-<date>.json)")
+    parser.add_argument("--plot", nargs="?", const="", help="also a PNG (default: next to the JSON)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    args.model = args.model or ("llama8b" if cuda else "smollm2")
+    quick = args.quick
+    args.contexts = args.contexts or ([512, 1024] if quick else [8192, 32768, 131072] if cuda else [1024, 2048, 4096])
+    args.batches = args.batches or ([1, 2] if quick else [1, 4, 16] if cuda else [1, 4])
+    args.budgets = args.budgets or ([64] if quick else [512, 1024, 2048] if cuda else [128, 256])
+    args.steps = args.steps or (8 if quick else 256 if cuda else 64)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    if min(args.contexts) <= STEP_BLOCK or args.steps < 1:
+        parser.error(f"contexts must exceed the block-wise prefill's block ({STEP_BLOCK}) and steps be >= 1")
+
+    try:   # a budget a method refuses fails now, not after an hour of runs
+        for budget in args.budgets:
+            [POLICIES[m](budget) for m in POLICIES if m in args.methods or m == "ada-snapkv"]
+    except ValueError as e:
+        parser.error(str(e))
+    register_masked()
+    model, tokenizer = build_model(args.model, device, dtype)
+    print(f"e2e on {device_name(device)}: {args.model} ({dtype}), contexts {args.contexts}, batches "
+          f"{args.batches}, budgets {args.budgets}, {args.steps} decode steps, commit {git_commit()}")
+    rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
+    largest = derive(rows)
+    print(format_table(rows))
+    print("largest batch x context that ran: " +
+          ", ".join(f"{k} {v['batch']} x {v['context']}" for k, v in largest.items()))
+    extra = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), steps=args.steps,
+                 step_prefill_block=STEP_BLOCK, largest_fit=largest, table=format_table(rows))
+    path = args.out
+    if path:
+        import json
+        doc = dict(benchmark="e2e", device=device_name(device), commit=git_commit(),
+                   torch=torch.__version__, **extra, rows=rows)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+    elif not quick:
+        path = write_results("e2e", device, rows, extra)
+    if path:
+        print(f"wrote {path}")
+    if args.plot is not None:
+        png = args.plot or (os.path.splitext(path)[0] + ".png" if path else "e2e.png")
+        plot(rows, png, f"{args.model} on {device_name(device)}, {args.steps} decode steps")
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""bench/e2e.py on a tiny random Llama: every method runs; methods that keep the same tokens
+decode the same greedy tokens (the masked cache and Ada-SnapKV at a small budget; everything and
+the full cache at a budget above context + steps); the KV bytes rank as the design says."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
+SMALL, LARGE = 48, 1024          # budgets: one evicts, one keeps every token (contexts 200, 300)
+STEPS = 6
+METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "e2e.json"
+    png = out.with_suffix(".png")
+    import kvcache_ext
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--device", "cpu", "--contexts", "200,300",
+                           "--batches", "1,2", "--budgets", f"{SMALL},{LARGE}", "--steps", str(STEPS),
+                           "--no-progress", "--out", str(out), "--plot", str(png)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f), proc.stdout, png
+
+
+def rows_of(doc, context, batch):
+    return {(r["method"], r["budget"]): r for r in doc["rows"] if (r["context"], r["batch"]) == (context, batch)}
+
+
+def test_every_method_runs_and_the_json_says_what_ran(run):
+    doc, stdout, png = run
+    assert "| context | batch | method |" in stdout and png.is_file()
+    for key in ("device", "commit", "torch", "model", "dtype", "steps", "largest_fit", "rows"):
+        assert key in doc, key
+    assert len(doc["rows"]) == 2 * 2 * (1 + 5 * 2)
+    for r in doc["rows"]:
+        assert r["status"] == "ok" and r["method"] in METHODS
+        assert len(r["tokens"]) == r["batch"] and all(len(t) == STEPS + 1 for t in r["tokens"])
+        assert r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["x_full"] > 0
+    assert doc["largest_fit"]["full"] == {"batch": 2, "context": 300}
+
+
+@pytest.mark.parametrize("context", [200, 300])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_same_kept_tokens_decode_the_same(run, context, batch):
+    rows = rows_of(run[0], context, batch)
+    full = rows[("full", None)]["tokens"]
+    assert rows[("masked-ada-snapkv", SMALL)]["tokens"] == rows[("ada-snapkv", SMALL)]["tokens"]
+    for method in METHODS[1:]:
+        assert rows[(method, LARGE)]["tokens"] == full, method
+
+
+@pytest.mark.parametrize("context", [200, 300])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tokens_held_and_bytes(run, context, batch):
+    rows = rows_of(run[0], context, batch)
+    layers, kv_heads = 4, 2                                            # bench/e2e.py's TINY
+    full = rows[("full", None)]
+    assert full["kv_tokens"] == layers * batch * kv_heads * (context + STEPS)
+    assert rows[("masked-ada-snapkv", SMALL)]["kv_tokens"] == full["kv_tokens"]
+    assert rows[("masked-ada-snapkv", SMALL)]["kv_bytes"] > full["kv_bytes"]   # plus the mask
+    # One-shot: the budget per head on average, then one token per decode step.
+    for method in ("snapkv", "ada-snapkv"):
+        assert rows[(method, SMALL)]["kv_tokens"] == layers * batch * kv_heads * (SMALL + STEPS), method
+        assert rows[(method, SMALL)]["kv_bytes"] < full["kv_bytes"], method
+    # Per-step eviction holds the cache at its budget, and its bytes do not grow with the context
+    # (the store's capacity is budget + prefill block + headroom: at this tiny head_dim of 16 the
+    # score channels and headroom outweigh K and V, so no comparison with the full cache here).
+    longest = rows_of(run[0], 300, batch)
+    for method in ("h2o-step", "caote-step"):
+        assert rows[(method, SMALL)]["kv_tokens"] == layers * batch * kv_heads * SMALL, method
+        assert rows[(method, SMALL)]["kv_bytes"] == longest[(method, SMALL)]["kv_bytes"], method
+
+
+def test_eviction_share_is_derived_for_the_step_methods(run):
+    for r in run[0]["rows"]:
+        assert ("eviction_share" in r) == (r["method"] in ("h2o-step", "caote-step"))
+        if "eviction_share" in r:
+            assert r["eviction_share"] < 1
