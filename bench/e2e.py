@@ -21,11 +21,15 @@ Every (context, batch) runs these methods side by side in one process, on the sa
   papers' protocol), so the prompt's cache never exceeds the budget plus a block.
 
 Reported per run: prefill seconds, decode tokens/s (batch x steps / decode seconds), peak GPU
-memory (``torch.cuda.max_memory_allocated`` over prefill and decode; not measured on CPU),
+memory (``torch.cuda.max_memory_allocated``, of the prefill and of the decode apart, the peak
+column being the larger; not measured on CPU),
 the model's bytes, the KV bytes at the end (``DynamicCache`` K+V; ``RaggedCache.nbytes``: K, V,
 positions, score channels and the free slots the store reserves; for the masked cache, K+V plus
 one bool per token and head), the tokens held (over layers, rows and KV heads; the masked cache
-holds them all), and the workspace: peak - model - KV.
+holds them all), and the decode workspace: decode peak - model - KV at the end.
+
+On CUDA every MLP runs over at most ``--mlp-chunk`` tokens at a time (default 8192): the
+prefill of 16 x 32K tokens would otherwise need 45 GB for one MLP's intermediate activations.
 A run that does not fit is recorded as out of memory, and the next methods go on.
 
 Derived, from runs of one process only:
@@ -94,6 +98,23 @@ def build_model(name: str, device: str, dtype: torch.dtype):
         torch.set_default_dtype(previous)
     model.set_attn_implementation("sdpa")
     return model.eval(), None
+
+
+def chunk_mlps(model, tokens: int) -> None:
+    """Runs every decoder layer's MLP over at most ``tokens`` tokens at a time. An MLP acts on
+    each token alone, so the output is the same; the prefill's largest transient (3 x tokens x
+    the intermediate size: 45 GB for Llama-3.1-8B at 16 x 32K) shrinks to a chunk's. Every
+    method gets the same prefill, so the comparison is unchanged."""
+    for layer in model.model.layers:
+        def chunked(x, forward=layer.mlp.forward):
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.shape[0] <= tokens:
+                return forward(x)
+            out = torch.empty_like(flat)
+            for start in range(0, flat.shape[0], tokens):
+                out[start:start + tokens] = forward(flat[start:start + tokens])
+            return out.view(x.shape)
+        layer.mlp.forward = chunked
 
 
 def prompt_ids(model, tokenizer, context: int, batch: int, device: str) -> torch.Tensor:
@@ -195,6 +216,9 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         sync(device)
         record["prefill_s"] = time.perf_counter() - t0
         del out
+        if cuda:   # the decode phase's own peak, apart from the prefill's transients
+            record["prefill_peak_bytes"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         if on_prefill is not None:
             on_prefill(cache)
         if method.startswith("masked"):
@@ -214,7 +238,8 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         record["kv_bytes"] = kv_bytes(cache) + (_active_masks.nbytes if _active_masks is not None else 0)
         record["kv_tokens"] = kv_tokens(cache)
         if cuda:
-            record["peak_bytes"] = torch.cuda.max_memory_allocated()
+            record["decode_peak_bytes"] = torch.cuda.max_memory_allocated()
+            record["peak_bytes"] = max(record["prefill_peak_bytes"], record["decode_peak_bytes"])
         record["status"] = "ok"
     except torch.OutOfMemoryError:
         record["status"] = "out of memory"
@@ -256,8 +281,8 @@ def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
                 record = run_one(model, ids, method, budget, args.steps, device, masks=masks.get(budget),
                                  on_prefill=keep_masks(budget) if method == "ada-snapkv" else None)
                 record["model_bytes"] = model_bytes
-                if "peak_bytes" in record:
-                    record["workspace_bytes"] = record["peak_bytes"] - model_bytes - record["kv_bytes"]
+                if "peak_bytes" in record:   # what decoding needs beyond the model and the cache
+                    record["workspace_bytes"] = record["decode_peak_bytes"] - model_bytes - record["kv_bytes"]
                 rows.append(record)
                 bar.update()
             del ids, masks
@@ -359,6 +384,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", type=ints, help="tokens per KV head; default 512,1024,2048 (GPU), 128,256 (CPU)")
     parser.add_argument("--steps", type=int, help="decode steps; default 256 (GPU), 64 (CPU)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    parser.add_argument("--mlp-chunk", type=int, help="tokens per MLP call in the prefill; 0: off "
+                        "(default 8192 on CUDA, off on CPU)")
     parser.add_argument("--quick", action="store_true", help="small sizes, prints only (a smoke run)")
     parser.add_argument("--out", help="the JSON path (default bench/results/e2e-<device>-<date>.json)")
     parser.add_argument("--plot", nargs="?", const="", help="also a PNG (default: next to the JSON)")
@@ -390,6 +417,9 @@ def main(argv=None) -> int:
         parser.error(str(e))
     register_masked()
     model, tokenizer = build_model(args.model, device, dtype)
+    args.mlp_chunk = args.mlp_chunk if args.mlp_chunk is not None else 8192 if cuda else 0
+    if args.mlp_chunk:
+        chunk_mlps(model, args.mlp_chunk)
     print(f"e2e on {device_name(device)}: {args.model} ({dtype}), contexts {args.contexts}, batches "
           f"{args.batches}, budgets {args.budgets}, {args.steps} decode steps, commit {git_commit()}")
     rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
@@ -398,7 +428,7 @@ def main(argv=None) -> int:
     print("largest batch x context that ran: " +
           ", ".join(f"{k} {v['batch']} x {v['context']}" for k, v in largest.items()))
     extra = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), steps=args.steps,
-                 step_prefill_block=STEP_BLOCK, largest_fit=largest, table=format_table(rows))
+                 step_prefill_block=STEP_BLOCK, mlp_chunk=args.mlp_chunk, largest_fit=largest, table=format_table(rows))
     path = args.out
     if path:
         import json

@@ -87,3 +87,21 @@ def test_eviction_share_is_derived_for_the_step_methods(run):
         assert ("eviction_share" in r) == (r["method"] in ("h2o-step", "caote-step"))
         if "eviction_share" in r:
             assert r["eviction_share"] < 1
+
+
+def test_chunked_mlps_give_the_same_logits():
+    """--mlp-chunk splits the prefill's MLPs over tokens; an MLP is per token, so nothing changes."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import e2e
+    finally:
+        sys.path.pop(0)
+    model, _ = e2e.build_model("tiny", "cpu", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        e2e.chunk_mlps(model, 64)                 # 300 tokens: chunks of 64, 64, 64, 64, 44
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want, torch.zeros_like(want))
