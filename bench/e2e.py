@@ -367,6 +367,32 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(paths: list[str], out: str | None, png: str | None) -> int:
+    """The rows of several result files as one table (each (context, batch) from one run)."""
+    import json
+    docs = [json.load(open(p)) for p in paths]
+    rows = [r for d in docs for r in d["rows"]]
+    seen = {}
+    for i, d in enumerate(docs):
+        for r in d["rows"]:
+            key = (r["context"], r["batch"])
+            if seen.setdefault(key, i) != i:
+                sys.exit(f"e2e --report: context {key[0]} x batch {key[1]} is in two runs; ratios "
+                         "must come from one run")
+    largest = derive(rows)
+    print(format_table(rows))
+    if out:
+        merged = dict(docs[0], rows=rows, largest_fit=largest, table=format_table(rows), merged_from=paths)
+        with open(out, "w") as f:
+            json.dump(merged, f, indent=2)
+        print(f"wrote {out}")
+    if png is not None:
+        png = png or os.path.splitext(out or paths[0])[0] + ".png"
+        plot(rows, png, f"{docs[0]['model']} on {docs[0]['device']}, {docs[0]['steps']} decode steps")
+        print(f"wrote {png}")
+    return 0
+
+
 # --- the command line -------------------------------------------------------------------------
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -390,7 +416,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="the JSON path (default bench/results/e2e-<device>-<date>.json)")
     parser.add_argument("--plot", nargs="?", const="", help="also a PNG (default: next to the JSON)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="runs nothing: the table (and --plot) of earlier result files together, "
+                        "e.g. one context per file when a machine limits how long a command may run")
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report, args.out, args.plot)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
@@ -432,7 +463,9 @@ def main(argv=None) -> int:
     path = args.out
     if path:
         import json
-        doc = dict(benchmark="e2e", device=device_name(device), commit=git_commit(),
+        import datetime
+        doc = dict(benchmark="e2e", device=device_name(device), date=datetime.date.today().isoformat(),
+                   commit=git_commit(),
                    torch=torch.__version__, **extra, rows=rows)
         with open(path, "w") as f:
             json.dump(doc, f, indent=2)

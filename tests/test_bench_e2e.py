@@ -105,3 +105,15 @@ def test_chunked_mlps_give_the_same_logits():
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(want, torch.zeros_like(want))
+
+
+def test_report_reprints_runs_and_refuses_a_case_from_two_runs(run, tmp_path):
+    doc, stdout, _ = run
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(doc))
+    table = subprocess.run([sys.executable, SCRIPT, "--report", str(path)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0 and table.stdout.strip() == doc["table"]
+    twice = subprocess.run([sys.executable, SCRIPT, "--report", str(path), str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert twice.returncode != 0 and "ratios must come from one run" in twice.stderr
