@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Reproduces every result of docs/results.md on the default model (SmolLM2-135M-Instruct, fp32,
 # CPU). Each command writes its JSON (records, table rows, the exact arguments and commit) and
-# its plot next to this script. About 60 minutes on 2 CPU cores.
+# its plot next to this script. About 110 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")"
 PAPERS=full,streamingllm,h2o,tova,snapkv,pyramidkv,ada-snapkv,ada-pyramidkv,caote-h2o,caote-tova,caote-snapkv,ahakv,roco,kvec
-# At 4K the methods whose one-shot score sums the whole prompt attention matrix in PyTorch
-# (h2o, caote-h2o, ahakv, roco) take about 45 s per run on 2 cores; the 4K sweep leaves them out.
+# At 4K the first sweep leaves out h2o, caote-h2o, ahakv and roco, whose one-shot scoring was
+# slow there (about 45 s per run on 2 cores); the last command runs them at 4K, query-aware only.
 CHEAP=full,streamingllm,tova,snapkv,pyramidkv,ada-snapkv,ada-pyramidkv,caote-tova,caote-snapkv,kvec
 
 # Passkey retrieval, query-aware and query-agnostic, one-shot compression of the prompt.
@@ -35,6 +35,6 @@ kvcache-ext eval --task passkey --policy full,tova,tova-head,caote-tova,caote-to
   --budget 64,128,256,512 --lengths 1024,2048 --depths 0.1,0.5,0.9 --mode aware \
   --json passkey-tova.json --plot passkey-tova.png --no-progress
 
-# The four methods left out of the 4K sweep above, query-aware only (about 35 minutes).
+# The four methods left out of the 4K sweep above, query-aware only (2942 s, with other jobs).
 kvcache-ext eval --task passkey --policy full,h2o,caote-h2o,ahakv,roco --budget 64,128,256,512 \
   --lengths 4096 --depths 0.1,0.5,0.9 --mode aware --json passkey-4k-dense.json --plot passkey-4k-dense.png --no-progress

@@ -127,6 +127,7 @@ def main(args) -> int:
         print(f"kvcache-ext eval: {err}", file=sys.stderr)
         return 2
     torch.set_grad_enabled(False)
+    commit = _git_commit()   # now: the checkout may move on during a long run
     start = time.perf_counter()
     try:
         records, rows = run(args, model, tokenizer)
@@ -141,7 +142,7 @@ def main(args) -> int:
     print(format_table(rows))
     if args.json:
         meta = {"command": "kvcache-ext eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None,
-                "args": vars(args), "model": model_name, "commit": _git_commit(),
+                "args": vars(args), "model": model_name, "commit": commit,
                 "torch": torch.__version__, "machine": platform.machine(), "seconds": seconds,
                 "threads": torch.get_num_threads()}
         with open(args.json, "w") as f:
