@@ -344,6 +344,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     batches = sorted({r["batch"] for r in ok})
     keys = sorted({(r["method"], r["budget"] or 0) for r in ok})
+    budgets = sorted({b for _, b in keys})
+    color = {m: plt.cm.tab10(i) for i, m in enumerate(METHODS)}          # colour: method
+    style = {b: ("-", "--", ":", "-.")[i % 4] for i, b in enumerate(budgets)}   # line: budget
     fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 8), squeeze=False)
     for col, batch in enumerate(batches):
         for method, budget in keys:
@@ -353,12 +356,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 continue
             label = method + (f" B={budget}" if budget else "")
             ctx = [p[0] for p in pts]
-            axes[0, col].plot(ctx, [p[1] for p in pts], marker="o", label=label)
-            axes[1, col].plot(ctx, [p[2] / 2**30 for p in pts], marker="o", label=label)
+            line = dict(color=color[method], linestyle=style[budget], marker="o", label=label)
+            axes[0, col].plot(ctx, [p[1] for p in pts], **line)
+            axes[1, col].plot(ctx, [p[2] / 2**30 for p in pts], **line)
         axes[0, col].set_title(f"batch {batch}")
         for row, ylabel in enumerate(("decode tokens/s", "peak GiB" if any("peak_bytes" in r for r in ok)
                                       else "KV GiB")):
             axes[row, col].set_xscale("log", base=2)
+            axes[row, col].grid(alpha=0.3)
             axes[row, col].set_xlabel("context (tokens)")
             axes[row, col].set_ylabel(ylabel)
     axes[0, -1].legend(fontsize=7)
