@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, git_commit, sync, write_results  # noqa: E402
 
+from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
 from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
 
 # Llama-3.1-8B's architecture (its config.json), built with random weights: no download.
@@ -175,12 +176,6 @@ def kept_masks(cache, prompt_len: int) -> list[torch.Tensor]:
 
 
 # --- one run ----------------------------------------------------------------------------------
-def kv_bytes(cache) -> int:
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
-
 def kv_tokens(cache) -> int:
     """Tokens held, summed over layers, batch rows and KV heads."""
     if hasattr(cache, "kept_tokens"):
@@ -235,7 +230,7 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         record["tokens"] = torch.cat(tokens, dim=1).tolist()
         if steps:
             record["decode_tokens_per_s"] = ids.shape[0] * steps / record["decode_s"]
-        record["kv_bytes"] = kv_bytes(cache) + (_active_masks.nbytes if _active_masks is not None else 0)
+        record["kv_bytes"] = cache_bytes(cache) + (_active_masks.nbytes if _active_masks is not None else 0)
         record["kv_tokens"] = kv_tokens(cache)
         if cuda:
             record["decode_peak_bytes"] = torch.cuda.max_memory_allocated()
