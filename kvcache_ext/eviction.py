@@ -74,17 +74,33 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     state.ensure_storage(q, k)
     fresh = state.seen == 0
     state.seen += n
-    if fresh and n > 1 and state.policy.schedule.prefill_block is None:
+    schedule = state.policy.schedule
+    if fresh and n > 1 and schedule.prefill_block is None:
         out = dense_attention(module, q, k, v, attention_mask, scaling=scale, dropout=0.0, **kwargs)[0]
         compress_prompt(state, q, k, v, pos, valid, scale)
+        release_prefill_slack(state)
         return out
     if fresh:
         state.ensure_budget(valid.sum(dim=1))
     if n == 1:
         return attend_block(state, q, k, v, pos, valid, scale, decode=True,
                             all_valid=all_valid).transpose(1, 2)
-    block = min(state.policy.schedule.prefill_block or MAX_BLOCK, MAX_BLOCK)
-    return attend_in_blocks(state, q, k, v, pos, valid, scale, block, all_valid).transpose(1, 2)
+    block = min(schedule.prefill_block or MAX_BLOCK, MAX_BLOCK)
+    out = attend_in_blocks(state, q, k, v, pos, valid, scale, block, all_valid)
+    if fresh:
+        release_prefill_slack(state)
+    return out.transpose(1, 2)
+
+
+def release_prefill_slack(state: LayerState) -> None:
+    """After a prompt, a cache that decoding holds at its budget keeps room only for the
+    tokens that arrive between two evictions. The prefill's growth left room for far more: a
+    block-wise prefill needs budget + block slots per head (twice the budget at 128 / 128), and
+    a regrowth leaves half a segment of headroom. A cache that grows while decoding keeps its
+    headroom, which spares it a regrowth."""
+    every = state.policy.schedule.decode_every
+    if every is not None:
+        state.kv.trim(every)
 
 
 def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int,

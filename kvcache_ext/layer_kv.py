@@ -92,6 +92,11 @@ class RaggedLayerKV:
         _, counts = grouped_topk(flat, pos32, start, lens, scores.shape[1], k.to(torch.int64))
         return counts.view(scores.shape[:2]).long()
 
+    def trim(self, extra: int) -> None:
+        """Releases the free slots but ``extra`` per segment (two relayouts of the store)."""
+        self.store.shrink_to_fit()
+        self.store.reserve(extra)
+
     # --- accounting ------------------------------------------------------------------------
     @property
     def lens(self) -> torch.Tensor:

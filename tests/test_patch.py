@@ -292,6 +292,39 @@ def test_stores_hold_only_the_kept_tokens():
     assert ragged.nbytes < masked.nbytes / 3
 
 
+@pytest.mark.parametrize("schedule", [EveryStep(), EveryStep(prefill_block=16), EveryNSteps(3)],
+                         ids=repr)
+def test_a_cache_held_at_its_budget_keeps_no_prefill_slack(schedule):
+    """After the prompt, a per-step (or every-N) cache has room for the tokens between two
+    evictions only, and decoding never regrows it; a growing cache keeps its headroom."""
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=120, pad=(0, 7))
+    budget, B, H = 20, 2, 2
+    every = schedule.decode_every
+    with kvcache_ext.patch(model, Policy(H2O(), budget=budget, schedule=schedule)) as handle:
+        cache = handle.new_cache()
+        teacher_forced(model, cache, ids, mask, steps=0)
+        stores = [cache.layer_kv(layer).store for layer in range(3)]
+        for store in stores:
+            assert store.num_tokens == B * H * budget
+            assert store.capacity == store.num_tokens + B * H * every
+        after_prefill = cache.nbytes
+        fed = fed_tokens(B, 7)
+        pos = (mask.cumsum(dim=1) - 1).clamp_min(0)[:, -1:]
+        with torch.no_grad():
+            for t in range(7):
+                step_mask = torch.cat([mask, torch.ones(B, t + 1, dtype=mask.dtype)], dim=1)
+                model(fed[:, t:t + 1], attention_mask=step_mask, position_ids=pos + t + 1,
+                      past_key_values=cache, use_cache=True)
+        assert cache.nbytes == after_prefill                      # no regrowth while decoding
+        assert all(store.capacity == B * H * (budget + every) for store in stores)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=budget, schedule=BlockwisePrefill(16))) as handle:
+        growing = handle.new_cache()
+        teacher_forced(model, growing, ids, mask, steps=0)
+        store = growing.layer_kv(0).store
+        assert store.capacity > store.num_tokens + B * H              # headroom for the growth
+
+
 def test_bfloat16_model_runs_and_matches_unpatched_at_full_budget():
     model = tiny_model("llama", dtype=torch.bfloat16)
     ids, mask = inputs(batch=2, pad=(0, 3))

@@ -110,6 +110,9 @@ class MaskedLayerKV:
         _, counts = grouped_topk(flat, fpos, lens.cpu(), H, k.cpu())
         return counts.view(B, H).long().to(scores.device)
 
+    def trim(self, extra: int) -> None:
+        """Nothing to release: a masked cache keeps every token."""
+
     @property
     def lens(self) -> torch.Tensor:
         return self.alive.sum(dim=-1).cpu()
