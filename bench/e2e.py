@@ -451,15 +451,19 @@ def main(argv=None) -> int:
     args.mlp_chunk = args.mlp_chunk if args.mlp_chunk is not None else 8192 if cuda else 0
     if args.mlp_chunk:
         chunk_mlps(model, args.mlp_chunk)
+    import kvcache_ext
+    package = os.path.dirname(os.path.abspath(kvcache_ext.__file__))   # installed, or the checkout
     print(f"e2e on {device_name(device)}: {args.model} ({dtype}), contexts {args.contexts}, batches "
-          f"{args.batches}, budgets {args.budgets}, {args.steps} decode steps, commit {git_commit()}")
+          f"{args.batches}, budgets {args.budgets}, {args.steps} decode steps, commit {git_commit()}, "
+          f"kvcache_ext from {package}")
     rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
     largest = derive(rows)
     print(format_table(rows))
     print("largest batch x context that ran: " +
           ", ".join(f"{k} {v['batch']} x {v['context']}" for k, v in largest.items()))
     extra = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), steps=args.steps,
-                 step_prefill_block=STEP_BLOCK, mlp_chunk=args.mlp_chunk, largest_fit=largest, table=format_table(rows))
+                 step_prefill_block=STEP_BLOCK, mlp_chunk=args.mlp_chunk, kvcache_ext_path=package,
+                 largest_fit=largest, table=format_table(rows))
     path = args.out
     if path:
         import json
