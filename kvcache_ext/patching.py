@@ -6,6 +6,8 @@ Uses transformers' public extension points only: an attention function registere
 """
 from __future__ import annotations
 
+import inspect
+
 import weakref
 
 from transformers import AttentionInterface
@@ -117,12 +119,14 @@ def patch(model, policy: Policy) -> PatchHandle:
     model.set_attn_implementation(f"kvcache_ext_{dense}")
 
     prepare = model._prepare_cache_for_generation   # bound method of the class
+    # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
-        if (model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        if (model_kwargs.get(key) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
             cache = handle.new_cache()
-            model_kwargs["past_key_values"] = cache
+            model_kwargs[key] = cache
             handle._last_cache = weakref.ref(cache)
         return prepare(generation_config, model_kwargs, *args, **kwargs)
 
