@@ -48,6 +48,9 @@ def device_name(device: str) -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash, or $KVCACHE_EXT_COMMIT where the tree travelled without .git (gpu_check.sh)."""
+    if os.environ.get("KVCACHE_EXT_COMMIT"):
+        return os.environ["KVCACHE_EXT_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
