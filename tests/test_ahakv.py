@@ -19,9 +19,10 @@ from kvcache_ext.layer_kv import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryStep, H2O, OneShot, Policy,
                                   PromptView, Protection, Pyramid, Uniform)
 from kvcache_ext.policies.ahakv import AhaKV, sg_lambda
+from kvcache_ext.policies.pooling import Pooling
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
 from test_patch import inputs, teacher_forced
-from literal import held_layout
+from literal import held_layout, literal_pool, outside_window
 from tiny_models import tiny_model
 
 TOL = dict(rtol=1e-5, atol=1e-6)        # the scorer's float32 against the literal float64
@@ -105,12 +106,26 @@ def lit_prompt_scores(s: AhaKV, q, k, v, budget):
                              budget, m)
 
 
+def lit_pooled(s: AhaKV, F, positions):
+    """The eviction score: F (a list in position order) pooled by ``score_pool`` over the
+    tokens outside the B_r newest (the errata of seed-002); F itself when score_pool is None."""
+    if s.score_pool is None:
+        return list(F)
+    live = outside_window(positions, s.recent)
+    x = torch.tensor(F, dtype=torch.float64)
+    return literal_pool(x, s.score_pool.kernel, s.score_pool.mode, live).tolist()
+
+
 def lit_keep(s: AhaKV, entries, budget):
     """Alg. 1 lines 12 / 30: the recent B_r tokens (and the sinks) plus the TopK of the rest
-    by score (ties to the lower position). entries: dicts with pos and F, in position order."""
+    by (pooled) score (ties to the lower position). entries: dicts with pos and F, in position
+    order."""
     last = max(e["pos"] for e in entries)
+    pooled = lit_pooled(s, [e["F"] for e in entries], [e["pos"] for e in entries])
+    for e, x in zip(entries, pooled):
+        e["S"] = x
     prot = [e for e in entries if e["pos"] > last - s.recent or e["pos"] < s.sinks]
-    rest = sorted((e for e in entries if not any(e is p for p in prot)), key=lambda e: (-e["F"], e["pos"]))
+    rest = sorted((e for e in entries if not any(e is p for p in prot)), key=lambda e: (-e["S"], e["pos"]))
     keep = prot + rest[:max(budget - len(prot), 0)]
     return sorted(keep, key=lambda e: e["pos"])
 
@@ -186,6 +201,8 @@ def assert_same(got, lit, where):
 
 VARIANTS = [
     AhaKV(recent=4, kernel=3),
+    AhaKV(recent=3, kernel=3, score_pool=None),                   # before the errata: F^ unpooled
+    AhaKV(recent=3, kernel=3, score_pool=Pooling(5, "avg")),
     AhaKV(recent=3, rows=6, kernel=5, gqa="sum"),
     AhaKV(recent=4, kernel=1, reading="literal", gqa="max"),
     AhaKV(recent=2, kernel=7, prefill_i="prompt", budget_k="selected"),
@@ -202,15 +219,21 @@ def test_prompt_scores_follow_the_equations(scorer, seed):
     for H, G in LAYOUTS:
         p = random_prompt(seed, 3, H, G, 24, lens=[24, 17, 9], budget=8)
         scores, channels = scorer.prompt_scores(p)
-        assert torch.equal(channels[..., 0], scores)
+        if scorer.score_pool is None:
+            assert torch.equal(channels[..., 0], scores)
         for b in range(3):
-            want = torch.tensor(lit_prompt_scores(scorer, *real(p, b), 8), dtype=torch.float64)
+            F_hat = lit_prompt_scores(scorer, *real(p, b), 8)          # per head, the channel F_0
+            positions = p.pos[b, p.valid[b]].tolist()
+            torch.testing.assert_close(channels[b][:, p.valid[b], 0].double(),
+                                       torch.tensor(F_hat, dtype=torch.float64), **TOL)
+            want = torch.tensor([lit_pooled(scorer, F, positions) for F in F_hat], dtype=torch.float64)
             torch.testing.assert_close(scores[b][:, p.valid[b]].double(), want, **TOL)
         assert torch.isfinite(scores).all()
 
 
 DECODE_VARIANTS = [
     AhaKV(recent=3, kernel=3),                                            # the spec's defaults
+    AhaKV(recent=3, kernel=3, score_pool=None),
     AhaKV(recent=3, kernel=5, decode_i="position", gqa="sum"),
     AhaKV(recent=2, rows=4, kernel=3, decode_i="cache", reading="literal", sinks=1),
     AhaKV(recent=3, kernel=3, decode_prior=True, gqa="max", budget_k="selected", prefill_i="prompt"),

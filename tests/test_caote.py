@@ -28,7 +28,7 @@ from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView,
 from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy, caote_scores
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
 from test_patch import assert_paths_agree, inputs, teacher_forced
-from literal import held_layout, literal_pool
+from literal import held_layout, literal_pool, outside_window
 from tiny_models import tiny_model
 
 TOL = dict(rtol=1e-5, atol=1e-6)      # library float32 against literal float64
@@ -134,7 +134,8 @@ def literal_view_case(source, view, b, h, s=None):
         visible = pos[None, :] <= q_pos[:, None]
         raw = [literal_softmax_rows(view.q[b, h * G + g, -w:], view.k[b, h, :m], view.scale, visible).sum(dim=0)
                for g in range(G)]
-    return [literal_pool(x, s.kernel, s.pooling) for x in raw]
+    live = outside_window(view.pos[b, h, :m].tolist() + [int(view.last_pos[b])], s.window)[:m]
+    return [literal_pool(x, s.kernel, s.pooling, live) for x in raw]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -148,8 +149,10 @@ def test_cache_scores_follow_the_equations(source, fast, gqa):
         scorer = CAOTE(H2O(), fast=fast, gqa="shared" if source == "h2o_shared" else gqa, max_groups=4)
     elif source == "tova":
         scorer = CAOTE(TOVA(), fast=fast, gqa=gqa)
-    elif source == "custom":
-        scorer = CAOTE(Doubled(), fast=fast, gqa=gqa)
+    elif source == "custom":   # no per-head scores: only its own (shared) reading
+        with pytest.raises(ValueError, match="per-query-head scores"):
+            CAOTE(Doubled(), fast=fast, gqa=gqa)
+        scorer = CAOTE(Doubled(), fast=fast, gqa="shared")
     else:
         s = SnapKV(window=3, kernel=3, pooling="avg" if source == "snapkv_block" else "max")
         scorer = CAOTE(s, fast=fast, gqa=gqa)
@@ -202,7 +205,7 @@ def make_prompt(seed, B=2, H=2, G=2, n=12, D=8, dtype=torch.float32):
 def test_one_shot_prompt_scores_follow_the_equations(base, fast, G):
     """One-shot prefill: the dense prompt's candidates (each row's real tokens, left-padded
     batch) scored with the same formula, from literal per-head attention."""
-    scorer = CAOTE(base, fast=fast)
+    scorer = CAOTE(base, fast=fast, gqa="group_l2")
     p = make_prompt(7 + G, G=G)
     scores, channels = scorer.prompt_scores(p)
     H = p.k.shape[1]
@@ -216,10 +219,11 @@ def test_one_shot_prompt_scores_follow_the_equations(base, fast, G):
                 hs = [A[-1] for A in heads]                                 # the newest query's row
             else:
                 w = min(base.window, m)
+                live = outside_window(p.pos[b, idx].tolist(), base.window)
                 if base.order == "pool_then_mean":
-                    hs = [sum(literal_pool(row, base.kernel, base.pooling) for row in A[-w:]) for A in heads]
+                    hs = [sum(literal_pool(row, base.kernel, base.pooling, live) for row in A[-w:]) for A in heads]
                 else:
-                    hs = [literal_pool(A[-w:].sum(dim=0), base.kernel, base.pooling) for A in heads]
+                    hs = [literal_pool(A[-w:].sum(dim=0), base.kernel, base.pooling, live) for A in heads]
             want = literal_group([literal_caote(x, p.v[b, h, idx], fast) for x in hs], "group_l2")
             torch.testing.assert_close(scores[b, h, idx].double(), want, **TOL)
             if isinstance(base, H2O):   # the base's group sum, then the per-query-head accumulators
@@ -246,7 +250,7 @@ def test_h2o_query_head_accumulators_over_blocks_and_decode(storage):
     valid = torch.arange(total) >= pad[:, None]
     pos = (torch.arange(total) - pad[:, None]).masked_fill(~valid, 1)
     scale = 1 / math.sqrt(D)
-    scorer = CAOTE(H2O(), max_groups=4)
+    scorer = CAOTE(H2O(), max_groups=4, gqa="group_l2")
     state = LayerState(0, 1, Policy(scorer, budget=100, schedule=EveryStep(prefill_block=5)), storage)
     state.ensure_storage(q, k)
     state.seen = n
@@ -455,16 +459,17 @@ def test_composition_delegates_to_the_base_and_validates():
         CAOTE(base="h2o")
     with pytest.raises(ValueError, match="pool_then_mean"):    # the base's own schedule check
         Policy(CAOTE(SnapKV(order="pool_then_mean")), budget=64, schedule=EveryStep())
-    s = CAOTE(H2O(recent=3))
+    s = CAOTE(H2O(recent=3), gqa="group_l2")   # per-head: H2O keeps per-query-head accumulators
     assert s.default_protection() == Protection(recent=3) and s.output_after_eviction
     assert s.channels == 1 + 8 and s.update_stats == ("mass", "last") and s.updates_from_view
-    assert s.needs_kv and s.needs_queries and s.source == "h2o"
-    s = CAOTE(SnapKV(window=5))
+    assert s.needs_kv and s.needs_queries and s.base == H2O(recent=3)
+    s = CAOTE(SnapKV(window=5), gqa="group_l2")
     assert s.default_protection() == Protection(recent=5) and s.stats_window == 5
     assert s.channels == 0 and s.evict_stats == ("mass", "last") and not s.updates_from_view
     s = CAOTE(H2O(), gqa="shared")
     assert s.channels == 1 and s.update_stats == ("mass",) and not s.updates_from_view
-    assert CAOTE(Random()).source == "shared" and CAOTE(TOVA()).evict_stats == ("last",)
+    assert CAOTE().gqa == "shared" and CAOTE(Random()).channels == Random().channels
+    assert CAOTE(TOVA()).evict_stats == ("last",) and not CAOTE(TOVA()).needs_queries
     f = FastCAOTE(TOVA())
     assert f.fast and isinstance(f.base, TOVA) and isinstance(FastCAOTE().base, H2O)
     p = caote_policy(SnapKV(), budget=2048, fast=True, allocation=AdaKV())
@@ -475,7 +480,7 @@ def test_composition_delegates_to_the_base_and_validates():
 def test_runtime_errors_name_the_fix():
     model = tiny_model("llama", heads=6, kv_heads=2)           # G = 3
     ids, mask = inputs(batch=1, length=20)
-    with kvcache_ext.patch(model, Policy(CAOTE(H2O(), max_groups=2), budget=8)) as handle:
+    with kvcache_ext.patch(model, Policy(CAOTE(H2O(), max_groups=2, gqa="group_l2"), budget=8)) as handle:
         with pytest.raises(ValueError, match="max_groups=3"):
             teacher_forced(model, handle.new_cache(), ids, mask, steps=1)
 

@@ -90,7 +90,7 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert make_policy("full", 64) is None
     for name in POLICY_NAMES[1:]:
         assert make_policy(name, 64).budget == 64
-        if name != "kvec":   # K-VEC is one-shot only, and says so
+        if not name.startswith("kvec"):   # K-VEC is one-shot only, and says so
             assert make_policy(name, 64, Schedule(prefill_block=16, decode_every=1)).schedule.prefill_block == 16
     with pytest.raises(ValueError, match="one-shot"):
         make_policy("kvec", 64, Schedule(prefill_block=16))
@@ -100,6 +100,11 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert not make_policy("caote-h2o", 64).scorer.output_after_eviction
     assert make_policy("caote-h2o-eq7", 64).scorer.output_after_eviction
     assert make_policy("caote-tova-shared", 64).scorer.gqa == "shared"
+    assert make_policy("caote-tova", 64).scorer.gqa == "shared"            # the base's own reading
+    assert make_policy("caote-h2o-l2", 64).scorer.gqa == "group_l2"
+    assert make_policy("ahakv-nopool", 64).scorer.score_pool is None
+    assert make_policy("kvec-nopool", 64).scorer.kernel == 1 and make_policy("snapkv-nopool", 64).scorer.kernel == 1
+    assert make_policy("roco-pool", 64).scorer.pooling.kernel == 7
     assert parse_policies("all") == list(POLICY_NAMES)
     assert parse_policies(" SnapKV , full") == ["snapkv", "full"]
     with pytest.raises(ValueError, match="unknown policy"):

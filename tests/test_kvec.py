@@ -102,7 +102,7 @@ def literal_kvec_row(A, G, s: KVEC, layer: int, counts: list[int], budget: int, 
 
     def eq8(rows):        # (1/O) sum over the last `rows` queries, per KV head, pooled if asked
         P = literal_group(A[:, m - rows:, :].sum(dim=1) / rows, G, s.gqa)
-        return literal_pool(P, s.kernel, s.pooling) if s.kernel > 1 else P
+        return literal_pool(P, s.kernel, s.pooling, [j in cands for j in range(m)]) if s.kernel > 1 else P
 
     P, P_ext = eq8(O), eq8(Ox)
     # Eq. 10: std of P over the candidate tokens; the δ lowest take Eq. 11.
@@ -192,15 +192,15 @@ def engine_kvec(views: list[PromptView], policy: Policy, storage):
 
 CASES = [
     # (scorer, budget or ratio, allocation, rows' lengths, n, KV heads, G, layers)
-    (KVEC(window=4, extended_window=8, delta=1), 10, Uniform(), [40, 33, 3], 40, 2, 2, 4),
-    (KVEC(), 12, Uniform(), [60, 47], 60, 4, 2, 3),                          # the paper's defaults
+    (KVEC(kernel=1, window=4, extended_window=8, delta=1), 10, Uniform(), [40, 33, 3], 40, 2, 2, 4),
+    (KVEC(kernel=1), 12, Uniform(), [60, 47], 60, 4, 2, 3),       # the paper's equations, unpooled
     (KVEC(window=3, extended_window=7, delta=2, beta=0.5, lam=2.0, keep_recent=3, kernel=3),
      11, Uniform(), [36, 20, 9], 36, 3, 2, 3),
     (KVEC(window=4, extended_window=6, delta=5, gqa="max", importance_heads="kv",
           protect_value=float("inf"), kernel=3, pooling="avg"), 9, Uniform(), [30, 25], 30, 2, 4, 3),
-    (KVEC(window=5, extended_window=9, delta=1), 0.3, Uniform(), [44, 31], 44, 4, 1, 3),   # ratio, MHA
-    (KVEC(window=4, extended_window=8, delta=1, keep_recent=2), 14, Pyramid(beta=3), [50, 38], 50, 2, 2, 4),
-    (KVEC(window=4, extended_window=8, beta=0.0), 8, Uniform(), [28, 28], 28, 1, 4, 3),       # MQA
+    (KVEC(kernel=1, window=5, extended_window=9, delta=1), 0.3, Uniform(), [44, 31], 44, 4, 1, 3),   # ratio, MHA
+    (KVEC(kernel=1, window=4, extended_window=8, delta=1, keep_recent=2), 14, Pyramid(beta=3), [50, 38], 50, 2, 2, 4),
+    (KVEC(kernel=1, window=4, extended_window=8, beta=0.0), 8, Uniform(), [28, 28], 28, 1, 4, 3),       # MQA
 ]
 
 
@@ -234,7 +234,7 @@ def test_engine_keeps_the_literal_tokens_layer_after_layer(case, storage):
 def test_prompt_scores_directly_layer_by_layer():
     """The PromptView interface alone (one shared dict, layers in order): the scores' top-B per
     head is the literal selection; layers out of order are refused."""
-    scorer = KVEC(window=4, extended_window=8, delta=1)
+    scorer = KVEC(kernel=1, window=4, extended_window=8, delta=1)
     policy = Policy(scorer, budget=10)
     views = make_layers(7, [30, 22], 30, 2, 2, 3)
     want, _, counts, gap = literal_kvec(views, scorer, policy)
@@ -278,7 +278,7 @@ def test_hand_checked_least_focused_heads_are_rescored():
               [0.4, 0.3, 0.2, 0.1], [0.55, 0.15, 0.15, 0.15]]
     probs, slots, cand, pos = one_row([[older, row] for row in newest])
     for delta, heads in [(0, []), (1, [0]), (2, [0, 2]), (3, [0, 2, 3]), (9, [0, 2, 3, 1])]:
-        s = KVEC(window=1, extended_window=2, delta=delta, lam=0.0, beta=0.0)
+        s = KVEC(kernel=1, window=1, extended_window=2, delta=delta, lam=0.0, beta=0.0)
         out = s.adjust(probs, slots, cand, pos, 1, 0, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([2]))
         torch.testing.assert_close(out.sigma[0], torch.tensor([0.0, 0.3464102, 0.1118034, 0.1732051]))
         assert out.h_top[0].tolist() == heads          # lowest σ first
@@ -295,7 +295,7 @@ def test_hand_checked_coverage_bonus():
     rows = [[[0.5, 0.2, 0.2, 0.1]], [[0.1, 0.6, 0.1, 0.2]]]
     probs, slots, cand, pos = one_row(rows)
     counts = torch.tensor([[0, 1, 2, 2]], dtype=torch.int32)
-    s = KVEC(window=1, extended_window=2, delta=0, lam=1.0, beta=0.0)
+    s = KVEC(kernel=1, window=1, extended_window=2, delta=0, lam=1.0, beta=0.0)
     out = s.adjust(probs, slots, cand, pos, 1, 2, counts, torch.tensor([2]))
     torch.testing.assert_close(out.importance[0], torch.tensor([0.5, 0.6, 0.2, 0.2]))
     torch.testing.assert_close(out.coverage[0], torch.tensor([0.0, 1 / 3, 2 / 3, 2 / 3]))
@@ -309,7 +309,7 @@ def test_hand_checked_coverage_bonus():
     plain = top_k_mask(out.base, pos, cand, torch.tensor([[2, 2]]))
     assert plain[0, 1].tolist() == [False, True, False, True]
     # λ scales the bonus; ℓ = 0 has no coverage (focus = I).
-    out = KVEC(window=1, extended_window=2, delta=0, lam=0.5, beta=0.0).adjust(
+    out = KVEC(kernel=1, window=1, extended_window=2, delta=0, lam=0.5, beta=0.0).adjust(
         probs, slots, cand, pos, 1, 0, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([2]))
     importance = torch.tensor([0.5, 0.6, 0.2, 0.2])
     torch.testing.assert_close(out.scores[0], torch.tensor(rows)[:, 0] + 0.5 * importance)
@@ -325,7 +325,7 @@ def test_hand_checked_beta_protection():
     zeros = torch.zeros(1, 6, dtype=torch.int32)
 
     def kept(budget, **kw):
-        s = KVEC(window=1, extended_window=2, delta=0, beta=0.5, **kw)
+        s = KVEC(kernel=1, window=1, extended_window=2, delta=0, beta=0.5, **kw)
         out = s.adjust(probs, slots, cand, pos, 1, 0, zeros, torch.tensor([budget]))
         keep = top_k_mask(out.scores, pos, cand, torch.tensor([[budget] * 3]))
         return out, [set(torch.nonzero(keep[0, h]).flatten().tolist()) for h in range(3)]
@@ -342,14 +342,14 @@ def test_hand_checked_beta_protection():
     assert keep[0] == {1, 4}               # t4 and t5 tie at 1.03: the lower position
     # K = floor(β·B): B = 3 gives K = 1; β = 0 protects nothing.
     assert kept(3)[0].preserved[0].sum(dim=1).tolist() == [1, 1, 1]
-    s = KVEC(window=1, extended_window=2, delta=0, beta=0.0)
+    s = KVEC(kernel=1, window=1, extended_window=2, delta=0, beta=0.0)
     assert not s.adjust(probs, slots, cand, pos, 1, 0, zeros, torch.tensor([4])).preserved.any()
 
 
 def test_short_rows_and_prompts_within_budget():
     """A row shorter than the window averages over its real queries only; a prompt within
     the budget is kept whole and counts every token once per layer."""
-    scorer = KVEC(window=4, extended_window=8, delta=1)
+    scorer = KVEC(kernel=1, window=4, extended_window=8, delta=1)
     views = make_layers(3, [3, 2], 5, 2, 2, 2)
     got, state = engine_kvec(views, Policy(scorer, budget=6), RaggedLayerKV)
     assert got[0][0] == [{0, 1, 2}] * 2 and got[1][1] == [{0, 1}] * 2
@@ -364,13 +364,13 @@ def test_without_coverage_modules_it_is_the_windowed_scorer(recent):
     """δ = 0 and λ = 0 (seed-004 §13 item 14): SnapKV's window mean without pooling, top-B per
     head (β only re-marks tokens that are in the top-B anyway)."""
     views = make_layers(11, [40, 29], 40, 2, 2, 3)
-    kvec = Policy(KVEC(window=8, extended_window=16, delta=0, lam=0.0, keep_recent=recent), budget=12)
+    kvec = Policy(KVEC(kernel=1, window=8, extended_window=16, delta=0, lam=0.0, keep_recent=recent), budget=12)
     snap = Policy(SnapKV(window=8, kernel=1), budget=12, protection=Protection(recent=recent))
     got, _ = engine_kvec(views, kvec, RaggedLayerKV)
     want, _ = engine_kvec(views, snap, RaggedLayerKV)
     assert got == want
     # And the bonus does change the selection of later layers.
-    other, _ = engine_kvec(views, Policy(KVEC(window=8, extended_window=16, delta=0, keep_recent=recent),
+    other, _ = engine_kvec(views, Policy(KVEC(kernel=1, window=8, extended_window=16, delta=0, keep_recent=recent),
                                          budget=12), RaggedLayerKV)
     assert other != want
 
@@ -402,7 +402,7 @@ def test_validation():
 
 # --------------------------------------------------------------------------- model level
 
-MODEL_SCORERS = [KVEC(window=4, extended_window=8, delta=1),
+MODEL_SCORERS = [KVEC(kernel=1, window=4, extended_window=8, delta=1),
                  KVEC(window=4, extended_window=8, keep_recent=4, kernel=3, gqa="max"),
                  KVEC()]
 
@@ -451,7 +451,7 @@ def test_every_prefill_starts_with_fresh_coverage():
     model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
     ids, mask = inputs(batch=2, length=50, pad=(5, 0))
     other, other_mask = inputs(batch=2, length=50, pad=(0, 3), seed=4)
-    policy = Policy(KVEC(window=4, extended_window=8, delta=1), budget=12)
+    policy = Policy(KVEC(kernel=1, window=4, extended_window=8, delta=1), budget=12)
     with kvcache_ext.patch(model, policy) as handle:
         first = handle.new_cache()
         logits = teacher_forced(model, first, ids, mask, steps=2)

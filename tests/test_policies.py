@@ -24,7 +24,7 @@ from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView,
 from kvcache_ext.policies.adakv import largest_remainder
 from kvcache_ext.policies.random_eviction import position_hash
 from kvcache_ext.reference.masked_cache import MaskedLayerKV
-from literal import held_layout, literal_pool
+from literal import held_layout, literal_pool, outside_window
 
 EXAMPLES = settings.default.max_examples        # the profile's (conftest.py): 200 on CI
 heavy = settings(max_examples=max(EXAMPLES // 5, 10))   # the tests with Python loops per token
@@ -95,12 +95,14 @@ def literal_tova(P, groups, per_head):
     return last.mean(dim=0).expand(last.shape[0] // groups, -1)
 
 
-def literal_snapkv(P, groups, s: SnapKV):
+def literal_snapkv(P, groups, s: SnapKV, positions):
+    """Pooled over the tokens outside the window (SnapKV's code cuts the window off first)."""
     m = P.shape[-1]
     window = P[:, m - min(s.window, m):, :]               # the last `window` real queries
+    live = outside_window(positions, s.window)
     if s.order == "mean_then_pool":
-        return literal_pool(per_kv_head(window.mean(dim=1), groups, s.gqa), s.kernel, s.pooling)
-    return per_kv_head(literal_pool(window, s.kernel, s.pooling).mean(dim=1), groups, s.gqa)
+        return literal_pool(per_kv_head(window.mean(dim=1), groups, s.gqa), s.kernel, s.pooling, live)
+    return per_kv_head(literal_pool(window, s.kernel, s.pooling, live).mean(dim=1), groups, s.gqa)
 
 
 def literal_scores(scorer, p: PromptView):
@@ -114,7 +116,7 @@ def literal_scores(scorer, p: PromptView):
         elif isinstance(scorer, TOVA):
             s = literal_tova(P, G, scorer.per_head)
         elif isinstance(scorer, SnapKV):
-            s = literal_snapkv(P, G, scorer)
+            s = literal_snapkv(P, G, scorer, p.pos[b, idx].tolist())
         elif isinstance(scorer, StreamingLLM):            # newest first: the score is the position
             s = p.pos[b, idx].double().expand(H, -1)
         else:
@@ -369,7 +371,8 @@ def test_snapkv_cache_scores_from_window_stats(B, layout, span, seed, kernel, po
                 raw = mass[b, h, :m].double() / (queries * G)
             else:
                 raw = last[b, h, :m].double().amax(dim=-1)
-            torch.testing.assert_close(got[b, h, :m].double(), literal_pool(raw, kernel, pooling), **TOL)
+            live = outside_window(pos[b, h, :m].tolist() + [int(view.last_pos[b])], queries)[:m]
+            torch.testing.assert_close(got[b, h, :m].double(), literal_pool(raw, kernel, pooling, live), **TOL)
 
 
 @given(B=st.integers(1, 3), layout=head_layouts, n=prompt_lens, steps=st.integers(1, 4), seed=seeds)

@@ -15,6 +15,7 @@ from kvcache_ext.policies import (
     AdaKV,
     AhaKV,
     Policy,
+    Pooled,
     Pyramid,
     Random,
     RoCo,
@@ -43,17 +44,28 @@ _RECIPES = {
     "ada-pyramidkv": (lambda b: SnapKV(), lambda: AdaKV(layers=Pyramid())),
     # CAOTE's scores under the baselines' protocol: a block's output is computed before its
     # eviction, as for every other policy here, so that only the scores differ from the base's.
+    # On the base's own score (gqa="shared", the default: base and +CAOTE differ only by CAOTE).
     "caote-h2o": (lambda b: CAOTE(_h2o(b), output_after_eviction=False), None),
     "caote-tova": (lambda b: CAOTE(TOVA(), output_after_eviction=False), None),
-    # CAOTE on TOVA's own layer-averaged score, one CAOTE score per KV head (gqa="shared").
     "caote-tova-shared": (lambda b: CAOTE(TOVA(), gqa="shared", output_after_eviction=False), None),
     "caote-snapkv": (lambda b: CAOTE(SnapKV(), output_after_eviction=False), None),
+    # Per query head, combined by the L2 norm (research/seed-000 §4.9's option 1).
+    "caote-h2o-l2": (lambda b: CAOTE(_h2o(b), gqa="group_l2", output_after_eviction=False), None),
+    "caote-tova-l2": (lambda b: CAOTE(TOVA(), gqa="group_l2", output_after_eviction=False), None),
+    "caote-snapkv-l2": (lambda b: CAOTE(SnapKV(), gqa="group_l2", output_after_eviction=False), None),
     # CAOTE's Eq. 7 read literally (the library's default): a block's output over the kept tokens.
     "caote-h2o-eq7": (lambda b: CAOTE(_h2o(b)), None),
     "ahakv": (lambda b: AhaKV(), None),
     "roco": (lambda b: RoCo(), None),
     "scissorhands": (lambda b: ScissorHands(), None),
     "kvec": (lambda b: KVEC(), None),
+    # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.
+    "snapkv-nopool": (lambda b: SnapKV(kernel=1), None),
+    "ahakv-nopool": (lambda b: AhaKV(score_pool=None), None),
+    "kvec-nopool": (lambda b: KVEC(kernel=1), None),
+    "h2o-pool": (lambda b: Pooled(_h2o(b)), None),
+    "tova-pool": (lambda b: Pooled(TOVA()), None),
+    "roco-pool": (lambda b: Pooled(RoCo()), None),
 }
 
 POLICY_NAMES = ("full",) + tuple(_RECIPES)

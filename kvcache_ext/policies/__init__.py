@@ -15,6 +15,8 @@ from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.kvec import KVEC
 from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.pooled import Pooled
+from kvcache_ext.policies.pooling import Pooling
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.pyramid import Pyramid
 from kvcache_ext.policies.random_eviction import Random
@@ -31,6 +33,6 @@ from kvcache_ext.policies.views import CacheView, PromptView
 __all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "CAOTE", "FastCAOTE", "caote_policy",
-           "Uniform", "Pyramid", "AdaKV",
+           "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
            "PromptView", "CacheView"]

@@ -10,6 +10,10 @@ research/seed-002-ahakv.md is the specification; equation numbers are the paper'
   ``gamma`` the squared L2 norms of the value vectors, average-pooled along the sequence.
 - Algorithm 1: keep the ``B_r`` newest tokens (a protection here) and the top ``B_s`` by score;
   while decoding, ``F_t = SGsoftmax(A_t) + F_{t-1}`` at every step and evict again.
+- Score pooling (the seed spec's errata, the paper's Fig. 3 caption: "pooling is applied to
+  smooth scores and prevent excessive text sparsification"): the score the top-k reads is
+  ``F^`` max-pooled with kernel 7 along the positions (``score_pool``), blind to padding and to
+  the ``B_r`` recent tokens; the running score F itself is not pooled.
 
 The scoring softmax is not the model's, so the attention kernel's statistics do not serve: the
 scorer computes it itself, in float32, from the queries and keys (``update_view``). The model's
@@ -18,14 +22,15 @@ attention output is not changed (the paper's Appendix E).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvcache_ext.policies.pooling import Pooling, newest
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
-from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.policies.views import CacheView, PromptView, newest_queries
 
 READINGS = ("consistent", "literal")
 PREFILL_I = ("row", "prompt")
@@ -44,15 +49,6 @@ def sg_lambda(i, k, d: int) -> torch.Tensor:
     i = torch.as_tensor(i, dtype=torch.float64)
     k = torch.as_tensor(k, dtype=torch.float64, device=i.device)
     return torch.sqrt(2.0 * torch.log(i.clamp_min(1.0) / k.clamp_min(1.0)).clamp_min(0.0) / d)
-
-
-def newest_queries(valid: torch.Tensor, pos: torch.Tensor, r: int):
-    """valid, pos [B, m] -> (index [B, r'], real [B, r']): the r' = min(r, m) newest real
-    entries of each row by position (a row with fewer real entries gets padding, real=False)."""
-    r = min(r, valid.shape[1])
-    key = torch.where(valid, pos, torch.full_like(pos, -1))
-    index = torch.argsort(key, dim=1, stable=True)[:, valid.shape[1] - r:]
-    return index, valid.gather(1, index)
 
 
 @dataclass
@@ -107,6 +103,10 @@ class AhaKV(Scorer):
       head's decode increment). ``gamma_bar`` is per KV head (V is).
     - ``decode_prior``: see above, default False (the literal Algorithm 1).
     - ``sinks``: attention sinks kept besides the window, default 0 (the paper keeps none).
+    - ``score_pool``: the pooling of the eviction score (``kvcache_ext.policies.pooling``),
+      default ``Pooling(7, "max")`` (errata of seed-002, measured: 0/18 passkey answers
+      unpooled, 16/18 pooled); ``None`` = the reading before the errata (only the value norms
+      of Eq. 13 are pooled).
 
     Every softmax, norm and running score is float32 (seed-002 §10 item 3).
     """
@@ -121,6 +121,7 @@ class AhaKV(Scorer):
     gqa: str = "mean"
     decode_prior: bool = False
     sinks: int = 0
+    score_pool: Pooling | None = field(default_factory=Pooling)
 
     channels = 1                 # the running eviction score F of Algorithm 1
     needs_kv = True              # the scoring softmax over the cached keys, the value prior
@@ -142,6 +143,9 @@ class AhaKV(Scorer):
                                      ("gqa", self.gqa, AHAKV_GQA)):
             if value not in choices:
                 raise ValueError(f"AhaKV {name} must be one of {choices}, got {value!r}")
+        if self.score_pool is not None and not isinstance(self.score_pool, Pooling):
+            raise TypeError(f"AhaKV score_pool must be a kvcache_ext.policies.Pooling or None, "
+                            f"got {self.score_pool!r}")
 
     @property
     def window(self) -> int:
@@ -179,57 +183,53 @@ class AhaKV(Scorer):
         # All values zero: no prior information, a neutral prior (not in the paper).
         return torch.where(top > 0, gamma / top.clamp_min(1e-30), real)
 
-    def window_attention(self, q, q_pos, q_real, k, k_pos, k_real, scale) -> torch.Tensor:
-        """Sum over queries of the SG-softmax attention, per KV head: q [B, Hq, r, D],
-        q_pos / q_real [B, r]; k [B, H, L, D], k_pos / k_real [B, H, L]; scale: the factor on
-        the raw logits, broadcastable to [B, H, r] -> [B, H, L] float32.
-
-        Query i sees the real keys at positions <= its own; a padding query adds nothing."""
-        B, Hq, r, D = q.shape
-        H = k.shape[1]
-        G = Hq // H
-        logits = torch.einsum("bhgrd,bhld->bhgrl", q.float().reshape(B, H, G, r, D), k.float())
-        logits = logits * scale.float().expand(B, H, r)[:, :, None, :, None]
-        seen = (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & k_real[:, :, None, :]
-        seen = seen & q_real[:, None, :, None]                                  # [B, H, r, L]
-        logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)                  # [B, H, G, r, L]
-        per_head = probs.sum(dim=3)                                             # [B, H, G, L]
+    def window_attention(self, view, q, q_pos, scale) -> torch.Tensor:
+        """Sum over queries of the SG-softmax attention over ``view``'s keys (a PromptView or a
+        CacheView), per KV head: q [B, Hq, r, D], q_pos [B, r] (-1: a padding query, which adds
+        nothing); scale: the factor on the raw logits, broadcastable to [B, H, r] -> [B, H, L]."""
+        probs = view.query_probs(q, q_pos, scale)                               # [B, Hq, r, L]
+        per_head = probs.sum(dim=2).unflatten(1, (-1, view.groups))            # [B, H, G, L]
         if self.gqa == "mean":
             return per_head.mean(dim=2)
         if self.gqa == "sum":
             return per_head.sum(dim=2)
         return per_head.amax(dim=2)
 
+    def pooled(self, scores: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+               last_pos: torch.Tensor) -> torch.Tensor:
+        """The eviction score: ``scores`` [B, H, L] pooled by ``score_pool`` along positions,
+        blind to padding and to the ``recent`` newest tokens (kept anyway)."""
+        if self.score_pool is None:
+            return scores
+        return self.score_pool(scores, mask & ~newest(pos, last_pos, self.recent))
+
     def _key(self, what: str, layer_idx: int) -> str:
         return f"ahakv.{what}.{layer_idx}"
 
-    def _window_scores(self, q, q_pos, q_valid, k, v, k_pos, k_real, last_pos, budget):
+    def _window_scores(self, view, q, q_pos, q_valid, v, k_real, last_pos, budget):
         """Alg. 1 lines 6-10 on a sequence: gamma_bar * (SG attention summed over the window).
-        q [B, Hq, m, D] with q_pos / q_valid [B, m]; returns ([B, H, L] scores, [B] rows with a
-        window)."""
+        q [B, Hq, m, D] with q_pos / q_valid [B, m], over ``view``'s keys; returns [B, H, L]."""
         D = q.shape[-1]
         index, real = newest_queries(q_valid, q_pos, self.window)
         q = q.gather(2, index[:, None, :, None].expand(-1, q.shape[1], -1, D))
-        q_pos = q_pos.gather(1, index)
+        q_pos = q_pos.gather(1, index).masked_fill(~real, -1)
         if self.prefill_i == "row":
             i = q_pos + 1
         else:
             i = (last_pos + 1)[:, None].expand_as(q_pos)
         scale = self.logit_scale(i, self.budget_tokens(budget)[:, None].to(i.device), D)[:, None]
-        mass = self.window_attention(q, q_pos, real, k, k_pos, k_real, scale)
-        return mass * self.value_prior(v, k_real), real.any(dim=1)
+        mass = self.window_attention(view, q, q_pos, scale)
+        return mass * self.value_prior(v, k_real)
 
     # --- the Scorer interface -----------------------------------------------------------------
     def prompt_scores(self, p: PromptView):
         B, H, n, _ = p.k.shape
-        k_pos = p.pos[:, None, :].expand(B, H, n)
         k_real = p.valid[:, None, :].expand(B, H, n)
-        scores, _ = self._window_scores(p.q, p.pos, p.valid, p.k, p.v, k_pos, k_real,
-                                        p.last_pos, p.budget)
+        scores = self._window_scores(p, p.q, p.pos, p.valid, p.v, k_real, p.last_pos, p.budget)
         p.shared[self._key("prompt_len", p.layer_idx)] = p.last_pos + 1     # decode_i="prefill"
         p.shared[self._key("last_pos", p.layer_idx)] = p.last_pos.clone()
-        return scores, scores.unsqueeze(-1)                                 # F_0 = F^_s (line 19)
+        pooled = self.pooled(scores, p.pos[:, None, :].expand(B, H, n), k_real, p.last_pos)
+        return pooled, scores.unsqueeze(-1)                                 # F_0 = F^_s (line 19)
 
     def update_view(self, view: CacheView) -> torch.Tensor:
         """Per batch row, by its real queries in the call: several (a prompt block) re-score
@@ -256,8 +256,7 @@ class AhaKV(Scorer):
         F_new = F_prev
         several = count > 1
         if bool(several.any()):
-            fresh, _ = self._window_scores(q, q_pos, q_real, view.k, view.v, view.pos, mask,
-                                           view.last_pos, view.budget)
+            fresh = self._window_scores(view, q, q_pos, q_real, view.v, mask, view.last_pos, view.budget)
             F_new = torch.where(several[:, None, None], fresh, F_new)
             prompt_len = torch.where(several, view.last_pos + 1, prompt_len)
             shared[n_key] = prompt_len
@@ -281,10 +280,10 @@ class AhaKV(Scorer):
             seen = q_pos[:, 0] + 1                                                    # tokens seen
             i = seen if self.decode_i == "position" else torch.where(prompt_len > 0, prompt_len, seen)
             scale = self.logit_scale(i, k, D)[:, None, None]                          # [B, 1, 1]
-        step = self.window_attention(q, q_pos, q_real, view.k, view.pos, mask, scale)
+        step = self.window_attention(view, q, q_pos.masked_fill(~q_real, -1), scale)
         if self.decode_prior:
             step = step * self.value_prior(view.v, mask)
         return step
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
-        return view.channels[..., 0]
+        return self.pooled(view.channels[..., 0], view.pos, view.mask, view.last_pos)

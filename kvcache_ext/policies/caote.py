@@ -13,7 +13,7 @@ research/seed-000-caote.md (§3-5, §9.3, §12) for every choice the paper leave
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,9 +22,7 @@ from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.schedule import EveryStep
 from kvcache_ext.policies.scorer import Scorer
-from kvcache_ext.policies.snapkv import SnapKV
 from kvcache_ext.policies.streaming_llm import StreamingLLM
-from kvcache_ext.policies.tova import TOVA
 from kvcache_ext.policies.views import CacheView, PromptView
 
 GQA_AGGREGATIONS = ("group_l2", "mean", "sum", "max", "shared")
@@ -110,26 +108,29 @@ class CAOTE(Scorer):
     weighted by how far each token's value is from the attention output (Eq. 21), or from the
     plain mean of the values with ``fast=True`` (FastCAOTE, Eq. 23). Lower = evicted first.
 
-    - ``base``: a score-based scorer with non-negative scores (H2O, TOVA, SnapKV, Random or
-      your own). StreamingLLM is refused: its score is a position, not a retention score.
-    - ``gqa``: how the G query heads of a KV head combine (research/seed-000-caote.md §4.9):
-      ``"group_l2"`` (default, option 1) sqrt(sum_g c_g^2), the L2 norm of the group's
-      concatenated output errors; ``"mean"``, ``"sum"``, ``"max"`` (option 2) of the per-head
-      scores; ``"shared"`` (option 3) one CAOTE score per KV head from the base's own
-      group-aggregated score. Per-query-head base scores exist for H2O (accumulators kept per
-      query head), TOVA (the newest query's row per head) and SnapKV (the window's attention
-      per head, pooled); any other base is scored as ``"shared"``.
+    - ``base``: any score-based scorer with non-negative scores (H2O, TOVA, SnapKV, AhaKV,
+      Random or your own). StreamingLLM is refused: its score is a position, not a retention
+      score.
+    - ``gqa``: how the G query heads of a KV head combine (research/seed-000-caote.md §4.9 and
+      its errata). ``"shared"`` (default): one CAOTE score per KV head from the base's own
+      score (``cache_scores`` / ``prompt_scores``), so that base and base+CAOTE differ only by
+      CAOTE (TOVA's layer average stays TOVA's). Per query head, from the base's per-head
+      scores (``Scorer.prompt_head_scores`` / ``cache_head_scores``; H2O, TOVA and SnapKV have
+      them), then combined: ``"group_l2"`` (§4.9 option 1) sqrt(sum_g c_g^2), the L2 norm of the
+      group's concatenated output errors; ``"mean"``, ``"sum"``, ``"max"`` (option 2). A base
+      with no per-head scores is refused with those when CAOTE is built.
     - ``output_after_eviction``: a block's (or decode step's) output is computed over the
       tokens kept, Eq. 7 read literally (research/seed-000-caote.md §2.2, §12 item 2).
-    - ``max_groups``: per-query-head H2O accumulators are float32 channels of the store,
-      whose count must be fixed before the model's G is known: this many (G <= max_groups).
+    - ``max_groups``: a base whose per-head scores need state of their own (H2O's per-head
+      accumulators) keeps it in this many float32 channels, fixed before the model's G is
+      known (G <= max_groups).
 
     Everything else (channels, statistics, updates, protection, schedule checks) is the base's.
     """
 
     base: Scorer = field(default_factory=H2O)
     fast: bool = False
-    gqa: str = "group_l2"
+    gqa: str = "shared"
     output_after_eviction: bool = True
     max_groups: int = 8
 
@@ -148,47 +149,46 @@ class CAOTE(Scorer):
             raise ValueError(f"CAOTE gqa must be one of {GQA_AGGREGATIONS}, got {self.gqa!r}")
         if isinstance(self.max_groups, bool) or not isinstance(self.max_groups, int) or self.max_groups < 1:
             raise ValueError(f"CAOTE max_groups must be a positive integer, got {self.max_groups!r}")
+        if self.per_head and type(self.base).cache_head_scores is Scorer.cache_head_scores:
+            raise ValueError(f"CAOTE(gqa={self.gqa!r}) reads the base's per-query-head scores, which "
+                             f"{type(self.base).__name__} does not give (Scorer.prompt_head_scores / "
+                             f"cache_head_scores); use gqa='shared', the base's own score")
+        # The scorer that runs: the base, or (per-head readings) its copy that keeps per-head state.
+        self._scoring = self.base if self.per_head is False else self.base.with_query_head_state(self.max_groups)
 
-    # --- where per-query-head base scores come from ----------------------------------------
     @property
-    def source(self) -> str:
-        """'h2o', 'tova', 'snapkv' (per-query-head base scores) or 'shared' (the base's own)."""
-        if self.gqa != "shared":
-            for kind, cls in (("h2o", H2O), ("tova", TOVA), ("snapkv", SnapKV)):
-                if type(self.base) is cls:   # subclasses may score differently: 'shared'
-                    return kind
-        return "shared"
+    def per_head(self) -> bool:
+        return self.gqa != "shared"
 
     # --- the base's interface, plus what CAOTE reads ----------------------------------------
     @property
     def channels(self) -> int:
-        return self.base.channels + (self.max_groups if self.source == "h2o" else 0)
+        return self._scoring.channels
 
     @property
     def update_stats(self) -> tuple[str, ...]:
-        extra = ("last",) if self.source == "h2o" else ()
-        return tuple(dict.fromkeys(tuple(self.base.update_stats) + extra))
+        return tuple(self._scoring.update_stats)
 
     @property
     def evict_stats(self) -> tuple[str, ...]:
-        extra = ("last",) if self.source in ("tova", "snapkv") else ()
-        return tuple(dict.fromkeys(tuple(self.base.evict_stats) + extra))
+        extra = ("last",) if self.per_head else ()   # one query's per-head row
+        return tuple(dict.fromkeys(tuple(self._scoring.evict_stats) + extra))
 
     @property
     def stats_window(self) -> int | None:
-        return self.base.stats_window
+        return self._scoring.stats_window
 
     @property
     def needs_kv(self) -> bool:
         return True
 
     @property
-    def needs_queries(self) -> bool:
-        return self.base.needs_queries or self.source in ("h2o", "snapkv")
+    def needs_queries(self) -> bool:   # per-head scores of a block come from its queries' rows
+        return self._scoring.needs_queries or self.per_head
 
     @property
     def updates_from_view(self) -> bool:
-        return self.base.updates_from_view or self.source == "h2o"
+        return self._scoring.updates_from_view
 
     def default_protection(self) -> Protection:
         return self.base.default_protection()
@@ -197,77 +197,33 @@ class CAOTE(Scorer):
         self.base.check(schedule)
 
     def update(self, channels: torch.Tensor, stats: dict) -> None:
-        self.base.update(channels[..., :self.base.channels], stats)
+        self._scoring.update(channels, stats)
 
     def update_view(self, view: CacheView) -> torch.Tensor:
-        new = view.channels.clone()
-        cb = self.base.channels
-        if self.base.updates_from_view:
-            new[..., :cb] = self.base.update_view(self._base_view(view))
-        if self.source == "h2o":
-            G = self._check_groups(view.groups)
-            if view.q is None or view.q.shape[2] == 1:       # one query: the kernel's per-head row
-                mass = view.stats["last"]                    # [B, H, L, G]
-            else:                                            # a block: each head's column sums
-                mass = _query_probs(view).sum(dim=3).permute(0, 1, 3, 2)
-            new[..., cb:cb + G] += mass.masked_fill(~view.mask[..., None], 0.0)
-        return new
+        return self._scoring.update_view(view)
 
     # --- scores -----------------------------------------------------------------------------
     def prompt_scores(self, p: PromptView):
-        base_scores, base_channels = self.base.prompt_scores(p)
-        B, H, n, _ = p.k.shape
-        source = self.source
-        own = None
-        if source == "shared":
+        base_scores, channels = self._scoring.prompt_scores(p)
+        if self.per_head:
+            h = self._require(self._scoring.prompt_head_scores(p, channels))
+        else:
             h = base_scores[:, :, None]
-        elif source == "h2o":
-            G = self._check_groups(p.groups)
-            h = p.q.new_zeros(B, p.q.shape[1], n, dtype=torch.float32)
-            for _, probs in p.probs():
-                h[..., :probs.shape[-1]] += probs.sum(dim=2)
-            h = h.unflatten(1, (H, G))                                   # [B, H, G, n]
-            own = torch.cat([h.permute(0, 1, 3, 2), h.new_zeros(B, H, n, self.max_groups - G)], dim=-1)
-        elif source == "tova":
-            (_, last), = p.probs(slice(n - 1, n))
-            h = last[:, :, 0].unflatten(1, (H, p.groups))
-        else:                                                            # snapkv
-            s: SnapKV = self.base
-            w = min(s.window, n)
-            (_, probs), = p.probs(slice(n - w, n), chunk=w)              # [B, Hq, w, n]
-            if s.order == "pool_then_mean":
-                h = s._pool(probs).sum(dim=2)
-            else:
-                h = s._pool(probs.sum(dim=2))
-            h = h.unflatten(1, (H, p.groups))
-        scores = self._scores(h, p.v, p.valid[:, None, :].expand(B, H, n))
-        channels = base_channels
-        if own is not None:
-            if channels is None:
-                channels = own.new_zeros(B, H, n, self.base.channels)
-            channels = torch.cat([channels.float(), own], dim=-1)
-        return scores, channels
+        B, H, n, _ = p.k.shape
+        return self._scores(h, p.v, p.valid[:, None, :].expand(B, H, n)), channels
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
-        return self._scores(self._head_scores(view), view.v, view.mask)
-
-    def _head_scores(self, view: CacheView) -> torch.Tensor:
-        """Base scores of the cached tokens [B, H, G, L] per query head ([B, H, 1, L]: shared)."""
-        source = self.source
-        if source == "shared":
-            return self.base.cache_scores(self._base_view(view))[:, :, None]
-        if source == "h2o":
-            G = self._check_groups(view.groups)
-            cb = self.base.channels
-            return view.channels[..., cb:cb + G].permute(0, 1, 3, 2)
-        if source == "tova":
-            return view.stats["last"].permute(0, 1, 3, 2)
-        s: SnapKV = self.base                                            # snapkv
-        if view.q is None or min(s.window, view.q.shape[2]) == 1:
-            h = view.stats["last"].permute(0, 1, 3, 2)
+        if self.per_head:
+            h = self._require(self._scoring.cache_head_scores(view))
         else:
-            h = _query_probs(view, s.window).sum(dim=3)
-        return s._pool(h.masked_fill(~view.mask[:, :, None], 0.0))
+            h = self._scoring.cache_scores(view)[:, :, None]
+        return self._scores(h, view.v, view.mask)
+
+    def _require(self, h: torch.Tensor | None) -> torch.Tensor:
+        if h is None:
+            raise ValueError(f"CAOTE(gqa={self.gqa!r}) needs per-query-head scores, which "
+                             f"{type(self.base).__name__} does not give; use gqa='shared'")
+        return h
 
     def _scores(self, h: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [B, H, G, L] base scores, v [B, H, L, D], mask [B, H, L] -> CAOTE scores [B, H, L]."""
@@ -279,35 +235,6 @@ class CAOTE(Scorer):
         c = torch.stack([caote_scores(alpha[:, :, g], v, mask, self.fast) for g in range(h.shape[2])], dim=2)
         return aggregate_groups(c, self.gqa)
 
-    def _base_view(self, view: CacheView) -> CacheView:
-        return replace(view, channels=view.channels[..., :self.base.channels])
-
-    def _check_groups(self, groups: int) -> int:
-        if groups > self.max_groups:
-            raise ValueError(f"CAOTE({type(self.base).__name__}) keeps per-query-head scores in "
-                             f"max_groups={self.max_groups} channels, but this model has {groups} query "
-                             f"heads per KV head; pass max_groups={groups} (or gqa='shared')")
-        return groups
-
-
-def _query_probs(view: CacheView, window: int | None = None) -> torch.Tensor:
-    """Softmax of the latest call's queries (the last ``window`` of them) over the cached tokens,
-    per query head, as the model computed it: [B, H, G, n, L] float32, causal by position,
-    zero for padding queries (q_pos -1) and beyond each head's tokens."""
-    q, q_pos = view.q, view.q_pos
-    if window is not None and window < q.shape[2]:
-        q = q[:, :, -window:]
-        q_pos = q_pos[:, -window:] if q_pos is not None else None
-    B, Hq, n, D = q.shape
-    H = view.k.shape[1]
-    q = q.float().view(B, H, Hq // H, n, D)
-    logits = torch.einsum("bhgid,bhjd->bhgij", q, view.k.float()) * view.scale
-    visible = view.mask[:, :, None, None, :]
-    if q_pos is not None:
-        visible = visible & (view.pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
-
 
 # ------------------------------------------------------------------------------ shorthands
 
@@ -317,7 +244,7 @@ def FastCAOTE(base: Scorer | None = None, **kwargs) -> CAOTE:
 
 
 def caote_policy(base: Scorer | None = None, *, budget: int | None = None, ratio: float | None = None,
-                 fast: bool = False, prefill_block: int = 128, gqa: str = "group_l2",
+                 fast: bool = False, prefill_block: int = 128, gqa: str = "shared",
                  **policy_kwargs) -> Policy:
     """The paper's setting: X+CAOTE (or X+FastCAOTE) with block-wise prefill of m = 128 tokens
     and one eviction per generated token, i.e.

@@ -1,7 +1,7 @@
 """H2O (Zhang et al., 2023): keep the heavy hitters, the tokens with the most accumulated attention."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,12 +18,38 @@ class H2O(Scorer):
 
     ``recent``: the newest tokens always kept (H2O's local window; 0 = pure accumulation,
     as the CAOTE paper evaluates it).
+    ``query_heads``: also accumulate per query head, in this many more channels (at least the
+    model's G): what CAOTE's per-head readings wrap (``with_query_head_state``); 0 = off.
     """
 
     recent: int = 0
+    query_heads: int = 0
 
-    channels = 1
-    update_stats = ("mass",)
+    def __post_init__(self):
+        for name in ("recent", "query_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"H2O {name} must be an integer >= 0, got {value!r}")
+
+    @property
+    def channels(self) -> int:
+        return 1 + self.query_heads
+
+    @property
+    def update_stats(self) -> tuple[str, ...]:
+        return ("mass", "last") if self.query_heads else ("mass",)
+
+    @property
+    def updates_from_view(self) -> bool:
+        return self.query_heads > 0       # a block's per-head sums need each head's rows
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.query_heads > 0
+
+    @property
+    def needs_kv(self) -> bool:
+        return self.query_heads > 0
 
     def default_protection(self) -> Protection:
         return Protection(recent=self.recent)
@@ -33,11 +59,48 @@ class H2O(Scorer):
         mass = p.q.new_zeros(B, p.q.shape[1], n, dtype=torch.float32)
         for _, probs in p.probs():
             mass[..., :probs.shape[-1]] += probs.sum(dim=2)
-        mass = mass.unflatten(1, (H, p.groups)).sum(dim=2)  # the group's heads, as the kernel does
-        return mass, mass.unsqueeze(-1)
+        per_head = mass.unflatten(1, (H, p.groups))                  # [B, H, G, n]
+        total = per_head.sum(dim=2)                                  # the group's heads, as the kernel does
+        channels = [total.unsqueeze(-1)]
+        if self.query_heads:
+            G = self._check_groups(p.groups)
+            channels += [per_head.permute(0, 1, 3, 2), total.new_zeros(B, H, n, self.query_heads - G)]
+        return total, torch.cat(channels, dim=-1)
 
     def update(self, channels, stats):
         channels[..., 0] += stats["mass"]
 
+    def update_view(self, view: CacheView) -> torch.Tensor:
+        """The per-query-head accumulators (``query_heads``): one query's row per head is the
+        kernel's ``last``; a block's are the column sums of each head's rows."""
+        G = self._check_groups(view.groups)
+        if view.q is None or view.q.shape[2] == 1:
+            mass = view.stats["last"]                                           # [B, H, L, G]
+        else:
+            mass = sum(p.sum(dim=2) for _, p in view.probs()).unflatten(1, (-1, G)).permute(0, 1, 3, 2)
+        new = view.channels.clone()
+        new[..., 1:1 + G] += mass.masked_fill(~view.mask[..., None], 0.0)
+        return new
+
     def cache_scores(self, view: CacheView):
         return view.channels[..., 0]
+
+    def with_query_head_state(self, max_groups: int) -> "H2O":
+        return replace(self, query_heads=max_groups)
+
+    def prompt_head_scores(self, p: PromptView, channels):
+        if not self.query_heads:
+            return None
+        return channels[..., 1:1 + p.groups].permute(0, 1, 3, 2)
+
+    def cache_head_scores(self, view: CacheView):
+        if not self.query_heads:
+            return None
+        return view.channels[..., 1:1 + self._check_groups(view.groups)].permute(0, 1, 3, 2)
+
+    def _check_groups(self, groups: int) -> int:
+        if groups > self.query_heads:
+            raise ValueError(f"H2O(query_heads={self.query_heads}) keeps per-query-head scores in "
+                             f"{self.query_heads} channels, but this model has {groups} query heads per "
+                             f"KV head; CAOTE(..., max_groups={groups}) (or gqa='shared') fixes it")
+        return groups

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvcache_ext.policies.allocation import Allocation
+from kvcache_ext.policies.pooling import Pooling
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
 from kvcache_ext.policies.views import PromptView
@@ -59,8 +59,10 @@ class KVEC(Scorer):
     Per layer l, on the last ``window`` (O) prompt queries' causal softmax rows:
 
     1. Eq. 8: P[h, t] = mean over the O window queries of the attention to t, per query head,
-       then over the G query heads of KV head h (``gqa``), then pooled along positions when
-       ``kernel`` > 1 (off by default: the paper's equations have no pooling).
+       then over the G query heads of KV head h (``gqa``), then pooled along positions
+       (``kernel``, ``pooling``: max-pool of kernel 7 by default, SnapKV's, per the seed spec's
+       errata and §5.1, "details adapted from the SnapKV"; ``kernel=1`` is the equations read
+       literally). The pooling is blind to padding and to the ``keep_recent`` tokens.
     2. Eq. 10-11: the ``delta`` KV heads with the lowest standard deviation of P over the
        candidate tokens (the least focused) get P recomputed over the last ``extended_window``
        (O') queries instead.
@@ -82,7 +84,7 @@ class KVEC(Scorer):
     beta: float = 0.25            # β (Table 10d)
     protect_value: float = 1.0    # Eq. 16's override; float("inf") makes the protection absolute
     keep_recent: int = 0          # 0 = Eq. 9 literally (top-B of all T tokens)
-    kernel: int = 1               # pooling of P along positions; 1 = none (the equations)
+    kernel: int = 7               # pooling of P along positions (SnapKV's); 1 = none (the equations)
     pooling: str = "max"
     gqa: str = "mean"             # query heads -> KV head for P (§6)
     importance_heads: str = "query"   # Eq. 13's max_h over the query heads, or over the KV heads
@@ -103,10 +105,10 @@ class KVEC(Scorer):
             raise ValueError("K-VEC protect_value must not be NaN")
         if self.keep_recent < 0:
             raise ValueError(f"K-VEC keep_recent must be >= 0, got {self.keep_recent}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"K-VEC kernel must be odd and >= 1, got {self.kernel}")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"K-VEC pooling must be 'max' or 'avg', got {self.pooling!r}")
+        try:
+            Pooling(self.kernel, self.pooling)
+        except ValueError as e:
+            raise ValueError(f"K-VEC: {e}") from None
         if self.gqa not in GQA_MODES:
             raise ValueError(f"K-VEC gqa must be one of {GQA_MODES}, got {self.gqa!r}")
         if self.importance_heads not in IMPORTANCE_HEADS:
@@ -192,17 +194,10 @@ class KVEC(Scorer):
         real queries over the prompt (causal by position, blind to padding; slot W-1 is the
         newest), and ``[B, W]`` whether the slot holds a real query (a row shorter than W has
         fewer). One pass serves Eq. 8, 11 and 13."""
-        B, Hq, n, D = p.q.shape
-        H, G = p.k.shape[1], p.groups
+        n = p.q.shape[2]
         W = min(max(self.window, self.extended_window) if self.delta else self.window, n)
-        order = torch.argsort(p.valid.to(torch.int8), dim=1, stable=True)[:, n - W:]   # [B, W]
-        slots = p.valid.gather(1, order)
-        q = p.q.gather(2, order[:, None, :, None].expand(B, Hq, W, D)).float()
-        logits = torch.einsum("bhgwd,bhjd->bhgwj", q.view(B, H, G, W, D), p.k.float()).reshape(B, Hq, W, n)
-        visible = (p.pos[:, None, :] <= p.pos.gather(1, order)[:, :, None]) & p.valid[:, None, :]
-        visible &= slots[:, :, None]
-        logits = (logits * p.scale).masked_fill(~visible[:, None], float("-inf"))
-        return torch.softmax(logits, dim=-1).nan_to_num(0.0), slots
+        probs, q_pos = p.newest_probs(W)
+        return probs, q_pos >= 0
 
     def _window_mean(self, probs, slots, size: int) -> torch.Tensor:
         """[B, Hq, n]: the mean over the last ``size`` real window queries of each row."""
@@ -210,12 +205,9 @@ class KVEC(Scorer):
         seen = slots[:, -w:].sum(dim=1).clamp_min(1).view(-1, 1, 1)
         return probs[:, :, -w:].sum(dim=2) / seen
 
-    def _pool(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == 1:
-            return x
-        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-        return pool(x.reshape(-1, 1, x.shape[-1]), self.kernel, stride=1,
-                    padding=self.kernel // 2).view(x.shape)
+    def _pool(self, x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """P [B, H, n] pooled along positions over the candidates [B, n] only."""
+        return Pooling(self.kernel, self.pooling)(x, candidates[:, None, :])
 
     def adjust(self, probs: torch.Tensor, slots: torch.Tensor, candidates: torch.Tensor,
                pos: torch.Tensor, groups: int, layer_idx: int, counts: torch.Tensor,
@@ -231,7 +223,8 @@ class KVEC(Scorer):
         H = Hq // groups
         cand = candidates[:, None, :]
         # Eq. 8: mean over the O window queries, per KV head.
-        base = self._pool(group_reduce(self._window_mean(probs, slots, self.window), groups, self.gqa))
+        base = self._pool(group_reduce(self._window_mean(probs, slots, self.window), groups, self.gqa),
+                          candidates)
         base = base.masked_fill(~cand, 0.0)
         # Eq. 10: standard deviation over the candidate tokens (biased: same ranking, no NaN).
         m = candidates.sum(dim=1).clamp_min(1).view(B, 1)
@@ -242,7 +235,7 @@ class KVEC(Scorer):
         h_top = torch.argsort(sigma, dim=1, stable=True)[:, :d]
         if d:
             wide = self._pool(group_reduce(self._window_mean(probs, slots, self.extended_window),
-                                           groups, self.gqa)).masked_fill(~cand, 0.0)
+                                           groups, self.gqa), candidates).masked_fill(~cand, 0.0)
             chosen = torch.zeros(B, H, dtype=torch.bool, device=probs.device).scatter_(1, h_top, True)
             base = torch.where(chosen[..., None], wide, base)
         # Eq. 13: max over the heads per window query, then the mean over the O queries.

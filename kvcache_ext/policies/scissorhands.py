@@ -71,19 +71,16 @@ class ScissorHands(Scorer):
 
     def update_view(self, view: CacheView) -> torch.Tensor:
         H, G = view.pos.shape[1], view.groups
-        q = view.q.float()                                              # [B, Hq, c, D]
-        k = view.k.float().repeat_interleave(G, dim=1)                  # [B, Hq, L, D]
-        visible = view.mask[:, :, None, :]                              # [B, H, 1 or c, L]
-        if view.q_pos is not None:
-            visible = visible & (view.pos[:, :, None, :] <= view.q_pos[:, None, :, None])
-        logits = torch.einsum("bhid,bhjd->bhij", q, k) * view.scale
-        logits = logits.masked_fill(~visible.repeat_interleave(G, dim=1), float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)           # a query that sees nothing
-        a = probs.unflatten(1, (H, G)).mean(dim=2)                      # [B, H, c, L]
-        visible = visible.expand_as(a)
-        above = self._above(a, visible.sum(dim=-1)) & visible
         channels = view.channels.clone()
-        channels[..., 0] += above.sum(dim=2)
+        for i0, probs in view.probs():
+            a = probs.unflatten(1, (H, G)).mean(dim=2)                   # [B, H, c, L]
+            visible = view.mask[:, :, None, :]                           # [B, H, 1 or c, L]
+            if view.q_pos is not None:
+                q_pos = view.q_pos[:, i0:i0 + a.shape[2]]
+                visible = visible & (view.pos[:, :, None, :] <= q_pos[:, None, :, None])
+                visible = visible & (q_pos >= 0)[:, None, :, None]
+            visible = visible.expand_as(a)
+            channels[..., 0] += (self._above(a, visible.sum(dim=-1)) & visible).sum(dim=2)
         return channels
 
     def cache_scores(self, view: CacheView):

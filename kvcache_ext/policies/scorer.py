@@ -54,6 +54,24 @@ class Scorer:
     def cache_scores(self, view: CacheView) -> torch.Tensor:
         raise NotImplementedError
 
+    # --- per-query-head scores: what CAOTE's per-head readings (gqa="group_l2", ...) wrap ------
+    # A scorer that rates tokens per query head before it combines the G heads of a KV head
+    # exposes those scores here; CAOTE wraps any scorer through these methods alone.
+    def with_query_head_state(self, max_groups: int) -> "Scorer":
+        """The scorer to run when per-query-head scores will be asked for (a scorer whose
+        per-head scores need state of their own returns a copy that keeps it, in at most
+        ``max_groups`` more channels); by default itself."""
+        return self
+
+    def prompt_head_scores(self, p: PromptView, channels: torch.Tensor | None) -> torch.Tensor | None:
+        """[B, H, G, n] scores of a fresh prompt per query head, or None when the scorer has no
+        per-head reading. ``channels``: what ``prompt_scores`` returned."""
+        return None
+
+    def cache_head_scores(self, view: CacheView) -> torch.Tensor | None:
+        """[B, H, G, L] scores of the cached tokens per query head, or None."""
+        return None
+
 
 def group_reduce(x: torch.Tensor, groups: int, mode: str = "mean") -> torch.Tensor:
     """[B, Hq, ...] per query head -> [B, H, ...] per KV head (query head h*G + g reads h)."""

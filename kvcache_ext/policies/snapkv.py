@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from kvcache_ext.policies.pooling import Pooling, newest
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
 from kvcache_ext.policies.views import CacheView, PromptView
@@ -17,13 +17,15 @@ ORDERS = ("mean_then_pool", "pool_then_mean")
 class SnapKV(Scorer):
     """Score of a token = attention from the last ``window`` queries, averaged over those
     queries and aggregated over the G query heads of its KV head (``gqa``: mean or max),
-    then smoothed along the positions by a pooling of ``kernel`` (stride 1, same length).
-    The window itself is always kept and counts toward the budget.
+    then smoothed along the positions by a pooling of ``kernel`` (stride 1, same length; see
+    ``kvcache_ext.policies.pooling``: blind to padding and to the window, which SnapKV's code
+    cuts off before pooling). The window itself is always kept and counts toward the budget.
 
     Defaults are the Ada-KV paper's SnapKV settings (research/seed-001-adakv.md §2.4, §5):
-    window 32, max pooling, kernel 7. ``order``: SnapKV's and the Ada-KV code's convention
-    (average the window, then pool) by default; ``"pool_then_mean"`` is Ada-KV's Alg. 3 line 4
-    read literally, which needs each window query's row and so is one-shot prefill only.
+    window 32, max pooling, kernel 7 (``kernel=1``: no pooling). ``order``: SnapKV's and the
+    Ada-KV code's convention (average the window, then pool) by default; ``"pool_then_mean"``
+    is Ada-KV's Alg. 3 line 4 read literally, which needs each window query's row and so is
+    one-shot prefill only.
 
     Over the cache (block-wise prefill, decode eviction) the window is the last ``window``
     queries of the latest call: a block's last queries, or the single decode query.
@@ -38,15 +40,20 @@ class SnapKV(Scorer):
     evict_stats = ("mass", "last")
 
     def __post_init__(self):
-        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"SnapKV needs window >= 1 and an odd kernel >= 1, got "
-                             f"window={self.window}, kernel={self.kernel}")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"SnapKV pooling must be 'max' or 'avg', got {self.pooling!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"SnapKV window must be an integer >= 1, got {self.window!r}")
+        try:
+            Pooling(self.kernel, self.pooling)
+        except ValueError as e:
+            raise ValueError(f"SnapKV: {e}") from None
         if self.gqa not in GQA_MODES:
             raise ValueError(f"SnapKV gqa must be one of {GQA_MODES}, got {self.gqa!r}")
         if self.order not in ORDERS:
             raise ValueError(f"SnapKV order must be one of {ORDERS}, got {self.order!r}")
+
+    @property
+    def pool(self) -> Pooling:
+        return Pooling(self.kernel, self.pooling)
 
     @property
     def stats_window(self) -> int:
@@ -61,22 +68,27 @@ class SnapKV(Scorer):
                              "row, which only one-shot prefill has; use order='mean_then_pool' "
                              "with block-wise prefill or decode-time eviction")
 
-    def _pool(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, 1, shape[-1])
-        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-        return pool(x, self.kernel, stride=1, padding=self.kernel // 2).view(shape)
-
-    def prompt_scores(self, p: PromptView):
+    # --- pooled attention of the window, per query head or per KV head ----------------------
+    def _prompt_window(self, p: PromptView):
+        """(window rows [B, Hq, w, n], live [B, 1, n]: the tokens that take part in pooling,
+        real queries in the window [B, 1, 1])."""
         n = p.q.shape[2]
         w = min(self.window, n)
-        (_, probs), = p.probs(slice(n - w, n), chunk=w)         # [B, Hq, w, n]
-        seen = p.valid[:, n - w:].sum(dim=1).clamp_min(1).view(-1, 1, 1)  # window queries that are real
+        (_, probs), = p.probs(slice(n - w, n), chunk=w)
+        live = (p.valid & ~newest(p.pos, p.last_pos, self.window))[:, None, :]
+        seen = p.valid[:, n - w:].sum(dim=1).clamp_min(1).view(-1, 1, 1)
+        return probs, live, seen
+
+    def _cache_live(self, view: CacheView) -> torch.Tensor:
+        return view.mask & ~newest(view.pos, view.last_pos, self.window)
+
+    def prompt_scores(self, p: PromptView):
+        probs, live, seen = self._prompt_window(p)
         if self.order == "pool_then_mean":
-            probs = self._pool(probs)
+            probs = self.pool(probs, live[:, :, None])
         scores = group_reduce(probs.sum(dim=2) / seen, p.groups, self.gqa)
         if self.order == "mean_then_pool":
-            scores = self._pool(scores)
+            scores = self.pool(scores, live)
         return scores, None
 
     def cache_scores(self, view: CacheView):
@@ -88,4 +100,21 @@ class SnapKV(Scorer):
             raise ValueError("SnapKV(gqa='max') over a window of several queries needs each "
                              "head's window attention, which the kernel sums; use gqa='mean' "
                              "with block-wise prefill")
-        return self._pool(scores.masked_fill(~view.mask, 0.0))
+        return self.pool(scores.masked_fill(~view.mask, 0.0), self._cache_live(view))
+
+    # --- per query head (CAOTE's per-head readings) -------------------------------------------
+    def prompt_head_scores(self, p: PromptView, channels):
+        probs, live, _ = self._prompt_window(p)
+        if self.order == "pool_then_mean":
+            h = self.pool(probs, live[:, :, None]).sum(dim=2)
+        else:
+            h = self.pool(probs.sum(dim=2), live)
+        return h.unflatten(1, (p.k.shape[1], p.groups))
+
+    def cache_head_scores(self, view: CacheView):
+        if view.q is None or min(self.window, view.q.shape[2]) == 1:
+            h = view.stats["last"].permute(0, 1, 3, 2)                      # [B, H, G, L]
+        else:
+            h = sum(p.sum(dim=2) for _, p in view.probs(self.window)).unflatten(1, (-1, view.groups))
+        live = self._cache_live(view)[:, :, None]
+        return self.pool(h.masked_fill(~view.mask[:, :, None], 0.0), live)

@@ -2,12 +2,54 @@
 
 Both are padded per (batch item, KV head) and in position order, whatever the storage is
 (the ragged store or the reference's masked dense cache), so one scorer serves both paths.
+
+``attention_probs`` is the one softmax of queries over keys that scorers read: every scorer
+takes its probabilities from ``PromptView.probs`` / ``query_probs`` / ``newest_probs`` or
+``CacheView.probs`` / ``query_probs``, which all call it (causal by position, blind to
+padding, float32).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor | None, k_pos: torch.Tensor,
+                    k_real: torch.Tensor, scale) -> torch.Tensor:
+    """Softmax of queries over keys, per query head: ``[B, Hq, c, L]`` float32.
+
+    q [B, Hq, c, D]; k [B, H, L, D] (query head h*G + g reads KV head h, HF's repeat_kv, without
+    repeating K); q_pos [B, c] (-1: a padding query, which sees nothing and gets zeros) or None
+    (every query sees every real key); k_pos / k_real [B, L] or [B, H, L]. A query sees the real
+    keys at positions <= its own. ``scale``: the factor on ``q . k``, a float or a tensor that
+    broadcasts to [B, H, c] (a factor per row, KV head or query)."""
+    B, Hq, c, D = q.shape
+    H, L = k.shape[1], k.shape[2]
+    G = Hq // H
+    logits = torch.einsum("bhgcd,bhld->bhgcl", q.float().reshape(B, H, G, c, D), k.float())
+    if isinstance(scale, torch.Tensor):
+        logits = logits * scale.float().to(logits.device).expand(B, H, c)[:, :, None, :, None]
+    else:
+        logits = logits * scale
+    k_pos = k_pos if k_pos.dim() == 3 else k_pos[:, None, :]
+    k_real = k_real if k_real.dim() == 3 else k_real[:, None, :]
+    visible = k_real[:, :, None, :].expand(B, H, c, L)                            # [B, H, c, L]
+    if q_pos is not None:
+        visible = visible & (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (q_pos >= 0)[:, None, :, None]
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)   # a query that sees nothing: zeros
+    return probs.reshape(B, Hq, c, L)
+
+
+def newest_queries(valid: torch.Tensor, pos: torch.Tensor, r: int):
+    """valid, pos [B, m] -> (index [B, r'], real [B, r']): the r' = min(r, m) newest real
+    entries of each row by position, oldest first (a row with fewer real entries gets padding,
+    real=False, at the front)."""
+    r = min(r, valid.shape[1])
+    key = torch.where(valid, pos, torch.full_like(pos, -1))
+    index = torch.argsort(key, dim=1, stable=True)[:, valid.shape[1] - r:]
+    return index, valid.gather(1, index)
 
 
 @dataclass
@@ -36,7 +78,7 @@ class PromptView:
         """[B] position of the newest token of every row."""
         return self.pos.masked_fill(~self.valid, -1).max(dim=1).values
 
-    def probs(self, queries: slice | None = None, chunk: int | None = None):
+    def probs(self, queries: slice | None = None, chunk: int | None = None, scale=None):
         """Yields ``(i0, p)``: softmax probabilities ``p [B, Hq, c, m]`` (float32) of prompt
         queries ``i0 .. i0 + c`` over the first ``m`` prompt keys, causal by position and blind
         to padding. The keys after ``m`` are invisible to these queries (probability 0).
@@ -44,22 +86,36 @@ class PromptView:
         ``m = i0 + c`` when positions grow along the prompt, as HF's position ids always do:
         later keys are in the causal future of the chunk, and skipping them halves the work on a
         long prompt. Otherwise ``m = n``. Chunked over queries (``chunk``, default ``self.chunk``)
-        so that the blocks stay small.
+        so that the blocks stay small. ``scale``: see ``attention_probs`` (default: the model's).
         """
         n = self.q.shape[2]
         chunk = chunk or self.chunk
         lo, hi, _ = (queries or slice(0, n)).indices(n)
         ordered = self._positions_increase()
-        k = self.k.float().repeat_interleave(self.groups, dim=1)
+        q_pos = self.pos.masked_fill(~self.valid, -1)
         for i0 in range(lo, hi, chunk):
             i1 = min(i0 + chunk, hi)
             m = i1 if ordered else n
-            logits = torch.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1].float(), k[:, :, :m]) * self.scale
-            visible = (self.pos[:, None, :m] <= self.pos[:, i0:i1, None]) & self.valid[:, None, :m]
-            visible = visible & self.valid[:, i0:i1, None]
-            logits = logits.masked_fill(~visible[:, None], float("-inf"))
-            p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a padded query sees nothing
-            yield i0, p
+            yield i0, attention_probs(self.q[:, :, i0:i1], self.k[:, :, :m], q_pos[:, i0:i1],
+                                      self.pos[:, :m], self.valid[:, :m],
+                                      self.scale if scale is None else scale)
+
+    def query_probs(self, q: torch.Tensor, q_pos: torch.Tensor, scale=None) -> torch.Tensor:
+        """Softmax ``[B, Hq, r, n]`` of any queries ``q [B, Hq, r, D]`` at positions ``q_pos
+        [B, r]`` (-1: a padding query, all zeros) over the prompt's keys."""
+        return attention_probs(q, self.k, q_pos, self.pos, self.valid,
+                               self.scale if scale is None else scale)
+
+    def newest_probs(self, r: int, scale=None):
+        """``(probs [B, Hq, r', n], q_pos [B, r'])`` of each row's r' = min(r, n) newest real
+        queries by position, oldest first (q_pos -1 where a row has fewer real queries).
+        ``scale`` may be a callable of ``q_pos`` (a per-query factor, AhaKV's SG-softmax)."""
+        index, real = newest_queries(self.valid, self.pos, r)
+        q = self.q.gather(2, index[:, None, :, None].expand(-1, self.q.shape[1], -1, self.q.shape[3]))
+        q_pos = self.pos.gather(1, index).masked_fill(~real, -1)
+        if callable(scale):
+            scale = scale(q_pos)
+        return self.query_probs(q, q_pos, scale), q_pos
 
     def _positions_increase(self) -> bool:
         """Whether the real tokens' positions strictly increase along the prompt in every row."""
@@ -93,3 +149,23 @@ class CacheView:
     q: torch.Tensor | None = None        # [B, Hq, n, D] the latest call's queries (needs_queries)
     q_pos: torch.Tensor | None = None    # [B, n] their positions (-1: padding), None for one decode query
     scale: float | None = None           # the model's softmax scale
+
+    def query_probs(self, q: torch.Tensor, q_pos: torch.Tensor | None, scale=None) -> torch.Tensor:
+        """Softmax ``[B, Hq, r, L]`` of any queries ``q [B, Hq, r, D]`` at positions ``q_pos
+        [B, r]`` (-1: padding; None: they see every cached token) over the cached keys (needs
+        ``k``: a scorer with ``needs_kv``)."""
+        return attention_probs(q, self.k, q_pos, self.pos, self.mask,
+                               self.scale if scale is None else scale)
+
+    def probs(self, window: int | None = None, chunk: int = 256):
+        """Yields ``(i0, p)``: the softmax ``p [B, Hq, c, L]`` of the latest call's queries
+        ``i0 .. i0 + c`` (of its last ``window``), as the model computed it, over the cached
+        tokens; chunked over queries (``chunk``) like ``PromptView.probs``. Needs
+        ``needs_queries`` and ``needs_kv``."""
+        q, q_pos = self.q, self.q_pos
+        if window is not None and window < q.shape[2]:
+            q = q[:, :, -window:]
+            q_pos = q_pos[:, -window:] if q_pos is not None else None
+        for i0 in range(0, q.shape[2], chunk):
+            i1 = min(i0 + chunk, q.shape[2])
+            yield i0, self.query_probs(q[:, :, i0:i1], q_pos[:, i0:i1] if q_pos is not None else None)
