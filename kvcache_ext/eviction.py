@@ -10,6 +10,7 @@ import torch
 
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.storage import LayerStorage
 
 MAX_BLOCK = 256   # the attention kernel's largest query block
 
@@ -17,7 +18,8 @@ MAX_BLOCK = 256   # the attention kernel's largest query block
 class LayerState:
     """What one layer's cache knows besides its tokens."""
 
-    def __init__(self, layer_idx: int, num_layers: int, policy: Policy, storage, shared: dict | None = None):
+    def __init__(self, layer_idx: int, num_layers: int, policy: Policy, storage: type[LayerStorage],
+                 shared: dict | None = None):
         self.layer_idx, self.num_layers = layer_idx, num_layers
         self.policy, self.storage = policy, storage
         self.shared = {} if shared is None else shared   # one dict per cache: cross-layer state
@@ -77,8 +79,7 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     schedule = state.policy.schedule
     if fresh and n > 1 and schedule.prefill_block is None:
         out = dense_attention(module, q, k, v, attention_mask, scaling=scale, dropout=0.0, **kwargs)[0]
-        compress_prompt(state, q, k, v, pos, valid, scale)
-        release_prefill_slack(state)
+        store_dense_prompt(state, q, k, v, pos, valid, scale)
         return out
     if fresh:
         state.ensure_budget(valid.sum(dim=1))
@@ -90,6 +91,14 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     if fresh:
         release_prefill_slack(state)
     return out.transpose(1, 2)
+
+
+def store_dense_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
+    """What a one-shot prefill leaves in a layer's cache once the model's dense attention has
+    run on the prompt: the compressed prompt, without the prefill's slack. The one path for a
+    dense prefill: the patched model and the evaluation's shared prefill both take it."""
+    compress_prompt(state, q, k, v, pos, valid, scale)
+    release_prefill_slack(state)
 
 
 def release_prefill_slack(state: LayerState) -> None:

@@ -1,8 +1,9 @@
 """Storage of one layer's cache for the eviction engine: the ragged store (``RaggedLayerKV``).
 
-The engine (``kvcache_ext.eviction``) talks to a storage through the methods below; the
-reference path (``kvcache_ext.reference.masked_cache.MaskedLayerKV``) implements the same
-methods with a dense, masked cache, so both run the same policy code.
+It implements ``kvcache_ext.storage.LayerStorage``, the interface the engine
+(``kvcache_ext.eviction``) uses; the reference path
+(``kvcache_ext.reference.masked_cache.MaskedLayerKV``) implements the same interface with a
+dense, masked cache, so both run the same policy code.
 """
 from __future__ import annotations
 

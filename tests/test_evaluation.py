@@ -60,12 +60,15 @@ def test_shared_prefill_equals_the_patched_prefill(policy, layout):
             direct = handle.new_cache()
             direct_logits = [model(prompt, past_key_values=direct, use_cache=True).logits[:, -1]]
             shared = compressed_cache(policy, recorded)
+            # The same bytes as the patched model holds (one prefill path: the slack released alike).
+            assert shared.nbytes == direct.nbytes
             shared_logits = [recorded.logits[:, -1]]
             for t in range(fed.shape[1]):   # decode steps over each cache (with eviction, for some)
                 tok = fed[:, t:t + 1]
                 direct_logits.append(model(tok, past_key_values=direct, use_cache=True).logits[:, -1])
                 shared_logits.append(model(tok, past_key_values=shared, use_cache=True).logits[:, -1])
     assert shared.get_seq_length() == direct.get_seq_length() == 46
+    assert shared.nbytes == direct.nbytes
     for a, b in zip(direct.kept_tokens(), shared.kept_tokens()):
         assert torch.equal(a, b)
     for layer in range(3):
@@ -148,3 +151,22 @@ def test_summary_table_and_plot(tmp_path):
     path = tmp_path / "plot.png"
     plot(summarize(records), str(path), title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_both_storages_implement_the_storage_interface():
+    """RaggedLayerKV and MaskedLayerKV provide every method of LayerStorage, with its arguments."""
+    import inspect
+
+    from kvcache_ext.layer_kv import RaggedLayerKV
+    from kvcache_ext.reference.masked_cache import MaskedLayerKV
+    from kvcache_ext.storage import LayerStorage
+
+    for cls in (RaggedLayerKV, MaskedLayerKV):
+        storage = cls(2, 3, 8, torch.float32, torch.device("cpu"), 2)
+        assert isinstance(storage, LayerStorage)
+        for name, member in vars(LayerStorage).items():
+            if name.startswith("_") or not callable(getattr(LayerStorage, name, None)):
+                continue
+            want = list(inspect.signature(getattr(LayerStorage, name)).parameters)
+            got = list(inspect.signature(getattr(cls, name)).parameters)
+            assert got == want, (cls.__name__, name, got, want)

@@ -5,7 +5,7 @@ attention and compresses each layer's keys and values right after: the prefill i
 layer's queries, keys, values and the prompt's logits) does not depend on the policy. The
 harness therefore runs it once per prompt, recording each layer's dense prompt, and builds
 each policy's cache from the recording exactly as the patched prefill would
-(``eviction.compress_prompt`` on the same tensors). ``tests/test_evaluation.py`` checks that
+(``eviction.store_dense_prompt``, the patched model's own path, on the same tensors). ``tests/test_evaluation.py`` checks that
 this gives the same tokens and logits as running the patched model on the prompt.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.cache import RaggedCache
-from kvcache_ext.eviction import compress_prompt
+from kvcache_ext.eviction import store_dense_prompt
 from kvcache_ext.policies import Policy, Scorer
 from kvcache_ext.policies.views import PromptView
 
@@ -63,5 +63,5 @@ def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
         layer.lazy_initialization(view.k, view.v)
         state.ensure_storage(view.q, view.k)
         state.seen += view.k.shape[2]
-        compress_prompt(state, view.q, view.k, view.v, view.pos, view.valid, view.scale)
+        store_dense_prompt(state, view.q, view.k, view.v, view.pos, view.valid, view.scale)
     return cache
