@@ -19,11 +19,11 @@ import torch
 
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.policy import Policy
-from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.schedule import EveryStep
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.streaming_llm import StreamingLLM
 from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.policies.wrapper import Wrapper
 
 GQA_AGGREGATIONS = ("group_l2", "mean", "sum", "max", "shared")
 
@@ -103,7 +103,7 @@ def aggregate_groups(c: torch.Tensor, how: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the scorer
 
 @dataclass
-class CAOTE(Scorer):
+class CAOTE(Wrapper):
     """CAOTE on top of ``base``: the base's scores of a head's candidates, normalized (Eq. 22),
     weighted by how far each token's value is from the attention output (Eq. 21), or from the
     plain mean of the values with ``fast=True`` (FastCAOTE, Eq. 23). Lower = evicted first.
@@ -160,23 +160,15 @@ class CAOTE(Scorer):
     def per_head(self) -> bool:
         return self.gqa != "shared"
 
-    # --- the base's interface, plus what CAOTE reads ----------------------------------------
+    # --- the base's interface (``Wrapper``), plus what CAOTE reads ----------------------------
     @property
-    def channels(self) -> int:
-        return self._scoring.channels
-
-    @property
-    def update_stats(self) -> tuple[str, ...]:
-        return tuple(self._scoring.update_stats)
+    def inner(self) -> Scorer:
+        return self._scoring
 
     @property
     def evict_stats(self) -> tuple[str, ...]:
         extra = ("last",) if self.per_head else ()   # one query's per-head row
         return tuple(dict.fromkeys(tuple(self._scoring.evict_stats) + extra))
-
-    @property
-    def stats_window(self) -> int | None:
-        return self._scoring.stats_window
 
     @property
     def needs_kv(self) -> bool:
@@ -185,22 +177,6 @@ class CAOTE(Scorer):
     @property
     def needs_queries(self) -> bool:   # per-head scores of a block come from its queries' rows
         return self._scoring.needs_queries or self.per_head
-
-    @property
-    def updates_from_view(self) -> bool:
-        return self._scoring.updates_from_view
-
-    def default_protection(self) -> Protection:
-        return self.base.default_protection()
-
-    def check(self, schedule) -> None:
-        self.base.check(schedule)
-
-    def update(self, channels: torch.Tensor, stats: dict) -> None:
-        self._scoring.update(channels, stats)
-
-    def update_view(self, view: CacheView) -> torch.Tensor:
-        return self._scoring.update_view(view)
 
     # --- scores -----------------------------------------------------------------------------
     def prompt_scores(self, p: PromptView):

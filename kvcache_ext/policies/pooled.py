@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache_ext.policies.pooling import Pooling, newest
-from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.policies.wrapper import Wrapper
 
 
 @dataclass
-class Pooled(Scorer):
+class Pooled(Wrapper):
     """The scores of ``base`` pooled by ``pooling`` (default max, kernel 7) before the top-k.
 
     Blind to padding, to the base's protected recent window (``base.default_protection()``)
@@ -34,50 +34,13 @@ class Pooled(Scorer):
         if not isinstance(self.pooling, Pooling):
             raise TypeError(f"Pooled pooling must be a kvcache_ext.policies.Pooling, got {self.pooling!r}")
 
-    # --- the base's interface ----------------------------------------------------------------
     @property
-    def channels(self) -> int:
-        return self.base.channels
-
-    @property
-    def update_stats(self):
-        return self.base.update_stats
-
-    @property
-    def evict_stats(self):
-        return self.base.evict_stats
-
-    @property
-    def stats_window(self):
-        return self.base.stats_window
-
-    @property
-    def needs_kv(self) -> bool:
-        return self.base.needs_kv
-
-    @property
-    def needs_queries(self) -> bool:
-        return self.base.needs_queries
+    def inner(self) -> Scorer:
+        return self.base
 
     @property
     def output_after_eviction(self) -> bool:
         return self.base.output_after_eviction
-
-    @property
-    def updates_from_view(self) -> bool:
-        return self.base.updates_from_view
-
-    def default_protection(self) -> Protection:
-        return self.base.default_protection()
-
-    def check_policy(self, policy) -> None:
-        self.base.check_policy(policy)
-
-    def update(self, channels, stats) -> None:
-        self.base.update(channels, stats)
-
-    def update_view(self, view: CacheView) -> torch.Tensor:
-        return self.base.update_view(view)
 
     # --- pooled scores -----------------------------------------------------------------------
     def _pool(self, scores, pos, real, last_pos) -> torch.Tensor:
