@@ -62,6 +62,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+[[ $deadline =~ ^[0-9]+$ ]] || die "--deadline takes whole seconds (0: none), got '$deadline'"
 IFS=',' read -r -a stage_list <<< "$stages"
 for s in "${stage_list[@]}"; do
   case " $ALL_STAGES " in *" $s "*) ;; *) die "unknown stage '$s'; stages are: $ALL_STAGES" ;; esac

@@ -1,0 +1,39 @@
+"""bench/gpu_check.sh on a machine without a GPU: --dry-run walks every stage and prints what it
+would run; bad arguments are refused with the accepted values."""
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+STAGES = ["env", "build", "test", "sanitize", "bench", "ncu", "e2e"]
+
+
+def run(*args):
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_dry_run_walks_every_stage():
+    out = run("--dry-run", "--stages", ",".join(STAGES), "--e2e-args", "--contexts 8192 --batches 1")
+    assert out.returncode == 0, out.stderr
+    for stage in STAGES:
+        assert f"[{stage}] would run:" in out.stdout, stage
+    assert "--contexts 8192 --batches 1" in out.stdout
+    assert "compute-sanitizer" in out.stdout and "bench/nsight/profile.sh" in out.stdout
+    assert "dry run: would write" in out.stdout
+
+
+def test_default_stages_leave_out_e2e():
+    out = run("--dry-run")
+    assert out.returncode == 0
+    assert "[e2e]" not in out.stdout and "[ncu] would run" in out.stdout
+
+
+def test_bad_arguments_are_refused():
+    out = run("--stages", "build,fly")
+    assert out.returncode == 2 and "unknown stage 'fly'" in out.stderr and "env build" in out.stderr
+    out = run("--frobnicate")
+    assert out.returncode == 2 and "unknown option" in out.stderr
+    out = run("--deadline")
+    assert out.returncode == 2 and "--deadline needs seconds" in out.stderr
+    out = run("--deadline", "5m")
+    assert out.returncode == 2 and "whole seconds" in out.stderr and "'5m'" in out.stderr
