@@ -125,3 +125,17 @@ def test_budget_beyond_int32_keeps_everything(device):
     for k in (2**31, 2**40, torch.tensor([2**32, 2**32 + 1], device=device)):
         keep = kvcache_ext.segmented_topk(scores, pos, start, lens, k)
         assert keep.tolist() == [True] * 5 + [False]
+
+
+def test_narrow_integer_budgets_work(device):
+    """int8 / uint8 / int16 budgets select like int64 ones (the clamp to int32 widens first)."""
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.8], device=device)
+    pos = torch.arange(5, dtype=torch.int32, device=device)
+    start = torch.tensor([0, 3], device=device)
+    lens = torch.tensor([3, 2], dtype=torch.int32, device=device)
+    want = kvcache_ext.segmented_topk(scores, pos, start, lens, torch.tensor([2, 1], device=device))
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        k = torch.tensor([2, 1], dtype=dtype, device=device)
+        assert torch.equal(kvcache_ext.segmented_topk(scores, pos, start, lens, k), want), dtype
+        keep, counts = kvcache_ext.grouped_topk(scores, pos, start, lens, 2, torch.tensor([3], dtype=dtype, device=device))
+        assert counts.tolist() == [2, 1] and keep.tolist() == [False, True, True, False, True]

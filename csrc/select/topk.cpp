@@ -39,8 +39,9 @@ at::Tensor check_selection_inputs(const at::Tensor& scores, const at::Tensor& po
   check_defined(k, "k");
   TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k must be an integer tensor, got ",
                    k.scalar_type());
-  // A budget beyond any segment keeps everything: clamp before narrowing to int32.
-  const at::Tensor k32 = as_int32(k.clamp_max(INT32_MAX), device, "k");
+  // A budget beyond any segment keeps everything: clamp before narrowing to int32, in int64
+  // (INT32_MAX is out of range of a narrower k's own dtype: int8, uint8, int16 budgets).
+  const at::Tensor k32 = as_int32(k.to(at::kLong).clamp_max(INT32_MAX), device, "k");
   check_shape(k32, {num_k}, "k");
   if (S == 0) return k32;
   // One host sync for every value check: selection runs at eviction time, not per token.
