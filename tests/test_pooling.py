@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvcache_ext.policies import (CAOTE, H2O, KVEC, TOVA, AhaKV, BlockwisePrefill, OneShot, Policy,
                                   Pooled, Pooling, RoCo, ScissorHands, SnapKV)
-from kvcache_ext.policies.pooling import newest
+from kvcache_ext.policies.protection import newest
 from literal import held_layout, literal_pool, outside_window
 from test_patch import assert_paths_agree
 from test_policies import cache_view, make_prompt

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvcache_ext.policies.pooling import Pooling, newest
-from kvcache_ext.policies.protection import Protection
+from kvcache_ext.policies.pooling import Pooling
+from kvcache_ext.policies.protection import Protection, newest
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView, newest_queries
 

@@ -180,10 +180,10 @@ class CAOTE(Wrapper):
 
     # --- scores -----------------------------------------------------------------------------
     def prompt_scores(self, p: PromptView):
-        base_scores, channels = self._scoring.prompt_scores(p)
         if self.per_head:
-            h = self._require(self._scoring.prompt_head_scores(p, channels))
+            h, channels = self._require(self._scoring.prompt_head_scores(p))
         else:
+            base_scores, channels = self._scoring.prompt_scores(p)
             h = base_scores[:, :, None]
         B, H, n, _ = p.k.shape
         return self._scores(h, p.v, p.valid[:, None, :].expand(B, H, n)), channels
@@ -195,7 +195,7 @@ class CAOTE(Wrapper):
             h = self._scoring.cache_scores(view)[:, :, None]
         return self._scores(h, view.v, view.mask)
 
-    def _require(self, h: torch.Tensor | None) -> torch.Tensor:
+    def _require(self, h):
         if h is None:
             raise ValueError(f"CAOTE(gqa={self.gqa!r}) needs per-query-head scores, which "
                              f"{type(self.base).__name__} does not give; use gqa='shared'")

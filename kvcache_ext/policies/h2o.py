@@ -55,6 +55,11 @@ class H2O(Scorer):
         return Protection(recent=self.recent)
 
     def prompt_scores(self, p: PromptView):
+        _, channels = self._prompt_mass(p)
+        return channels[..., 0], channels
+
+    def _prompt_mass(self, p: PromptView):
+        """(column sums of the prompt's attention per query head [B, H, G, n], channels)."""
         B, H, n, _ = p.k.shape
         mass = p.q.new_zeros(B, p.q.shape[1], n, dtype=torch.float32)
         for _, probs in p.probs():
@@ -65,7 +70,7 @@ class H2O(Scorer):
         if self.query_heads:
             G = self._check_groups(p.groups)
             channels += [per_head.permute(0, 1, 3, 2), total.new_zeros(B, H, n, self.query_heads - G)]
-        return total, torch.cat(channels, dim=-1)
+        return per_head, torch.cat(channels, dim=-1)
 
     def update(self, channels, stats):
         channels[..., 0] += stats["mass"]
@@ -88,10 +93,10 @@ class H2O(Scorer):
     def with_query_head_state(self, max_groups: int) -> "H2O":
         return replace(self, query_heads=max_groups)
 
-    def prompt_head_scores(self, p: PromptView, channels):
+    def prompt_head_scores(self, p: PromptView):
         if not self.query_heads:
             return None
-        return channels[..., 1:1 + p.groups].permute(0, 1, 3, 2)
+        return self._prompt_mass(p)
 
     def cache_head_scores(self, view: CacheView):
         if not self.query_heads:

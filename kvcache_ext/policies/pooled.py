@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache_ext.policies.pooling import Pooling, newest
+from kvcache_ext.policies.pooling import Pooling
+from kvcache_ext.policies.protection import newest
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 from kvcache_ext.policies.wrapper import Wrapper

@@ -50,9 +50,3 @@ class Pooling:
             pooled = window_sum(x.masked_fill(~live, 0.0)) / window_sum(live.float()).clamp_min(1.0)
         return torch.where(live, pooled.view(shape), x)
 
-
-def newest(pos: torch.Tensor, last_pos: torch.Tensor, count: int) -> torch.Tensor:
-    """pos [B, ...] -> bool: the ``count`` newest positions of each row (last_pos [B])."""
-    if count <= 0:
-        return torch.zeros_like(pos, dtype=torch.bool)
-    return pos > (last_pos.view((-1,) + (1,) * (pos.dim() - 1)) - count)

@@ -27,12 +27,16 @@ class Protection:
 
     def mask(self, pos: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
         """pos [B, H, L] positions, last_pos [B] newest position per row -> protected [B, H, L]."""
-        protected = pos < self.sinks
-        if self.recent:
-            protected |= pos > (last_pos.view(-1, 1, 1) - self.recent)
-        return protected
+        return (pos < self.sinks) | newest(pos, last_pos, self.recent)
 
     def apply(self, scores: torch.Tensor, pos: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
         if not self.size:
             return scores
         return scores.masked_fill(self.mask(pos, last_pos), float("inf"))
+
+
+def newest(pos: torch.Tensor, last_pos: torch.Tensor, count: int) -> torch.Tensor:
+    """pos [B, ...] -> bool: the ``count`` newest positions of each row (last_pos [B])."""
+    if count <= 0:
+        return torch.zeros_like(pos, dtype=torch.bool)
+    return pos > (last_pos.view((-1,) + (1,) * (pos.dim() - 1)) - count)

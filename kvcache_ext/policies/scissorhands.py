@@ -77,8 +77,8 @@ class ScissorHands(Scorer):
             visible = view.mask[:, :, None, :]                           # [B, H, 1 or c, L]
             if view.q_pos is not None:
                 q_pos = view.q_pos[:, i0:i0 + a.shape[2]]
+                # A padding query (q_pos -1) sees no token: positions are >= 0.
                 visible = visible & (view.pos[:, :, None, :] <= q_pos[:, None, :, None])
-                visible = visible & (q_pos >= 0)[:, None, :, None]
             visible = visible.expand_as(a)
             channels[..., 0] += (self._above(a, visible.sum(dim=-1)) & visible).sum(dim=2)
         return channels

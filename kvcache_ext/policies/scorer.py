@@ -63,9 +63,10 @@ class Scorer:
         ``max_groups`` more channels); by default itself."""
         return self
 
-    def prompt_head_scores(self, p: PromptView, channels: torch.Tensor | None) -> torch.Tensor | None:
-        """[B, H, G, n] scores of a fresh prompt per query head, or None when the scorer has no
-        per-head reading. ``channels``: what ``prompt_scores`` returned."""
+    def prompt_head_scores(self, p: PromptView) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(scores [B, H, G, n] per query head, channels)`` of a fresh prompt, the channels
+        being what ``prompt_scores`` would return (it is not called as well), or None when the
+        scorer has no per-head reading."""
         return None
 
     def cache_head_scores(self, view: CacheView) -> torch.Tensor | None:

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_ext.policies.pooling import Pooling, newest
-from kvcache_ext.policies.protection import Protection
+from kvcache_ext.policies.pooling import Pooling
+from kvcache_ext.policies.protection import Protection, newest
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
 from kvcache_ext.policies.views import CacheView, PromptView
 
@@ -103,13 +103,13 @@ class SnapKV(Scorer):
         return self.pool(scores.masked_fill(~view.mask, 0.0), self._cache_live(view))
 
     # --- per query head (CAOTE's per-head readings) -------------------------------------------
-    def prompt_head_scores(self, p: PromptView, channels):
+    def prompt_head_scores(self, p: PromptView):
         probs, live, _ = self._prompt_window(p)
         if self.order == "pool_then_mean":
             h = self.pool(probs, live[:, :, None]).sum(dim=2)
         else:
             h = self.pool(probs.sum(dim=2), live)
-        return h.unflatten(1, (p.k.shape[1], p.groups))
+        return h.unflatten(1, (p.k.shape[1], p.groups)), None
 
     def cache_head_scores(self, view: CacheView):
         if view.q is None or min(self.window, view.q.shape[2]) == 1:

@@ -29,10 +29,10 @@ class TOVA(Scorer):
             return last.unflatten(1, (H, p.groups)).mean(dim=2), None
         return last.mean(dim=1, keepdim=True).expand(B, H, n).contiguous(), None
 
-    def prompt_head_scores(self, p: PromptView, channels):
+    def prompt_head_scores(self, p: PromptView):
         n = p.q.shape[2]
         (_, last), = p.probs(slice(n - 1, n))          # [B, Hq, 1, n]
-        return last[:, :, 0].unflatten(1, (p.k.shape[1], p.groups))
+        return last[:, :, 0].unflatten(1, (p.k.shape[1], p.groups)), None
 
     def cache_head_scores(self, view: CacheView):
         return view.stats["last"].permute(0, 1, 3, 2)

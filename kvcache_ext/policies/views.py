@@ -78,7 +78,7 @@ class PromptView:
         """[B] position of the newest token of every row."""
         return self.pos.masked_fill(~self.valid, -1).max(dim=1).values
 
-    def probs(self, queries: slice | None = None, chunk: int | None = None, scale=None):
+    def probs(self, queries: slice | None = None, chunk: int | None = None):
         """Yields ``(i0, p)``: softmax probabilities ``p [B, Hq, c, m]`` (float32) of prompt
         queries ``i0 .. i0 + c`` over the first ``m`` prompt keys, causal by position and blind
         to padding. The keys after ``m`` are invisible to these queries (probability 0).
@@ -86,7 +86,7 @@ class PromptView:
         ``m = i0 + c`` when positions grow along the prompt, as HF's position ids always do:
         later keys are in the causal future of the chunk, and skipping them halves the work on a
         long prompt. Otherwise ``m = n``. Chunked over queries (``chunk``, default ``self.chunk``)
-        so that the blocks stay small. ``scale``: see ``attention_probs`` (default: the model's).
+        so that the blocks stay small.
         """
         n = self.q.shape[2]
         chunk = chunk or self.chunk
@@ -97,8 +97,7 @@ class PromptView:
             i1 = min(i0 + chunk, hi)
             m = i1 if ordered else n
             yield i0, attention_probs(self.q[:, :, i0:i1], self.k[:, :, :m], q_pos[:, i0:i1],
-                                      self.pos[:, :m], self.valid[:, :m],
-                                      self.scale if scale is None else scale)
+                                      self.pos[:, :m], self.valid[:, :m], self.scale)
 
     def query_probs(self, q: torch.Tensor, q_pos: torch.Tensor, scale=None) -> torch.Tensor:
         """Softmax ``[B, Hq, r, n]`` of any queries ``q [B, Hq, r, D]`` at positions ``q_pos
@@ -106,16 +105,13 @@ class PromptView:
         return attention_probs(q, self.k, q_pos, self.pos, self.valid,
                                self.scale if scale is None else scale)
 
-    def newest_probs(self, r: int, scale=None):
+    def newest_probs(self, r: int):
         """``(probs [B, Hq, r', n], q_pos [B, r'])`` of each row's r' = min(r, n) newest real
-        queries by position, oldest first (q_pos -1 where a row has fewer real queries).
-        ``scale`` may be a callable of ``q_pos`` (a per-query factor, AhaKV's SG-softmax)."""
+        queries by position, oldest first (q_pos -1 where a row has fewer real queries)."""
         index, real = newest_queries(self.valid, self.pos, r)
         q = self.q.gather(2, index[:, None, :, None].expand(-1, self.q.shape[1], -1, self.q.shape[3]))
         q_pos = self.pos.gather(1, index).masked_fill(~real, -1)
-        if callable(scale):
-            scale = scale(q_pos)
-        return self.query_probs(q, q_pos, scale), q_pos
+        return self.query_probs(q, q_pos), q_pos
 
     def _positions_increase(self) -> bool:
         """Whether the real tokens' positions strictly increase along the prompt in every row."""

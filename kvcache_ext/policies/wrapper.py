@@ -14,7 +14,9 @@ class Wrapper(Scorer):
 
     @property
     def inner(self) -> Scorer:
-        raise NotImplementedError
+        """The scorer underneath; every subclass defines it (CAOTE: its base, or the base's
+        per-head copy; Pooled: its base)."""
+        raise NotImplementedError(f"{type(self).__name__} must define Wrapper.inner")
 
     @property
     def channels(self) -> int:
