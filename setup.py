@@ -100,7 +100,12 @@ setup(
     # transformers: the range CI tests (.ci/run runs the tests on 5.2.0 and on the newest allowed).
     extras_require={"hf": ["transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm", "matplotlib"],
                     "test": ["pytest", "hypothesis", "transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm",
-                             "matplotlib"]},
+                             "matplotlib"],
+                    # bench: bench/e2e.py's kvpress methods. kvpress 0.5.5 pins transformers<5.3, so this
+                    # extra installs transformers 5.2.x, the oldest we support (best in a venv of its own:
+                    # bench/README.md). Its import needs cachetools, datasets and fire (its own pins).
+                    "bench": ["kvpress==0.5.5", "transformers>=5.2,<5.3", "cachetools>=5.5.2,<6", "datasets>=2.21",
+                              "fire>=0.6,<0.7", "gguf", "accelerate", "tqdm", "matplotlib"]},
     # + cmake and libgtest-dev from the system for the C++ tests
     entry_points={"console_scripts": ["kvcache-ext = kvcache_ext.cli:main"]},
     ext_modules=[extension()],

@@ -2,7 +2,8 @@
 
     python bench/e2e.py                        # GPU: Llama-3.1-8B's architecture with random bf16
                                                # weights, contexts 8K/32K/128K, batch 1/4/16
-    python bench/e2e.py --model smollm2        # CPU: the default model, the small version
+    python bench/e2e.py                        # CPU: the default model, contexts 2K/8K, batch 1/4,
+                                               # keeping 12.5 % of each prompt
     python bench/e2e.py --model tiny --quick   # a tiny random Llama, a few seconds (the smoke test)
 
 Every (context, batch) runs these methods side by side in one process, on the same prompt:
@@ -19,14 +20,31 @@ Every (context, batch) runs these methods side by side in one process, on the sa
 - ``h2o-step`` and ``caote-step``: ours, per-step decode eviction holding the cache at its
   budget. The prefill is block-wise (blocks of 128, evicting after each, the H2O and CAOTE
   papers' protocol), so the prompt's cache never exceeds the budget plus a block.
+- ``kvpress-snapkv`` and ``kvpress-ada-snapkv``: kvpress itself, ``SnapKVPress`` and
+  ``AdaKVPress(SnapKVPress)`` on HF's ``DynamicCache``, run when ``import kvpress`` works
+  (``pip install ".[bench]"``; kvpress 0.5.5 needs transformers < 5.3): ``with press(model):``
+  around the prefill, then the same greedy decode, given the positions (kvpress's cache drops the
+  pruned tokens, so HF would number the next token from the kept count; kvpress's own pipeline
+  passes them too). The same kept count: kvpress keeps ``int(context * (1 - compression_ratio))``
+  tokens per KV head, its window included, as our B includes ours; the ratio is set half a token
+  below ``1 - B / context`` so that this is exactly B (0, no compression, when B >= context).
+  SnapKVPress gets our SnapKV's window (32 queries; its default is 64) and kernel (7; its
+  default 5); its pooling is an average (ours: max), and both average the G query heads.
+  AdaKVPress keeps its own safeguard (``alpha_safeguard=0.2``: every head keeps at least 20 %
+  of B; ours, ``AdaKV(alpha=0.5)``, about half) and masks a full-size cache: every decode step
+  overwrites the pruned keys with a key whose attention underflows to zero. It holds every
+  token; its mask is three int64 index tensors per layer (24 bytes per pruned token and head).
+  Importing kvpress wraps every transformers attention function of the process (a no-op for a
+  module without kvpress's mask), so in that process the other methods run through it too.
 
 Reported per run: prefill seconds, decode tokens/s (batch x steps / decode seconds), peak GPU
 memory (``torch.cuda.max_memory_allocated``, of the prefill and of the decode apart, the peak
 column being the larger; not measured on CPU),
 the model's bytes, the KV bytes at the end (``DynamicCache`` K+V; ``RaggedCache.nbytes``: K, V,
 positions, score channels and the free slots the store reserves; for the masked cache, K+V plus
-one bool per token and head), the tokens held (over layers, rows and KV heads; the masked cache
-holds them all), and the decode workspace: decode peak - model - KV at the end.
+one bool per token and head; for ``kvpress-ada-snapkv``, K+V plus its index tensors), the tokens
+held (over layers, rows and KV heads; the masked caches hold them all), and the decode
+workspace: decode peak - model - KV at the end.
 
 On CUDA every MLP runs over at most ``--mlp-chunk`` tokens at a time (default 8192): the
 prefill of 16 x 32K tokens would otherwise need 45 GB for one MLP's intermediate activations.
@@ -39,6 +57,11 @@ Derived, from runs of one process only:
   grows), so the difference is the eviction work (an estimate: SnapKV's cache is up to
   ``--steps`` tokens per head longer).
 - the largest batch x context of the grid that each method ran without running out of memory.
+- per (context, batch, B), in a second table: ours SnapKV's KV bytes / kvpress SnapKV's, ours
+  Ada-SnapKV's / ours SnapKV's, and ours SnapKV's decode tokens/s / kvpress SnapKV's.
+
+``--keep`` gives the budget as a fraction of each context (B = round(keep x context) tokens per
+KV head) instead of ``--budgets``; on CPU it is the default, 0.125.
 
 Results go to bench/results/e2e-<device>-<date>.json (not with --quick unless --out is given),
 and with --plot to a PNG of decode throughput and peak memory against context.
@@ -46,7 +69,9 @@ and with --plot to a PNG of decode throughput and peak memory against context.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib.metadata
 import os
 import sys
 import time
@@ -77,8 +102,10 @@ POLICIES = {       # name -> Policy at budget b
     "caote-step": lambda b: Policy(CAOTE(H2O(recent=b // 2), output_after_eviction=False), budget=b,
                                    schedule=Schedule(prefill_block=STEP_BLOCK, decode_every=1)),
 }
-METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES)
+KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")   # kvpress's presses, when it is installed
+METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES) + KVPRESS
 MASKED = "kvcache_bench_masked"   # the masked method's registered attention function
+INSTALL_KVPRESS = 'pip install ".[bench]" (kvpress 0.5.5, which needs transformers<5.3)'
 
 
 # --- the model and the prompt -----------------------------------------------------------------
@@ -175,6 +202,39 @@ def kept_masks(cache, prompt_len: int) -> list[torch.Tensor]:
     return masks
 
 
+# --- kvpress ----------------------------------------------------------------------------------
+def kvpress_missing() -> str | None:
+    """Why kvpress's methods cannot run in this process, or None."""
+    try:
+        import kvpress  # noqa: F401   (wraps transformers' attention functions: see the docstring)
+    except Exception as e:   # not installed, or not importable with this transformers
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def kvpress_press(method: str, budget: int, context: int):
+    """kvpress's press keeping ``budget`` tokens per KV head of a ``context``-token prompt."""
+    from kvpress import AdaKVPress, SnapKVPress
+    # kvpress keeps int(context * (1 - ratio)) tokens: int(B + 0.5) is B, where 1 - B / context
+    # would often give B - 1 by float error.
+    ratio = max(0.0, 1 - (budget + 0.5) / context)
+    ours = SnapKV()
+    snap = SnapKVPress(compression_ratio=ratio, window_size=ours.window, kernel_size=ours.kernel)
+    return AdaKVPress(snap) if method == "kvpress-ada-snapkv" else snap
+
+
+def kvpress_mask_bytes(model) -> int:
+    """Bytes of AdaKVPress's masks: the (row, head, position) indices of the pruned keys, per layer."""
+    return sum(t.nbytes for layer in model.model.layers
+               for t in getattr(layer.self_attn, "masked_key_indices", None) or ())
+
+
+def kvpress_unmask(model) -> None:
+    """AdaKVPress leaves its mask on the attention modules; the next method must not see it."""
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
+
+
 # --- one run ----------------------------------------------------------------------------------
 def kv_tokens(cache) -> int:
     """Tokens held, summed over layers, batch rows and KV heads."""
@@ -194,6 +254,7 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
     record = dict(method=method, budget=budget, context=ids.shape[1], batch=ids.shape[0], steps=steps)
     handle = None
     cache = None
+    press = None
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -204,9 +265,12 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
             cache = DynamicCache(config=model.config)
             if method.startswith("masked"):
                 model.set_attn_implementation(MASKED)
+            elif method in KVPRESS:
+                press = kvpress_press(method, budget, ids.shape[1])
         sync(device)
         t0 = time.perf_counter()
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with press(model) if press is not None else contextlib.nullcontext():
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         sync(device)
         record["prefill_s"] = time.perf_counter() - t0
@@ -221,8 +285,9 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         sync(device)
         t0 = time.perf_counter()
         tokens = [token]
-        for _ in range(steps):
-            out = model(tokens[-1], past_key_values=cache, use_cache=True)
+        for step in range(steps):   # positions given: kvpress's cache does not count the pruned tokens
+            position = torch.full_like(token, ids.shape[1] + step)
+            out = model(tokens[-1], past_key_values=cache, use_cache=True, position_ids=position)
             tokens.append(out.logits[:, -1].argmax(dim=-1, keepdim=True))
         sync(device)
         record["decode_s"] = time.perf_counter() - t0
@@ -230,7 +295,9 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         record["tokens"] = torch.cat(tokens, dim=1).tolist()
         if steps:
             record["decode_tokens_per_s"] = ids.shape[0] * steps / record["decode_s"]
-        record["kv_bytes"] = cache_bytes(cache) + (_active_masks.nbytes if _active_masks is not None else 0)
+        mask_bytes = (_active_masks.nbytes if _active_masks is not None else
+                      kvpress_mask_bytes(model) if press is not None else 0)
+        record["kv_bytes"] = cache_bytes(cache) + mask_bytes
         record["kv_tokens"] = kv_tokens(cache)
         if cuda:
             record["decode_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -244,6 +311,8 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
             handle.unpatch()
         elif method.startswith("masked"):
             model.set_attn_implementation("sdpa")
+        elif press is not None:
+            kvpress_unmask(model)
         del cache
         gc.collect()
         if cuda:
@@ -251,18 +320,24 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
     return record
 
 
+def budgets_of(args, context: int) -> list[int]:
+    """Tokens per KV head at this context: --budgets, or --keep's fractions of the context."""
+    return args.budgets or [round(keep * context) for keep in args.keep]
+
+
 def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
     from tqdm.auto import tqdm
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget_methods = [m for m in args.methods if m != "full"]
-    total = len(args.contexts) * len(args.batches) * (("full" in args.methods) + len(budget_methods) * len(args.budgets))
+    levels = len(args.budgets or args.keep)
+    total = len(args.contexts) * len(args.batches) * (("full" in args.methods) + len(budget_methods) * levels)
     bar = tqdm(total=total, desc="e2e", disable=not progress)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             ids = prompt_ids(model, tokenizer, context, batch, device)
             runs = [("full", None)] if "full" in args.methods else []
-            runs += [(m, b) for b in args.budgets for m in budget_methods]
+            runs += [(m, b) for b in budgets_of(args, context) for m in budget_methods]
             # The masked method needs Ada-SnapKV's kept tokens of its budget: it runs after it.
             runs.sort(key=lambda r: r[0].startswith("masked"))
             masks = {}   # budget -> Ada-SnapKV's kept tokens (on the CPU: not in the others' peaks)
@@ -276,6 +351,8 @@ def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
                 record = run_one(model, ids, method, budget, args.steps, device, masks=masks.get(budget),
                                  on_prefill=keep_masks(budget) if method == "ada-snapkv" else None)
                 record["model_bytes"] = model_bytes
+                if args.keep and budget is not None:
+                    record["keep"] = args.keep[budgets_of(args, context).index(budget)]
                 if "peak_bytes" in record:   # what decoding needs beyond the model and the cache
                     record["workspace_bytes"] = record["decode_peak_bytes"] - model_bytes - record["kv_bytes"]
                 rows.append(record)
@@ -302,11 +379,32 @@ def derive(rows: list[dict]) -> dict:
                 r["eviction_share"] = 1 - snap["decode_s"] / r["decode_s"]
     largest = {}
     for r in ok:
-        key = r["method"] + (f"@{r['budget']}" if r["budget"] else "")
+        key = r["method"] + (f"@{level(r)}" if r["budget"] else "")
         size = r["batch"] * r["context"]
         if size > largest.get(key, (0,))[0]:
             largest[key] = (size, r["batch"], r["context"])
     return {key: dict(batch=b, context=c) for key, (_, b, c) in largest.items()}
+
+
+def level(r: dict) -> str:
+    """A run's budget as asked: B tokens per KV head, or --keep's percentage of the context."""
+    return f"{100 * r['keep']:g}%" if r.get("keep") else str(r["budget"] or "")
+
+
+def kvpress_ratios(rows: list[dict]) -> list[dict]:
+    """Per (context, batch, B) of ours SnapKV: its KV bytes over kvpress SnapKV's, ours Ada-SnapKV's
+    over its, and its decode tokens/s over kvpress SnapKV's; None where one of the two did not run."""
+    ok = {(r["method"], r["context"], r["batch"], r["budget"]): r for r in rows if r["status"] == "ok"}
+    ratios = []
+    for (method, *case), snap in ok.items():
+        kvp, ada = ok.get(("kvpress-snapkv", *case)), ok.get(("ada-snapkv", *case))
+        if method == "snapkv" and (kvp or ada):
+            ratios.append(dict(zip(("context", "batch", "budget"), case),
+                               snapkv_over_kvpress_bytes=kvp and snap["kv_bytes"] / kvp["kv_bytes"],
+                               ada_over_snapkv_bytes=ada and ada["kv_bytes"] / snap["kv_bytes"],
+                               snapkv_over_kvpress_decode=kvp and snap["decode_tokens_per_s"] /
+                               kvp["decode_tokens_per_s"]))
+    return ratios
 
 
 def format_table(rows: list[dict]) -> str:
@@ -329,6 +427,14 @@ def format_table(rows: list[dict]) -> str:
                      f"| {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {x} "
                      f"| {size(r.get('peak_bytes'))} | {size(r['kv_bytes'])} | {size(r.get('workspace_bytes'))} "
                      f"| {share} |")
+    ratios = kvpress_ratios(rows)
+    if ratios:
+        head = ("| context | batch | B | ours snapkv / kvpress snapkv, KV bytes | ours ada-snapkv / ours snapkv, "
+                "KV bytes | ours snapkv / kvpress snapkv, decode tok/s |")
+        lines += ["", head, "|" + " --- |" * 6]
+        for q in ratios:
+            lines.append(f"| {q['context']} | {q['batch']} | {q['budget']} | " + " | ".join(
+                "—" if x is None else f"{x:.3f}" for x in list(q.values())[3:]) + " |")
     return "\n".join(lines)
 
 
@@ -338,7 +444,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     ok = [r for r in rows if r["status"] == "ok"]
     batches = sorted({r["batch"] for r in ok})
-    keys = sorted({(r["method"], r["budget"] or 0) for r in ok})
+    keys = sorted({(r["method"], level(r)) for r in ok})
     budgets = sorted({b for _, b in keys})
     color = {m: plt.cm.tab10(i) for i, m in enumerate(METHODS)}          # colour: method
     style = {b: ("-", "--", ":", "-.")[i % 4] for i, b in enumerate(budgets)}   # line: budget
@@ -346,7 +452,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     for col, batch in enumerate(batches):
         for method, budget in keys:
             pts = sorted((r["context"], r["decode_tokens_per_s"], r.get("peak_bytes", r["kv_bytes"]))
-                         for r in ok if (r["method"], r["budget"] or 0, r["batch"]) == (method, budget, batch))
+                         for r in ok if (r["method"], level(r), r["batch"]) == (method, budget, batch))
             if not pts:
                 continue
             label = method + (f" B={budget}" if budget else "")
@@ -382,7 +488,8 @@ def report(paths: list[str], out: str | None, png: str | None) -> int:
     largest = derive(rows)
     print(format_table(rows))
     if out:
-        merged = dict(docs[0], rows=rows, largest_fit=largest, table=format_table(rows), merged_from=paths)
+        merged = dict(docs[0], rows=rows, largest_fit=largest, kvpress_ratios=kvpress_ratios(rows),
+                      table=format_table(rows), merged_from=paths)
         with open(out, "w") as f:
             json.dump(merged, f, indent=2)
         print(f"wrote {out}")
@@ -405,9 +512,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--contexts", type=ints, help="default: 8192,32768,131072 (GPU); 1024,2048,4096 (CPU)")
+    parser.add_argument("--contexts", type=ints, help="default: 8192,32768,131072 (GPU); 2048,8192 (CPU)")
     parser.add_argument("--batches", type=ints, help="default: 1,4,16 (GPU); 1,4 (CPU)")
-    parser.add_argument("--budgets", type=ints, help="tokens per KV head; default 512,1024,2048 (GPU), 128,256 (CPU)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budgets", type=ints, help="tokens per KV head; default 512,1024,2048 (GPU)")
+    budget.add_argument("--keep", type=lambda text: [float(x) for x in text.split(",") if x.strip()],
+                        help="instead of --budgets: the kept fraction of each context, B = round(keep x "
+                        "context) tokens per KV head; default 0.125 (CPU)")
     parser.add_argument("--steps", type=int, help="decode steps; default 256 (GPU), 64 (CPU)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
     parser.add_argument("--mlp-chunk", type=int, help="tokens per MLP call in the prefill; 0: off "
@@ -431,18 +542,25 @@ def main(argv=None) -> int:
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    if any(m in KVPRESS for m in args.methods) and (why := kvpress_missing()):
+        print(f"skipped {', '.join(KVPRESS)}: kvpress does not import ({why}); install: {INSTALL_KVPRESS}")
+        args.methods = [m for m in args.methods if m not in KVPRESS]
     args.model = args.model or ("llama8b" if cuda else "smollm2")
     quick = args.quick
-    args.contexts = args.contexts or ([512, 1024] if quick else [8192, 32768, 131072] if cuda else [1024, 2048, 4096])
+    args.contexts = args.contexts or ([512, 1024] if quick else [8192, 32768, 131072] if cuda else [2048, 8192])
     args.batches = args.batches or ([1, 2] if quick else [1, 4, 16] if cuda else [1, 4])
-    args.budgets = args.budgets or ([64] if quick else [512, 1024, 2048] if cuda else [128, 256])
+    if not args.keep:
+        args.budgets = args.budgets or ([64] if quick else [512, 1024, 2048] if cuda else None)
+        args.keep = None if args.budgets else [0.125]
+    if any(not 0 < keep <= 1 for keep in args.keep or ()):
+        parser.error("--keep takes fractions in (0, 1]")
     args.steps = args.steps or (8 if quick else 256 if cuda else 64)
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     if min(args.contexts) <= STEP_BLOCK or args.steps < 1:
         parser.error(f"contexts must exceed the block-wise prefill's block ({STEP_BLOCK}) and steps be >= 1")
 
     try:   # a budget a method refuses fails now, not after an hour of runs
-        for budget in args.budgets:
+        for budget in {b for context in args.contexts for b in budgets_of(args, context)}:
             [POLICIES[m](budget) for m in POLICIES if m in args.methods or m == "ada-snapkv"]
     except ValueError as e:
         parser.error(str(e))
@@ -453,9 +571,12 @@ def main(argv=None) -> int:
         chunk_mlps(model, args.mlp_chunk)
     import kvcache_ext
     package = os.path.dirname(os.path.abspath(kvcache_ext.__file__))   # installed, or the checkout
+    import transformers
+    kvpress = importlib.metadata.version("kvpress") if any(m in KVPRESS for m in args.methods) else None
     print(f"e2e on {device_name(device)}: {args.model} ({dtype}), contexts {args.contexts}, batches "
-          f"{args.batches}, budgets {args.budgets}, {args.steps} decode steps, commit {git_commit()}, "
-          f"kvcache_ext from {package}")
+          f"{args.batches}, " + (f"budgets {args.budgets}" if args.budgets else f"keep {args.keep}") +
+          f", {args.steps} decode steps, commit {git_commit()}, kvcache_ext from {package}, transformers "
+          f"{transformers.__version__}" + (f", kvpress {kvpress}" if kvpress else ""))
     rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
     largest = derive(rows)
     print(format_table(rows))
@@ -463,7 +584,8 @@ def main(argv=None) -> int:
           ", ".join(f"{k} {v['batch']} x {v['context']}" for k, v in largest.items()))
     extra = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), steps=args.steps,
                  step_prefill_block=STEP_BLOCK, mlp_chunk=args.mlp_chunk, kvcache_ext_path=package,
-                 largest_fit=largest, table=format_table(rows))
+                 transformers=transformers.__version__, kvpress=kvpress, keep=args.keep,
+                 largest_fit=largest, kvpress_ratios=kvpress_ratios(rows), table=format_table(rows))
     path = args.out
     if path:
         import json

@@ -45,33 +45,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using kvcache_ext::RaggedKVStore;
   m.doc() = "kvcache_ext kernels: ragged per-head KV store, segmented top-k, attention";
   py::class_<RaggedKVStore>(m, "RaggedKVStore")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, const at::Tensor&, double>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, const at::Tensor&, int64_t>(),
            py::arg("batch"), py::arg("heads"), py::arg("head_dim"), py::arg("score_channels"),
-           py::arg("like"), py::arg("growth"))
+           py::arg("like"), py::arg("page_size"))
       .def("append", &RaggedKVStore::append, py::arg("k"), py::arg("v"), py::arg("pos"),
            py::arg("valid") = py::none())
       .def("replace", &RaggedKVStore::replace, py::arg("slot"), py::arg("k"), py::arg("v"),
            py::arg("pos"), py::arg("check_bounds") = true)
       .def("compact", &RaggedKVStore::compact, py::arg("keep"))
       .def("reserve", &RaggedKVStore::reserve, py::arg("extra"))
+      .def("repack", &RaggedKVStore::repack, py::arg("extra"))
       .def("shrink_to_fit", &RaggedKVStore::shrink_to_fit)
+      .def("set_scores", &RaggedKVStore::set_scores, py::arg("scores"))
       .def_property_readonly("k", &RaggedKVStore::k)
       .def_property_readonly("v", &RaggedKVStore::v)
       .def_property_readonly("pos", &RaggedKVStore::pos)
       .def_property_readonly("scores", &RaggedKVStore::scores)
-      .def_property_readonly("start", &RaggedKVStore::start)
       .def_property_readonly("len", &RaggedKVStore::len)
-      .def_property_readonly("cap", &RaggedKVStore::cap)
+      .def_property_readonly("page_table", &RaggedKVStore::page_table)
       .def_property_readonly("len_host", &RaggedKVStore::len_host)
-      .def_property_readonly("cap_host", &RaggedKVStore::cap_host)
+      .def_property_readonly("pages_host", &RaggedKVStore::pages_host)
       .def_property_readonly("capacity", &RaggedKVStore::capacity)
+      .def_property_readonly("num_pages", &RaggedKVStore::num_pages)
+      .def_property_readonly("free_pages", &RaggedKVStore::free_pages)
+      .def_property_readonly("num_slabs", &RaggedKVStore::num_slabs)
+      .def_property_readonly("slab_allocations", &RaggedKVStore::slab_allocations)
+      .def_property_readonly("repacks", &RaggedKVStore::repacks)
       .def_property_readonly("num_tokens", &RaggedKVStore::num_tokens)
       .def_property_readonly("nbytes", &RaggedKVStore::nbytes)
       .def_property_readonly("batch", &RaggedKVStore::batch)
       .def_property_readonly("heads", &RaggedKVStore::heads)
       .def_property_readonly("head_dim", &RaggedKVStore::head_dim)
       .def_property_readonly("score_channels", &RaggedKVStore::score_channels)
-      .def_property_readonly("growth", &RaggedKVStore::growth);
+      .def_property_readonly("page_size", &RaggedKVStore::page_size)
+      .def_property_readonly("like", &RaggedKVStore::like);
   m.def("segmented_topk", &kvcache_ext::segmented_topk, py::arg("scores"), py::arg("pos"),
         py::arg("start"), py::arg("len"), py::arg("k"));
   m.def("grouped_topk", &kvcache_ext::grouped_topk, py::arg("scores"), py::arg("pos"),

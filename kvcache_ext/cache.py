@@ -1,13 +1,15 @@
 """RaggedCache: a transformers ``Cache`` whose layers keep only what the policy keeps."""
 from __future__ import annotations
 
+import functools
+
 import threading
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache_ext.eviction import LayerState
-from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.layer_kv import RaggedLayerKV, check_page_size
 from kvcache_ext.policies.policy import Policy
 
 # The attention function finds its layer's state through the cache's update() that HF calls
@@ -86,17 +88,23 @@ class RaggedCache(Cache):
 
     ``generate`` on a patched model makes one for every call; build one yourself with
     ``handle.new_cache()`` (or ``RaggedCache(policy, num_layers)``) to run the model step by step.
+    ``page_size``: tokens per page of the store (a power of two up to 1024), the unit by which
+    a head's cache grows; a head holds its kept tokens rounded up to whole pages.
     """
 
     storage = RaggedLayerKV
 
-    def __init__(self, policy: Policy, num_layers: int):
+    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
-        self.policy = policy
+        self.policy, self.page_size = policy, check_page_size(page_size)
         shared = {}   # cross-layer state of the policy (e.g. K-VEC's coverage counts)
-        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage, shared))
+        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), shared))
                                  for i in range(num_layers)])
+
+    def storage_factory(self):
+        """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""
+        return functools.partial(self.storage, page_size=self.page_size)
 
     def layer_kv(self, layer_idx: int):
         """The storage of one layer (``None`` before its first token)."""
@@ -108,8 +116,8 @@ class RaggedCache(Cache):
                 for layer in self.layers]
 
     def shrink_to_fit(self) -> None:
-        """Gives back every layer's unused slots (the store keeps headroom so that decoding
-        appends without regrowing; call this when no more tokens will come, or to measure)."""
+        """Gives back every page that holds no token (free pages, and the pages reserved for
+        the tokens to come); moves every token once. For when no more tokens will come."""
         for layer in self.layers:
             kv = layer.state.kv
             if kv is not None and hasattr(kv, "store"):

@@ -102,14 +102,20 @@ def store_dense_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
 
 
 def release_prefill_slack(state: LayerState) -> None:
-    """After a prompt, a cache that decoding holds at its budget keeps room only for the
-    tokens that arrive between two evictions. The prefill's growth left room for far more: a
-    block-wise prefill needs budget + block slots per head (twice the budget at 128 / 128), and
-    a regrowth leaves half a segment of headroom. A cache that grows while decoding keeps its
-    headroom, which spares it a regrowth."""
+    """After a prompt, a layer holds its kept tokens in whole pages and no free page: a
+    block-wise prefill needs budget + block tokens per head while it runs, and the pages its
+    evictions emptied are given back here (one repack). A cache that decoding holds at its
+    budget also keeps pages for the tokens that arrive between two evictions, so that
+    decoding allocates nothing; a growing cache takes a page when one fills up."""
     every = state.policy.schedule.decode_every
-    if every is not None:
-        state.kv.trim(every)
+    state.kv.trim(every if every is not None else 0)
+
+
+def update_channels(kv, scorer, stats: dict) -> None:
+    """Folds attention statistics into the scorer's per-token channels, in the storage's layout."""
+    channels = kv.channels
+    scorer.update(channels, stats)
+    kv.write_channels(channels)
 
 
 def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int,
@@ -196,14 +202,14 @@ def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, ac
         # The eviction statistics come from the last `window` queries only (SnapKV's window).
         head, head_stats = kv.attend(q[:, :, :m - window], scale, q_pos[:, :m - window], track)
         if track:
-            scorer.update(kv.channels, head_stats)
+            update_channels(kv, scorer, head_stats)
         tail, stats = kv.attend(q[:, :, m - window:], scale, q_pos[:, m - window:], _union(track, wanted))
         out, n_stat = torch.cat([head, tail], dim=2), window
     else:
         out, stats = kv.attend(q, scale, q_pos, _union(track, wanted))
         n_stat = m
     if track:
-        scorer.update(kv.channels, stats)
+        update_channels(kv, scorer, stats)
     queries = (q, q_pos, scale)
     if scorer.updates_from_view and p.schedule.evicts_over_cache:
         # Scorers whose per-token state needs more than the kernel's statistics (their own

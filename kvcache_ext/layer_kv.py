@@ -14,6 +14,15 @@ from kvcache_ext.select import grouped_topk, segmented_topk
 from kvcache_ext.store import RaggedKVStore
 
 
+def check_page_size(page_size) -> int:
+    """page_size as the store takes it, or a ValueError naming what is accepted."""
+    if (isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1024
+            or page_size & (page_size - 1)):
+        raise ValueError(f"page_size must be a power of two from 1 to 1024 (tokens per page), "
+                         f"got {page_size!r}")
+    return page_size
+
+
 def pack_valid(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """valid [..., n] bool -> (order [..., n]: the valid indices first, in order; counts [...])."""
     order = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)
@@ -24,9 +33,9 @@ class RaggedLayerKV:
     """One layer's tokens in a ``RaggedKVStore``: only the kept tokens are stored."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, channels: int):
+                 device: torch.device, channels: int, page_size: int = 16):
         self.store = RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device,
-                                   score_channels=channels)
+                                   score_channels=channels, page_size=page_size)
 
     # --- storage -------------------------------------------------------------------------
     def append(self, k, v, pos, keep) -> None:
@@ -39,15 +48,19 @@ class RaggedLayerKV:
         order, counts = pack_valid(keep)
         width = int(counts.max().item()) if counts.numel() else 0
         packed = values.gather(2, order[..., :width, None].expand(-1, -1, -1, values.shape[-1]))
-        self.store.scores.copy_(self.store.from_padded(packed.float()))
+        self.store.set_scores(self.store.from_padded(packed.float()))
 
     @property
     def channels(self) -> torch.Tensor:
+        """The channels of every slot, [capacity, C] (a copy: see ``write_channels``)."""
         return self.store.scores
+
+    def write_channels(self, channels: torch.Tensor) -> None:
+        self.store.set_scores(channels)
 
     def set_channels(self, padded: torch.Tensor) -> None:
         """Channels of the cached tokens from a padded [B, H, L, C] tensor (as ``view`` gives)."""
-        self.store.scores.copy_(self.store.from_padded(padded.float()))
+        self.store.set_scores(self.store.from_padded(padded.float()))
 
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)
@@ -58,8 +71,8 @@ class RaggedLayerKV:
     # --- views and selection -------------------------------------------------------------
     def view(self, stats: dict | None, need_kv: bool) -> dict:
         index, mask = self.store.slot_index()
-        parts = dict(pos=self.store.pos[index].long(), mask=mask,
-                     channels=self.store.scores[index])
+        parts = dict(pos=self.store.pos[index].long().masked_fill(~mask, 0), mask=mask,
+                     channels=self.store.scores[index].masked_fill(~mask[..., None], 0))
         padded = {}
         for name, value in (stats or {}).items():
             padded[name] = value[index].masked_fill(~mask.view(mask.shape + (1,) * (value.dim() - 1)), 0)
@@ -94,9 +107,14 @@ class RaggedLayerKV:
         return counts.view(scores.shape[:2]).long()
 
     def trim(self, extra: int) -> None:
-        """Releases the free slots but ``extra`` per segment (two relayouts of the store)."""
-        self.store.shrink_to_fit()
-        self.store.reserve(extra)
+        """Holds pages for ``extra`` more tokens per segment and no more: a repack (every
+        token moves once) when pages would be released, else new pages where missing."""
+        size = self.store.page_size
+        needed = (self.store.lens + extra + size - 1) // size
+        if self.store.free_pages or bool((self.store.caps // size > needed).any()):
+            self.store.repack(extra)
+        else:
+            self.store.reserve(extra)
 
     # --- accounting ------------------------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcache_ext.cache import RaggedCache, take_pending
+from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
 from kvcache_ext.policies.policy import Policy
 
@@ -62,8 +63,9 @@ def _register() -> None:
 class PatchHandle:
     """What ``patch`` returns; also a context manager that unpatches on exit."""
 
-    def __init__(self, model, policy: Policy, original_attn: str):
+    def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16):
         self.model, self.policy, self.original_attn = model, policy, original_attn
+        self.page_size = page_size
         self._last_cache = None
 
     @property
@@ -76,7 +78,7 @@ class PatchHandle:
         if reference:
             from kvcache_ext.reference.masked_cache import MaskedCache
             return MaskedCache(self.policy, self.num_layers)
-        return RaggedCache(self.policy, self.num_layers)
+        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size)
 
     @property
     def last_cache(self) -> RaggedCache | None:
@@ -94,15 +96,17 @@ class PatchHandle:
             unpatch(self.model)
 
 
-def patch(model, policy: Policy) -> PatchHandle:
+def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
     """Makes ``model`` (an HF Llama, Mistral, Qwen2 or Qwen3 causal LM) evict with ``policy``.
 
     ``model.generate`` then runs with a fresh ``RaggedCache`` per call; ``model(...)`` does
     too when given ``past_key_values=handle.new_cache()``. Without such a cache the model
-    runs its own attention. Patching a patched model replaces its policy.
+    runs its own attention. Patching a patched model replaces its policy. ``page_size``:
+    tokens per page of the caches' stores (see ``RaggedCache``).
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
+    check_page_size(page_size)
     config = getattr(model, "config", None)
     model_type = getattr(config.get_text_config() if config is not None else None, "model_type", None)
     if model_type not in SUPPORTED_MODELS:
@@ -115,7 +119,7 @@ def patch(model, policy: Policy) -> PatchHandle:
     _register()
     original = config._attn_implementation
     dense = original if original in DENSE else "sdpa"
-    handle = PatchHandle(model, policy, original)
+    handle = PatchHandle(model, policy, original, page_size)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
 
     prepare = model._prepare_cache_for_generation   # bound method of the class

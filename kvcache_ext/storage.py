@@ -29,6 +29,10 @@ class LayerStorage(Protocol):
     def set_prompt_channels(self, values: torch.Tensor, keep: torch.Tensor) -> None:
         """The channels [B, H, n, C] of a fresh prompt's tokens, of which ``keep`` were stored."""
 
+    def write_channels(self, channels: torch.Tensor) -> None:
+        """Stores ``channels`` in the storage's own layout, as ``channels`` gave them (which may
+        be a copy)."""
+
     def set_channels(self, padded: torch.Tensor) -> None:
         """The channels of the stored tokens from a padded [B, H, L, C] tensor."""
 

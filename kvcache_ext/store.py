@@ -28,21 +28,23 @@ class DenseView:
 class RaggedKVStore:
     """One layer's KV cache: segment s = b * heads + h holds the tokens kept for (b, h).
 
-    K and V live in flat buffers ``[capacity, head_dim]`` (``store.k``, ``store.v``) in the
-    model dtype; segment s owns slots ``[start[s], start[s] + cap[s])`` and its first
-    ``len[s]`` are live. Per slot there is also ``pos`` (int32 absolute position) and
-    ``score_channels`` float32 scores (``store.scores [capacity, C]``) that a policy owns.
-    Tensors indexed by slot, like ``compact``'s keep mask, use this layout ("slot layout").
+    Tokens live in pages of ``page_size`` tokens (K, V, the int32 absolute position and
+    ``score_channels`` float32 scores that a policy owns, per token). A segment owns a list
+    of pages (``page_table``), takes a free page or a newly allocated one when it fills up,
+    and gives pages back when compaction empties them: the pages a segment has never move,
+    and memory held is the kept tokens rounded up to whole pages. A token's *slot* is
+    ``page * page_size + row``; tensors indexed by slot (``[capacity, ...]``, like
+    ``compact``'s keep mask and the attention statistics) use the "slot layout".
     """
 
     def __init__(self, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
-                 device: torch.device | str = "cpu", score_channels: int = 1, growth: float = 1.5):
+                 device: torch.device | str = "cpu", score_channels: int = 1, page_size: int = 16):
         device = torch.device(device)
         if device.type == "cuda" and not _C.build_info()["cuda"]:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
         like = torch.empty(0, dtype=dtype, device=device)
-        self._store = _C.RaggedKVStore(batch, heads, head_dim, score_channels, like, growth)
+        self._store = _C.RaggedKVStore(batch, heads, head_dim, score_channels, like, page_size)
 
     # --- operations -----------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -50,7 +52,8 @@ class RaggedKVStore:
         """Appends n tokens to every segment: k, v [B, H, n, D]; pos [B, n] or [n] integers.
 
         With ``valid`` ([B, n] or [B, H, n] bool) only the valid tokens are stored, in order
-        (left padding is never stored). Capacity grows geometrically when a segment is full.
+        (left padding is never stored). A full segment takes a free page, or one allocated
+        with the other segments' missing pages in one slab; no stored token moves.
         """
         self._store.append(k, v, torch.as_tensor(pos), valid)
 
@@ -65,12 +68,21 @@ class RaggedKVStore:
         self._store.compact(keep)
 
     def reserve(self, extra: int) -> None:
-        """Makes room for ``extra`` more tokens in every segment (no regrowth until then)."""
+        """Gives every segment pages for ``extra`` more tokens (new pages only where missing)."""
         self._store.reserve(extra)
 
+    def repack(self, extra: int = 0) -> None:
+        """Moves the live tokens into one new allocation with pages for ``extra`` more tokens
+        per segment, and releases every other page (the only operation that moves them all)."""
+        self._store.repack(extra)
+
     def shrink_to_fit(self) -> None:
-        """Releases every slot beyond the live ones (capacity = number of live tokens)."""
+        """Releases every page that holds no live token (``repack(0)``)."""
         self._store.shrink_to_fit()
+
+    def set_scores(self, scores: torch.Tensor) -> None:
+        """Writes the score channels of every slot from a [capacity, C] float32 tensor."""
+        self._store.set_scores(scores)
 
     def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False):
         """Keep mask ([capacity] bool) of the k best live slots by ``scores`` (default: channel 0).
@@ -83,13 +95,26 @@ class RaggedKVStore:
             if self.score_channels == 0:
                 raise ValueError("this store has no score channels: pass scores=")
             scores = self.scores[:, 0]
-        scores = scores.contiguous()
+        # The top-k kernels take contiguous segments: the live tokens are packed in segment
+        # order, selected, and the keep flags put back in slot layout.
+        slots, lens = self._packed_slots()
+        start = torch.cumsum(lens, 0) - lens
+        packed, pos = scores.contiguous()[slots], self.pos[slots]
+        keep = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         if not grouped:
             k = torch.as_tensor(k).expand(self.batch, self.heads).reshape(-1)
-            return segmented_topk(scores, self.pos, self.start, self.len, k)
+            keep[slots] = segmented_topk(packed, pos, start, lens.to(torch.int32), k)
+            return keep
         k = torch.as_tensor(k).expand(self.batch).reshape(-1)
-        keep, counts = grouped_topk(scores, self.pos, self.start, self.len, self.heads, k)
+        kept, counts = grouped_topk(packed, pos, start, lens.to(torch.int32), self.heads, k)
+        keep[slots] = kept
         return keep, counts.view(self.batch, self.heads)
+
+    def _packed_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots of the live tokens, segment by segment in token order; [S] int64 lengths)."""
+        index, mask = self.slot_index()
+        segments = self.batch * self.heads
+        return index.view(segments, -1)[mask.view(segments, -1)], mask.view(segments, -1).sum(1)
 
     # --- layout helpers ---------------------------------------------------------------------
     def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +123,11 @@ class RaggedKVStore:
         max_len = max(self._store.len_host, default=0)
         offsets = torch.arange(max_len, device=self.device)
         mask = offsets < lens[:, None]
-        index = (self.start[:, None] + offsets).masked_fill(~mask, 0)
+        size = self.page_size
+        table = self._store.page_table.long()               # [S, width], -1: no page
+        page = table.gather(1, (offsets // size).expand(table.shape[0], -1)) if max_len else \
+            table[:, :0]
+        index = (page * size + offsets % size).masked_fill(~mask, 0)
         shape = (self.batch, self.heads, max_len)
         return index.view(shape), mask.view(shape)
 
@@ -123,36 +152,61 @@ class RaggedKVStore:
                          mask=mask, lens=self.lens.to(self.device))
 
     # --- state ------------------------------------------------------------------------------
+    # k, v, pos and scores are copies in slot layout: writing to them does not change the store.
     @property
     def k(self) -> torch.Tensor:
+        """[capacity, D] K of every slot (a copy; slots without a live token are undefined)."""
         return self._store.k
 
     @property
     def v(self) -> torch.Tensor:
+        """[capacity, D] V of every slot (a copy)."""
         return self._store.v
 
     @property
     def pos(self) -> torch.Tensor:
+        """[capacity] int32 position of every slot (a copy)."""
         return self._store.pos
 
     @property
     def scores(self) -> torch.Tensor:
+        """[capacity, C] float32 score channels of every slot (a copy; see ``set_scores``)."""
         return self._store.scores
 
     @property
-    def start(self) -> torch.Tensor:
-        """[S] int64 first slot of each segment, on the store's device."""
-        return self._store.start
-
-    @property
     def len(self) -> torch.Tensor:
-        """[S] int32 live tokens of each segment, on the store's device."""
+        """[S] int32 live tokens of each segment, on the store's device (a copy)."""
         return self._store.len
 
     @property
-    def cap(self) -> torch.Tensor:
-        """[S] int32 slots owned by each segment, on the store's device."""
-        return self._store.cap
+    def page_table(self) -> torch.Tensor:
+        """[S, width] int32 pages of each segment in token order, -1 past its last (a copy)."""
+        return self._store.page_table
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page: the unit by which a segment grows."""
+        return self._store.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages held, owned by a segment or free."""
+        return self._store.num_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Pages held that no segment owns (reused before any new allocation)."""
+        return self._store.free_pages
+
+    @property
+    def slab_allocations(self) -> int:
+        """Allocations of pages since the store was made (one per growth, whatever its size)."""
+        return self._store.slab_allocations
+
+    @property
+    def repacks(self) -> int:
+        """How many times every live token was moved (``repack``/``shrink_to_fit`` only)."""
+        return self._store.repacks
 
     @property
     def lens(self) -> torch.Tensor:
@@ -161,12 +215,13 @@ class RaggedKVStore:
 
     @property
     def caps(self) -> torch.Tensor:
-        """[B, H] int64 slots per segment, from the host copy (no device sync)."""
-        return torch.tensor(self._store.cap_host, dtype=torch.int64).view(self.batch, self.heads)
+        """[B, H] int64 tokens each segment's pages hold, from the host copy (no device sync)."""
+        pages = torch.tensor(self._store.pages_host, dtype=torch.int64)
+        return (pages * self.page_size).view(self.batch, self.heads)
 
     @property
     def capacity(self) -> int:
-        """Slots in the flat buffers, live or not."""
+        """Slots of the slot layout: every page held, times ``page_size``."""
         return self._store.capacity
 
     @property
@@ -176,7 +231,7 @@ class RaggedKVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the store's buffers (K, V, pos, scores and the segment tables)."""
+        """Bytes held by the store: its pages (K, V, pos, scores) and its page tables."""
         return self._store.nbytes
 
     @property
@@ -197,13 +252,13 @@ class RaggedKVStore:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k.dtype
+        return self._store.like.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.k.device
+        return self._store.like.device
 
     def __repr__(self) -> str:
         return (f"RaggedKVStore(batch={self.batch}, heads={self.heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype}, device={self.device}, tokens={self.num_tokens}, "
-                f"capacity={self.capacity}, nbytes={self.nbytes})")
+                f"pages={self.num_pages} of {self.page_size}, nbytes={self.nbytes})")

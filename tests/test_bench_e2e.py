@@ -1,6 +1,9 @@
 """bench/e2e.py on a tiny random Llama: every method runs; methods that keep the same tokens
 decode the same greedy tokens (the masked cache and Ada-SnapKV at a small budget; everything and
-the full cache at a budget above context + steps); the KV bytes rank as the design says."""
+the full cache at a budget above context + steps); the KV bytes rank as the design says. Where
+kvpress imports (``pip install ".[bench]"``), its SnapKV keeps our budget exactly and its AdaKV
+masks the full cache; elsewhere the script says it skipped them, and their tests skip."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,22 +18,42 @@ SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
 SMALL, LARGE = 48, 1024          # budgets: one evicts, one keeps every token (contexts 200, 300)
 STEPS = 6
 METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step")
+KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")
+LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16                                  # bench/e2e.py's TINY
+
+
+def child_env():
+    """The environment of a child python that imports the kvcache_ext this process imports."""
+    import kvcache_ext
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+
+
+def import_e2e():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import e2e
+    finally:
+        sys.path.pop(0)
+    return e2e
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "e2e.json"
     png = out.with_suffix(".png")
-    import kvcache_ext
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--device", "cpu", "--contexts", "200,300",
                            "--batches", "1,2", "--budgets", f"{SMALL},{LARGE}", "--steps", str(STEPS),
                            "--no-progress", "--out", str(out), "--plot", str(png)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f), proc.stdout, png
+
+
+def methods_of(doc):
+    """The methods the run had: kvpress's where it imported (the JSON says its version)."""
+    return METHODS + (KVPRESS if doc["kvpress"] else ())
 
 
 def rows_of(doc, context, batch):
@@ -42,9 +65,10 @@ def test_every_method_runs_and_the_json_says_what_ran(run):
     assert "| context | batch | method |" in stdout and png.is_file()
     for key in ("device", "commit", "torch", "model", "dtype", "steps", "largest_fit", "rows"):
         assert key in doc, key
-    assert len(doc["rows"]) == 2 * 2 * (1 + 5 * 2)
+    methods = methods_of(doc)
+    assert len(doc["rows"]) == 2 * 2 * (1 + (len(methods) - 1) * 2)
     for r in doc["rows"]:
-        assert r["status"] == "ok" and r["method"] in METHODS
+        assert r["status"] == "ok" and r["method"] in methods
         assert len(r["tokens"]) == r["batch"] and all(len(t) == STEPS + 1 for t in r["tokens"])
         assert r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["x_full"] > 0
     assert doc["largest_fit"]["full"] == {"batch": 2, "context": 300}
@@ -56,7 +80,7 @@ def test_same_kept_tokens_decode_the_same(run, context, batch):
     rows = rows_of(run[0], context, batch)
     full = rows[("full", None)]["tokens"]
     assert rows[("masked-ada-snapkv", SMALL)]["tokens"] == rows[("ada-snapkv", SMALL)]["tokens"]
-    for method in METHODS[1:]:
+    for method in methods_of(run[0])[1:]:
         assert rows[(method, LARGE)]["tokens"] == full, method
 
 
@@ -64,7 +88,7 @@ def test_same_kept_tokens_decode_the_same(run, context, batch):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_tokens_held_and_bytes(run, context, batch):
     rows = rows_of(run[0], context, batch)
-    layers, kv_heads = 4, 2                                            # bench/e2e.py's TINY
+    layers, kv_heads = LAYERS, KV_HEADS
     full = rows[("full", None)]
     assert full["kv_tokens"] == layers * batch * kv_heads * (context + STEPS)
     assert rows[("masked-ada-snapkv", SMALL)]["kv_tokens"] == full["kv_tokens"]
@@ -82,6 +106,63 @@ def test_tokens_held_and_bytes(run, context, batch):
         assert rows[(method, SMALL)]["kv_bytes"] == longest[(method, SMALL)]["kv_bytes"], method
 
 
+def test_kvpress_is_skipped_with_a_reason_where_it_does_not_import(run):
+    doc, stdout, _ = run
+    if importlib.util.find_spec("kvpress") is None:
+        assert doc["kvpress"] is None
+        assert "skipped kvpress-snapkv, kvpress-ada-snapkv: kvpress does not import" in stdout
+        assert 'pip install ".[bench]"' in stdout
+    elif doc["kvpress"] is None:
+        assert "skipped kvpress-snapkv" in stdout
+
+
+@pytest.mark.parametrize("context", [200, 300])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kvpress_keeps_our_budget(run, context, batch):
+    """kvpress's SnapKV holds exactly the tokens ours holds at the same budget (its window counts
+    in its budget as ours does), its bytes are K+V of those tokens; AdaKVPress holds every token,
+    plus 3 int64 indices per pruned (token, head); the summary's ratios are those of the rows."""
+    doc = run[0]
+    if not doc["kvpress"]:
+        pytest.skip('kvpress does not import in this python (pip install ".[bench]", transformers<5.3)')
+    rows = rows_of(doc, context, batch)
+    kept = LAYERS * batch * KV_HEADS * (SMALL + STEPS)
+    snap, kvp, ada = rows[("snapkv", SMALL)], rows[("kvpress-snapkv", SMALL)], rows[("kvpress-ada-snapkv", SMALL)]
+    assert kvp["kv_tokens"] == snap["kv_tokens"] == kept
+    assert kvp["kv_bytes"] == kept * 2 * HEAD_DIM * 4                  # K and V, fp32
+    full = rows[("full", None)]
+    assert ada["kv_tokens"] == full["kv_tokens"]
+    assert ada["kv_bytes"] == full["kv_bytes"] + 3 * 8 * LAYERS * batch * KV_HEADS * (context - SMALL)
+    assert rows[("kvpress-snapkv", LARGE)]["kv_tokens"] == full["kv_tokens"]   # B >= context: no pruning
+    ratio = next(q for q in doc["kvpress_ratios"] if (q["context"], q["batch"], q["budget"]) == (context, batch, SMALL))
+    assert ratio["snapkv_over_kvpress_bytes"] == snap["kv_bytes"] / kvp["kv_bytes"]
+    assert ratio["ada_over_snapkv_bytes"] == rows[("ada-snapkv", SMALL)]["kv_bytes"] / snap["kv_bytes"]
+    assert ratio["snapkv_over_kvpress_decode"] == snap["decode_tokens_per_s"] / kvp["decode_tokens_per_s"]
+    assert "| ours snapkv / kvpress snapkv, KV bytes |" in doc["table"]
+
+
+def test_kvpress_ratio_keeps_exactly_the_budget():
+    """kvpress keeps int(context * (1 - ratio)) tokens; 1 - B / context would often give B - 1.
+    In a child process: importing kvpress wraps transformers' attention functions."""
+    pytest.importorskip("kvpress", reason='kvpress is not installed (pip install ".[bench]")')
+    code = ("import e2e\nfrom kvpress.utils import compute_n_kept\n"
+            "bad = [(n, b, m) for n in range(33, 9000, 7) for b in (1, 32, 48, 100, 128, 256, 1000, 1024, 4096)\n"
+            "       for m in e2e.KVPRESS if b < n\n"
+            "       if compute_n_kept(n, e2e.kvpress_press(m, b, n).compression_ratio) != b]\n"
+            "assert not bad, bad[:5]\n"
+            "assert e2e.kvpress_press('kvpress-snapkv', 300, 200).compression_ratio == 0\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "bench"), env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_keep_is_a_fraction_of_each_context():
+    import argparse
+    e2e = import_e2e()
+    assert e2e.budgets_of(argparse.Namespace(budgets=None, keep=[0.125, 0.5]), 2048) == [256, 1024]
+    assert e2e.budgets_of(argparse.Namespace(budgets=[64], keep=None), 2048) == [64]
+
+
 def test_eviction_share_is_derived_for_the_step_methods(run):
     for r in run[0]["rows"]:
         assert ("eviction_share" in r) == (r["method"] in ("h2o-step", "caote-step"))
@@ -92,11 +173,7 @@ def test_eviction_share_is_derived_for_the_step_methods(run):
 def test_chunked_mlps_give_the_same_logits():
     """--mlp-chunk splits the prefill's MLPs over tokens; an MLP is per token, so nothing changes."""
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import e2e
-    finally:
-        sys.path.pop(0)
+    e2e = import_e2e()
     model, _ = e2e.build_model("tiny", "cpu", torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -282,8 +282,8 @@ def test_stores_hold_only_the_kept_tokens():
         assert kv.lens.tolist() == masked.layer_kv(layer).lens.tolist()
         store = kv.store
         assert store.num_tokens == B * H * budget
-        # slack of the growth policy only: at most max(16, half the live tokens) per segment
-        assert store.capacity <= store.num_tokens + B * H * max(16, budget)
+        # whole pages only: less than one page per segment beyond the live tokens, none free
+        assert store.free_pages == 0 and bool((store.caps - store.lens < store.page_size).all())
     kv_bytes = lambda cache: sum(c.layer_kv(i).store.k.nbytes + c.layer_kv(i).store.v.nbytes
                                  for i in range(3) for c in [cache])
     full_kv = 3 * 2 * B * H * 200 * D * 4
@@ -305,9 +305,10 @@ def test_a_cache_held_at_its_budget_keeps_no_prefill_slack(schedule):
         cache = handle.new_cache()
         teacher_forced(model, cache, ids, mask, steps=0)
         stores = [cache.layer_kv(layer).store for layer in range(3)]
+        pages = -(-(budget + every) // stores[0].page_size)   # per head: the budget and `every` more
         for store in stores:
             assert store.num_tokens == B * H * budget
-            assert store.capacity == store.num_tokens + B * H * every
+            assert store.capacity == B * H * pages * store.page_size and store.free_pages == 0
         after_prefill = cache.nbytes
         fed = fed_tokens(B, 7)
         pos = (mask.cumsum(dim=1) - 1).clamp_min(0)[:, -1:]
@@ -317,12 +318,14 @@ def test_a_cache_held_at_its_budget_keeps_no_prefill_slack(schedule):
                 model(fed[:, t:t + 1], attention_mask=step_mask, position_ids=pos + t + 1,
                       past_key_values=cache, use_cache=True)
         assert cache.nbytes == after_prefill                      # no regrowth while decoding
-        assert all(store.capacity == B * H * (budget + every) for store in stores)
+        assert all(store.capacity == B * H * pages * store.page_size for store in stores)
     with kvcache_ext.patch(model, Policy(H2O(), budget=budget, schedule=BlockwisePrefill(16))) as handle:
         growing = handle.new_cache()
         teacher_forced(model, growing, ids, mask, steps=0)
         store = growing.layer_kv(0).store
-        assert store.capacity > store.num_tokens + B * H              # headroom for the growth
+        # A growing cache holds its kept tokens in whole pages, and no free page.
+        assert store.capacity == int((store.caps).sum()) and store.free_pages == 0
+        assert bool(((store.caps - store.lens) < store.page_size).all())
 
 
 def test_bfloat16_model_runs_and_matches_unpatched_at_full_budget():

@@ -25,13 +25,16 @@ def assert_same(store: kvcache_ext.RaggedKVStore, ref: reference.ReferenceStore)
         got, want = getattr(dense, name).cpu(), getattr(ref, name)
         assert got.shape == want.shape, name
         assert torch.equal(bits(got), bits(want)), name
-    start, cap, lens = store.start.cpu(), store.cap.cpu(), store.len.cpu()
+    lens, size = store.len.cpu(), store.page_size
     assert torch.equal(lens.long().view(ref.lens.shape), ref.lens)
-    assert torch.equal(cap.long().view(ref.lens.shape), store.caps)
-    assert (lens <= cap).all()
-    end = start + cap
-    assert (start[1:] >= end[:-1]).all() and (start >= 0).all()
-    assert int(end.max()) <= store.capacity if end.numel() else True
+    assert (store.lens <= store.caps).all()
+    # Pages: every page is owned by one segment or free, and the bytes are the pages held.
+    table, pages = store.page_table.cpu(), store.caps.view(-1) // size
+    owned = torch.cat([table[s, :int(pages[s])] for s in range(table.shape[0])]).long()
+    assert bool((table[torch.arange(table.shape[1]) >= pages[:, None]] == -1).all())
+    assert owned.numel() + store.free_pages == store.num_pages
+    assert owned.unique().numel() == owned.numel() and bool(((owned >= 0) & (owned < store.num_pages)).all())
+    assert store.capacity == store.num_pages * size
     assert store.num_tokens == int(ref.lens.sum())
 
 
@@ -55,12 +58,12 @@ OPS = ["append", "append_masked", "replace", "set_scores", "compact", "topk", "g
 
 @pytest.mark.parametrize("device", DEVICES)
 @given(B=st.integers(1, 3), H=st.integers(1, 4), D=st.sampled_from([1, 4, 8, 64]),
-       dtype=st.sampled_from(DTYPES), C=st.integers(0, 3), growth=st.sampled_from([1.25, 1.5, 2.0]),
+       dtype=st.sampled_from(DTYPES), C=st.integers(0, 3), page_size=st.sampled_from([1, 2, 4, 16]),
        ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=14), seed=st.integers(0, 2**31 - 1))
-def test_random_operation_sequences(device, B, H, D, dtype, C, growth, ops, seed):
+def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, seed):
     gen = torch.Generator().manual_seed(seed)
     store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, score_channels=C,
-                                      growth=growth)
+                                      page_size=page_size)
     ref = reference.ReferenceStore(B, H, D, dtype=dtype, score_channels=C)
     next_pos = 0
     for op in ["append"] + ops:
@@ -86,7 +89,7 @@ def test_random_operation_sequences(device, B, H, D, dtype, C, growth, ops, seed
             ref.replace(slot, k, v, pos)
         elif op == "set_scores":
             padded = random_scores(gen, ref.scores.shape)
-            store.scores.copy_(store.from_padded(padded.to(device)))
+            store.set_scores(store.from_padded(padded.to(device)))
             ref.scores = padded.masked_fill(~ref.mask[..., None], 0)
         elif op == "compact":
             keep = torch.rand(ref.mask.shape, generator=gen) < 0.5
@@ -118,30 +121,57 @@ def test_random_operation_sequences(device, B, H, D, dtype, C, growth, ops, seed
             assert (store.caps >= ref.lens + extra).all()
         elif op == "shrink":
             store.shrink_to_fit()
-            assert torch.equal(store.caps, ref.lens)
-            assert store.capacity == int(ref.lens.sum())
+            assert torch.equal(store.caps, (ref.lens + page_size - 1) // page_size * page_size)
+            assert store.free_pages == 0 and store.capacity == int(store.caps.sum())
         assert_same(store, ref)
 
 
-def test_growth_is_amortized_for_skewed_segments(device):
-    """Single-token appends into very unequal segments regrow O(log) times, not per token."""
-    store = kvcache_ext.RaggedKVStore(1, 8, 16, dtype=torch.float32, device=device, growth=1.5)
-    lens = torch.tensor([1000, 1, 1, 1, 5, 50, 1, 1])
+def test_decoding_grows_by_whole_pages_and_moves_no_token(device):
+    """Single-token appends into very unequal segments: every growth allocates only the pages
+    that filled up (never more than one per segment), no stored token moves, and the bytes
+    held are the tokens rounded up to whole pages."""
+    size, H, D = 16, 8, 16
+    store = kvcache_ext.RaggedKVStore(1, H, D, dtype=torch.float32, device=device, page_size=size)
+    lens = torch.tensor([1000, 1, 1, 1, 5, 50, 1, 16])
     n = int(lens.max())
-    k = torch.randn(1, 8, n, 16, device=device)
+    k = torch.randn(1, H, n, D, device=device)
     valid = (torch.arange(n) < lens[:, None])[None].to(device)
     store.append(k, k, torch.arange(n, device=device), valid)
-    store.shrink_to_fit()
-    regrowths, capacity = 0, store.capacity
-    tok = torch.randn(1, 8, 1, 16, device=device)
-    for t in range(2000):
+    record = (2 * size * D * 4) + size * 4 + size * 4   # K, V, pos, one score channel
+    assert store.free_pages == 0 and store.slab_allocations == 1
+    tok = torch.randn(1, H, 1, D, device=device)
+    pages = store.num_pages
+    for t in range(1000):
         store.append(tok, tok, torch.tensor([n + t], device=device))
-        regrowths += store.capacity != capacity
-        capacity = store.capacity
-    assert torch.equal(store.lens, (lens + 2000).view(1, 8))
-    assert regrowths <= 10, regrowths
-    # Slack stays bounded: at most 2 * (growth - 1) * tokens plus the minimum headroom.
-    assert store.capacity <= store.num_tokens * 2 + 8 * 16
+        grown = store.num_pages - pages
+        assert 0 <= grown <= H
+        pages = store.num_pages
+        assert pages == int(((lens + t + 1 + size - 1) // size).sum())
+    assert store.repacks == 0 and store.free_pages == 0
+    assert torch.equal(store.lens, (lens + 1000).view(1, H))
+    dense = store.to_dense()
+    assert torch.equal(dense.k[0, 0, :n], k[0, 0])           # the first tokens never moved
+    tables = store.page_table.numel() * 4 + store.num_pages * 8 + H * 4
+    assert store.nbytes == store.num_pages * record + tables
+
+
+def test_compaction_frees_whole_pages_and_appends_reuse_them(device):
+    store = kvcache_ext.RaggedKVStore(2, 3, 8, dtype=torch.float16, device=device, page_size=4)
+    k = torch.randn(2, 3, 30, 8, dtype=torch.float16, device=device)
+    store.append(k, k, torch.arange(30, device=device))
+    held, allocations = store.nbytes, store.slab_allocations
+    assert store.num_pages == 6 * 8
+    store.compact(store.select(5, torch.rand(store.capacity, device=device)))
+    assert store.free_pages == 6 * 6 and store.nbytes == held      # 2 pages kept per head
+    # 13 more tokens per head need 3 more pages each: 18 of the 36 free pages, no allocation.
+    more = torch.randn(2, 3, 13, 8, dtype=torch.float16, device=device)
+    store.append(more, more, torch.arange(30, 43, device=device))
+    assert store.free_pages == 18 and store.slab_allocations == allocations and store.nbytes == held
+    dense = store.to_dense()
+    assert torch.equal(dense.k[:, :, 5:], more)
+    store.shrink_to_fit()
+    assert store.free_pages == 0 and store.num_pages == 6 * 5 and store.repacks == 1
+    assert torch.equal(store.to_dense().k, dense.k)
 
 
 def test_shrink_to_fit_releases_memory(device):
@@ -151,12 +181,25 @@ def test_shrink_to_fit_releases_memory(device):
     full = store.nbytes
     keep = store.select(32, torch.rand(store.capacity, device=device))
     store.compact(keep)
-    assert store.nbytes == full  # compaction is in place
+    assert store.nbytes == full  # compaction is in place; its pages are free, still held
     store.shrink_to_fit()
     assert store.capacity == 2 * 4 * 32
     assert store.nbytes < full / 16 + 4096
     dense = store.to_dense()
     assert dense.k.shape == (2, 4, 32, 64)
+
+
+def test_accessors_are_copies(device):
+    store = kvcache_ext.RaggedKVStore(1, 2, 4, dtype=torch.float32, device=device)
+    k = torch.randn(1, 2, 3, 4, device=device)
+    store.append(k, k, torch.arange(3, device=device))
+    for name in ("k", "v", "pos", "scores", "len", "page_table"):
+        getattr(store, name).fill_(7)
+    assert torch.equal(store.to_dense().k, k) and torch.equal(store.lens, torch.full((1, 2), 3))
+    scores = torch.randn(store.capacity, 1, device=device)
+    store.set_scores(scores)
+    index, mask = store.slot_index()
+    assert torch.equal(store.scores[index[mask]], scores[index[mask]])
 
 
 def test_left_padding_is_never_stored(device):
@@ -176,7 +219,7 @@ def test_left_padding_is_never_stored(device):
 def snapshot(store):
     dense = store.to_dense()
     return [bits(t).clone() for t in (dense.k, dense.v, dense.pos, dense.scores)] + [
-        store.start.clone(), store.len.clone(), store.cap.clone()]
+        store.len.clone(), store.page_table.clone()]
 
 
 def test_bad_input_raises_and_corrupts_nothing():
@@ -215,8 +258,9 @@ def test_bad_input_raises_and_corrupts_nothing():
 def test_constructor_rejects_bad_arguments():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         kvcache_ext.RaggedKVStore(1, 1, 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="growth"):
-        kvcache_ext.RaggedKVStore(1, 1, 8, growth=1.0)
+    for size in (0, 3, 2048):
+        with pytest.raises(ValueError, match="page_size"):
+            kvcache_ext.RaggedKVStore(1, 1, 8, page_size=size)
     with pytest.raises(ValueError, match="heads"):
         kvcache_ext.RaggedKVStore(1, 0, 8)
     if not kvcache_ext.build_info()["cuda"]:

@@ -35,12 +35,12 @@ KVCACHE_ALWAYS_INLINE void to_float(const T* src, float* dst, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-// logits[j * len + l] = q_j . k_l for the rows j < rows of qf [rows, D] and the slots
-// l < len of k [len, D]. Each K row is converted once for all rows; the dot product runs in
+// logits[j * ld + l] = q_j . k_l for the rows j < rows of qf [rows, D] and the rows
+// l < len of k [len, D] (one page's run of a segment's keys). Each K row is converted once for all rows; the dot product runs in
 // 8 independent lanes, so it vectorizes without -ffast-math.
 template <typename T>
 KVCACHE_ALWAYS_INLINE void logits_impl(const T* k, int64_t len, int64_t D, const float* qf,
-                                       int64_t rows, float* logits, float* row_buf) {
+                                       int64_t rows, float* logits, int64_t ld, float* row_buf) {
   for (int64_t l = 0; l < len; ++l) {
     to_float(k + l * D, row_buf, D);
     for (int64_t j = 0; j < rows; ++j) {
@@ -51,20 +51,20 @@ KVCACHE_ALWAYS_INLINE void logits_impl(const T* k, int64_t len, int64_t D, const
         for (int e = 0; e < 8; ++e) part[e] += a[d + e] * row_buf[d + e];
       }
       for (; d < D; ++d) part[0] += a[d] * row_buf[d];
-      logits[j * len + l] =
+      logits[j * ld + l] =
           ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     }
   }
 }
 
-// acc_j += sum_l probs[j * len + l] * v_l for the rows j < rows of acc [rows, D].
+// acc_j += sum_l probs[j * ld + l] * v_l for the rows j < rows of acc [rows, D].
 template <typename T>
 KVCACHE_ALWAYS_INLINE void values_impl(const T* v, int64_t len, int64_t D, const float* probs,
-                                       int64_t rows, float* acc, float* row_buf) {
+                                       int64_t ld, int64_t rows, float* acc, float* row_buf) {
   for (int64_t l = 0; l < len; ++l) {
     to_float(v + l * D, row_buf, D);
     for (int64_t j = 0; j < rows; ++j) {
-      const float w = probs[j * len + l];
+      const float w = probs[j * ld + l];
       if (w == 0.f) continue;  // masked slots, and rows that see nothing
       float* a = acc + j * D;
       for (int64_t d = 0; d < D; ++d) a[d] += w * row_buf[d];
@@ -79,14 +79,14 @@ KVCACHE_ALWAYS_INLINE void values_impl(const T* v, int64_t len, int64_t D, const
 template <typename T>
 __attribute__((target("avx2,fma"))) void logits_avx2(const T* k, int64_t len, int64_t D,
                                                      const float* qf, int64_t rows, float* logits,
-                                                     float* row_buf) {
-  logits_impl(k, len, D, qf, rows, logits, row_buf);
+                                                     int64_t ld, float* row_buf) {
+  logits_impl(k, len, D, qf, rows, logits, ld, row_buf);
 }
 template <typename T>
 __attribute__((target("avx2,fma"))) void values_avx2(const T* v, int64_t len, int64_t D,
-                                                     const float* probs, int64_t rows, float* acc,
-                                                     float* row_buf) {
-  values_impl(v, len, D, probs, rows, acc, row_buf);
+                                                     const float* probs, int64_t ld, int64_t rows,
+                                                     float* acc, float* row_buf) {
+  values_impl(v, len, D, probs, ld, rows, acc, row_buf);
 }
 bool cpu_has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -96,20 +96,39 @@ bool cpu_has_avx2() {
 
 template <typename T>
 void compute_logits(const T* k, int64_t len, int64_t D, const float* qf, int64_t rows,
-                    float* logits, float* row_buf) {
+                    float* logits, int64_t ld, float* row_buf) {
 #ifdef KVCACHE_AVX2_PATH
-  if (cpu_has_avx2()) return logits_avx2(k, len, D, qf, rows, logits, row_buf);
+  if (cpu_has_avx2()) return logits_avx2(k, len, D, qf, rows, logits, ld, row_buf);
 #endif
-  logits_impl(k, len, D, qf, rows, logits, row_buf);
+  logits_impl(k, len, D, qf, rows, logits, ld, row_buf);
 }
 
 template <typename T>
-void accumulate_values(const T* v, int64_t len, int64_t D, const float* probs, int64_t rows,
-                       float* acc, float* row_buf) {
+void accumulate_values(const T* v, int64_t len, int64_t D, const float* probs, int64_t ld,
+                       int64_t rows, float* acc, float* row_buf) {
 #ifdef KVCACHE_AVX2_PATH
-  if (cpu_has_avx2()) return values_avx2(v, len, D, probs, rows, acc, row_buf);
+  if (cpu_has_avx2()) return values_avx2(v, len, D, probs, ld, rows, acc, row_buf);
 #endif
-  values_impl(v, len, D, probs, rows, acc, row_buf);
+  values_impl(v, len, D, probs, ld, rows, acc, row_buf);
+}
+
+// Calls f(l0, run, rows) for the runs of a segment's tokens that share a page: tokens
+// [l0, l0 + run) of part b, whose rows are contiguous from `rows`.
+template <typename T, typename F>
+void for_each_page_run(const store::PagedView& view, int part, int64_t s, int64_t len, const F& f) {
+  const int64_t P = view.page_size();
+  for (int64_t l0 = 0; l0 < len; l0 += P) {
+    f(l0, std::min(P, len - l0), reinterpret_cast<const T*>(view.token(part, s, l0)));
+  }
+}
+
+// The segment's rows of part b (K or V) as floats, contiguous [len, D].
+template <typename T>
+void gather_rows_as_float(const store::PagedView& view, int part, int64_t s, int64_t len,
+                          int64_t D, float* out) {
+  for_each_page_run<T>(view, part, s, len, [&](int64_t l0, int64_t run, const T* rows) {
+    to_float(rows, out + l0 * D, run * D);
+  });
 }
 
 struct Shape {
@@ -123,7 +142,7 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
   const int64_t G = sh.groups, n = sh.n, D = sh.D, ib = i1 - i0, rows = G * ib;
   const int64_t b = s / sh.heads;
   const int64_t len = (*p.len_host)[s];
-  const int64_t base = p.start.data_ptr<int64_t>()[s];
+  const store::PagedView& view = p.view;
   // Row (g, i) of this segment is q/out row (s * G + g) * n + i.
   const T* q = p.q.data_ptr<T>() + s * G * n * D;
   T* out = r.out.data_ptr<T>() + s * G * n * D;
@@ -135,7 +154,9 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
     return;
   }
 
-  thread_local std::vector<float> qf, logits, acc, row_buf;
+  thread_local std::vector<float> qf, logits, acc, row_buf, kv_f;
+  thread_local std::vector<int64_t> slot;
+  thread_local std::vector<int32_t> slot_pos;
   qf.resize(rows * D);
   logits.resize(rows * len);
   acc.assign(rows * D, 0.f);
@@ -147,19 +168,28 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
       to_float(q + row_offset(g, i), qf.data() + j * D, D);
       for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= p.scale;
     }
-  const int32_t* slot_pos = p.pos.data_ptr<int32_t>() + base;
+  // The segment's slots and positions, token by token (they lie in pages).
+  slot.resize(len);
+  slot_pos.resize(len);
+  for (int64_t l = 0; l < len; ++l) {
+    slot[l] = view.slot(s, l);
+    slot_pos[l] = *reinterpret_cast<const int32_t*>(view.row(store::kPos, slot[l]));
+  }
   const int32_t* q_pos = sh.causal ? p.q_pos.data_ptr<int32_t>() + b * n : nullptr;
 
   // Logits: each K row once, against every row of the block.
-  const T* k = p.k.data_ptr<T>() + base * D;
   const bool gemm = rows >= kGemmRows;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   if (gemm) {  // logits [rows, len] = qf [rows, D] @ K^T
+    kv_f.resize(len * D);
+    gather_rows_as_float<T>(view, store::kK, s, len, D, kv_f.data());
     at::Tensor logits_t = at::from_blob(logits.data(), {rows, len}, f32);
     at::mm_out(logits_t, at::from_blob(qf.data(), {rows, D}, f32),
-               p.k.narrow(0, base, len).to(at::kFloat).t());
+               at::from_blob(kv_f.data(), {len, D}, f32).t());
   } else {
-    compute_logits(k, len, D, qf.data(), rows, logits.data(), row_buf.data());
+    for_each_page_run<T>(view, store::kK, s, len, [&](int64_t l0, int64_t run, const T* k) {
+      compute_logits(k, run, D, qf.data(), rows, logits.data() + l0, len, row_buf.data());
+    });
   }
   if (q_pos) {  // causal by position: slots in a query's future are masked
     for (int64_t l = 0; l < len; ++l)
@@ -187,13 +217,15 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
     inv_sum[j] = 1.f / sum;
   }
   // Output: each V row once, accumulated into every row of the block.
-  const T* v = p.v.data_ptr<T>() + base * D;
   if (gemm) {  // acc [rows, D] = probs [rows, len] @ V
+    gather_rows_as_float<T>(view, store::kV, s, len, D, kv_f.data());
     at::Tensor acc_t = at::from_blob(acc.data(), {rows, D}, f32);
     at::mm_out(acc_t, at::from_blob(logits.data(), {rows, len}, f32),
-               p.v.narrow(0, base, len).to(at::kFloat));
+               at::from_blob(kv_f.data(), {len, D}, f32));
   } else {
-    accumulate_values(v, len, D, logits.data(), rows, acc.data(), row_buf.data());
+    for_each_page_run<T>(view, store::kV, s, len, [&](int64_t l0, int64_t run, const T* v) {
+      accumulate_values(v, run, D, logits.data() + l0, len, rows, acc.data(), row_buf.data());
+    });
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = i0; i < i1; ++i) {
@@ -204,10 +236,10 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
 
   // Statistics of the normalized probabilities, added into this segment's slots.
   if (!(sh.mass || sh.last || sh.sum_sq || sh.count)) return;
-  float* mass = sh.mass ? r.mass.data_ptr<float>() + base : nullptr;
-  float* last = sh.last ? r.last.data_ptr<float>() + base * G : nullptr;
-  float* sum_sq = sh.sum_sq ? r.sum_sq.data_ptr<float>() + base : nullptr;
-  int32_t* count = sh.count ? r.count.data_ptr<int32_t>() + base : nullptr;
+  float* mass = sh.mass ? r.mass.data_ptr<float>() : nullptr;
+  float* last = sh.last ? r.last.data_ptr<float>() : nullptr;
+  float* sum_sq = sh.sum_sq ? r.sum_sq.data_ptr<float>() : nullptr;
+  int32_t* count = sh.count ? r.count.data_ptr<int32_t>() : nullptr;
   for (int64_t l = 0; l < len; ++l) {
     float slot_mass = 0.f, slot_sq = 0.f;
     int32_t seen = 0;
@@ -217,16 +249,16 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
         const int64_t j = g * ib + (i - i0);
         const float prob = logits[j * len + l] * inv_sum[j];
         group_mass += prob;
-        if (last && i == n - 1) last[l * G + g] = prob;
+        if (last && i == n - 1) last[slot[l] * G + g] = prob;
       }
       slot_mass += group_mass;
       const float mean = group_mass / static_cast<float>(G);
       slot_sq += mean * mean;
       seen += (!q_pos || slot_pos[l] <= q_pos[i]) ? 1 : 0;
     }
-    if (mass) mass[l] += slot_mass;
-    if (sum_sq) sum_sq[l] += slot_sq;
-    if (count) count[l] += seen;
+    if (mass) mass[slot[l]] += slot_mass;
+    if (sum_sq) sum_sq[slot[l]] += slot_sq;
+    if (count) count[slot[l]] += seen;
   }
 }
 
@@ -234,7 +266,7 @@ void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64
 
 void ragged_attention_cpu(const Problem& p, Result& r) {
   const int64_t B = p.q.size(0), n = p.q.size(2), D = p.q.size(3);
-  const int64_t S = p.start.size(0);
+  const int64_t S = p.segments;
   Shape sh{S / B, p.groups, n, D, p.q_pos.defined(), r.mass.defined(), r.last.defined(),
            r.sum_sq.defined(), r.count.defined()};
   const int64_t per_block = std::max<int64_t>(1, kMaxRowsPerBlock / sh.groups);

@@ -1,11 +1,16 @@
 // CUDA attention over the ragged store, flash-decoding style.
 //
-// 1. attend_split: each segment's live slots are cut into splits (sized on the host from
+// The store is paged (store/paged_layout.h): token l of segment s is slot
+// view.slot(s, l), its K, V and pos rows lie in that slot's page. Statistics and the raw
+// logits are indexed by slot id ("slot layout", [capacity]).
+//
+// 1. attend_split: each segment's live tokens are cut into splits (sized on the host from
 //    the store's host copy of the lengths, so no sync) and each block attends one split
-//    for a tile of up to RB query rows. It walks the split in tiles of kTile slots: the
-//    logits of a tile go to shared memory, then an online softmax update (running max m,
-//    sum l, rescaled partial output) per row. A lane reads 16-byte words of K and V rows
-//    and keeps its slice of every query row in registers; K and V are read once per
+//    for a tile of up to RB query rows. It walks the split in tiles of kTile tokens: the
+//    ids and addresses of the pages a tile touches are staged in shared memory, the
+//    logits of the tile go to shared memory, then an online softmax update (running max
+//    m, sum l, rescaled partial output) per row. A lane reads 16-byte words of K and V
+//    rows and keeps its slice of every query row in registers; K and V are read once per
 //    row tile. Out: per split and row, m, l and the unnormalized output, all fp32.
 // 2. combine: per (segment, row), merges the splits into the output and keeps the final
 //    m and 1/l for the statistics.
@@ -99,12 +104,12 @@ struct RowLayout {
   static_assert((LPS & (LPS - 1)) == 0, "the xor reductions need a power-of-two LPS");
 };
 
-// Loads this lane's slice of row `row` of a [*, D] buffer.
+// Loads this lane's slice of a row of D elements (16-byte aligned: see ragged_attention_cuda).
 template <typename T, int D>
-__device__ inline void load_slice(const T* buf, int64_t row, int lane_in_group,
+__device__ inline void load_slice(const T* row, int lane_in_group,
                                   uint4 (&w)[RowLayout<T, D>::kWords]) {
   using L = RowLayout<T, D>;
-  const uint4* p = reinterpret_cast<const uint4*>(buf + row * D + lane_in_group * L::EPL);
+  const uint4* p = reinterpret_cast<const uint4*>(row + lane_in_group * L::EPL);
 #pragma unroll
   for (int i = 0; i < L::kWords; ++i) w[i] = __ldg(p + i);
 }
@@ -120,17 +125,14 @@ __device__ inline void slice_to_float(const uint4 (&w)[RowLayout<T, D>::kWords],
 // ---------------------------------------------------------------------------------------
 // Kernel parameters
 
-struct Split {  // a piece of one segment's live slots: [begin, end) relative to its start
+struct Split {  // a piece of one segment's live tokens: token indices [begin, end)
   int32_t segment, begin, end;
 };
 
 template <typename T>
 struct Params {
   const T* q;             // [B, Hq, n, D]
-  const T* k;             // [capacity, D]
-  const T* v;
-  const int32_t* pos;     // [capacity]
-  const int64_t* start;   // [S]
+  store::PagedView view;  // K, V and pos of every live token
   const int32_t* q_pos;   // [B, n] or null
   const Split* splits;    // [W]
   const int32_t* seg_first_split;  // [S + 1]: splits of segment s are [first[s], first[s+1])
@@ -139,7 +141,7 @@ struct Params {
   int32_t heads, groups, n_total, i0, n, rows, row_tiles;
   float scale_log2;
   int64_t capacity;
-  float* logits;          // [rows, capacity] or null (no statistics)
+  float* logits;          // [rows, capacity] (slot layout) or null (no statistics)
   float* part_m;          // [W, rows]
   float* part_l;          // [W, rows]
   float* part_o;          // [W, rows, D]
@@ -149,6 +151,36 @@ struct Params {
     return (s * groups + r / n) * n_total + i0 + r % n;
   }
   __device__ int32_t query_pos(int b, int r) const { return q_pos[b * n_total + i0 + r % n]; }
+};
+
+// The pages a tile of tokens [t0, t0 + tile_len) of a segment touches (tile_len <= kTile):
+// entries first_chunk .. of the segment's page table, first_chunk = t0 >> shift. Their ids
+// and addresses sit in shared memory (staged once per tile), so finding token t0 + j's row
+// costs no global load. There are at most kTile of them: tile_len for pages of one token,
+// at most kTile / 2 + 1 for larger pages.
+template <typename T, int D>
+struct TileRows {
+  static constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));  // K and V rows
+  const int32_t* page;      // [chunks] page ids (shared memory)
+  const char* const* base;  // [chunks] page addresses (shared memory)
+  int64_t t0, first_chunk, mask;
+  int64_t off_k, off_v, off_pos;
+  int shift;
+
+  __device__ int chunk(int j) const { return static_cast<int>(((t0 + j) >> shift) - first_chunk); }
+  __device__ int64_t in_page(int j) const { return (t0 + j) & mask; }
+  __device__ const T* k(int j) const {
+    return reinterpret_cast<const T*>(base[chunk(j)] + off_k + in_page(j) * kRowBytes);
+  }
+  __device__ const T* v(int j) const {
+    return reinterpret_cast<const T*>(base[chunk(j)] + off_v + in_page(j) * kRowBytes);
+  }
+  __device__ int32_t pos(int j) const {
+    return *reinterpret_cast<const int32_t*>(base[chunk(j)] + off_pos + in_page(j) * 4);
+  }
+  __device__ int64_t slot(int j) const {
+    return (static_cast<int64_t>(page[chunk(j)]) << shift) | in_page(j);
+  }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -162,6 +194,8 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   __shared__ float tile_p[RB][kTile];         // logits, then probabilities, of a tile
   __shared__ float row_m[RB], row_l[RB], row_alpha[RB];
   __shared__ float reduce[L::kGroups][RB][D];  // partial outputs of the slot groups
+  __shared__ int32_t chunk_page[kTile];        // the pages of a tile (TileRows)
+  __shared__ const char* chunk_base[kTile];
 
   const int64_t w = blockIdx.x / p.row_tiles;
   const Split split = p.splits[w];
@@ -169,7 +203,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   const int b = s / p.heads;
   const int row0 = static_cast<int>(blockIdx.x % p.row_tiles) * RB;
   const int nrows = min(RB, p.rows - row0);
-  const int64_t base = p.start[s];
+  const int32_t* table = p.view.table + static_cast<int64_t>(s) * p.view.width;  // s's pages
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp * L::SPW + lane / L::LPS;  // slot group of this lane
@@ -196,9 +230,28 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
     row_l[threadIdx.x] = 0.f;
   }
 
+  TileRows<T, D> tile;
+  tile.page = chunk_page;
+  tile.base = chunk_base;
+  tile.shift = p.view.shift;
+  tile.mask = p.view.page_size() - 1;
+  tile.off_k = p.view.record.offset[store::kK];
+  tile.off_v = p.view.record.offset[store::kV];
+  tile.off_pos = p.view.record.offset[store::kPos];
+
   for (int t0 = split.begin; t0 < split.end; t0 += kTile) {
     const int tile_len = min(kTile, split.end - t0);
-    const int64_t tile_base = base + t0;
+
+    // The tile's pages. The previous tile's last barrier has ordered every read of them.
+    tile.t0 = t0;
+    tile.first_chunk = tile.t0 >> tile.shift;
+    const int chunks = tile.chunk(tile_len - 1) + 1;
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      const int32_t page = table[tile.first_chunk + c];
+      chunk_page[c] = page;
+      chunk_base[c] = reinterpret_cast<const char*>(p.view.page_base[page]);
+    }
+    __syncthreads();
 
     // Logits of the tile. Every lane of a warp takes part in the shuffles, so the loop
     // bound is uniform over the warp and slots past the tile are computed as zeros.
@@ -207,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups + lane / L::LPS;
-        if (j < tile_len) load_slice<T, D>(p.k, tile_base + j, lane_in_group, words[u]);
+        if (j < tile_len) load_slice<T, D>(tile.k(j), lane_in_group, words[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -230,12 +283,13 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
             dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
         }
         if (j < tile_len && lane_in_group == 0) {
-          const int32_t slot_pos = p.q_pos ? p.pos[tile_base + j] : 0;
+          const int32_t slot_pos = p.q_pos ? tile.pos(j) : 0;
+          const int64_t slot = p.logits ? tile.slot(j) : 0;
 #pragma unroll
           for (int r = 0; r < RB; ++r) {
             const float logit = slot_pos <= q_pos[r] ? dot[r] : kNegInf;
             tile_p[r][j] = logit;
-            if (p.logits && r < nrows) p.logits[(row0 + r) * p.capacity + tile_base + j] = logit;
+            if (p.logits && r < nrows) p.logits[(row0 + r) * p.capacity + slot] = logit;
           }
         }
       }
@@ -282,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups;
-        if (j < tile_len) load_slice<T, D>(p.v, tile_base + j, lane_in_group, words[u]);
+        if (j < tile_len) load_slice<T, D>(tile.v(j), lane_in_group, words[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -298,7 +352,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
         }
       }
     }
-    __syncthreads();  // tile_p is overwritten by the next tile
+    __syncthreads();  // tile_p and the tile's pages are overwritten by the next tile
   }
 
   // Sum the slot groups' partial outputs in a fixed order (deterministic).
@@ -362,8 +416,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------
-// 3. slot_stats: block w turns the logits of split w's slots into the statistics of this
-// pass's queries and adds them to the slots (passes over query chunks add up).
+// 3. slot_stats: block w turns the logits of split w's tokens into the statistics of this
+// pass's queries and adds them to the tokens' slots (passes over query chunks add up).
 
 struct StatsOut {
   const float* final_m;      // [S, rows]
@@ -379,13 +433,13 @@ __global__ void __launch_bounds__(kThreads) slot_stats(Params<T> p, StatsOut st)
   const Split split = p.splits[blockIdx.x];
   const int s = split.segment;
   const int b = s / p.heads;
-  const int64_t base = p.start[s];
   const float* m = st.final_m + static_cast<int64_t>(s) * p.rows;
   const float* inv_l = st.final_inv_l + static_cast<int64_t>(s) * p.rows;
   const int G = p.groups, n = p.n;
   for (int j = split.begin + threadIdx.x; j < split.end; j += kThreads) {
-    const int64_t slot = base + j;
-    const int32_t slot_pos = p.pos[slot];
+    const int64_t slot = p.view.slot(s, j);
+    const int32_t slot_pos =
+        p.q_pos ? *reinterpret_cast<const int32_t*>(p.view.row(store::kPos, slot)) : 0;
     float slot_mass = 0.f, slot_sq = 0.f;
     int32_t seen = 0;
     for (int i = 0; i < n; ++i) {
@@ -457,8 +511,19 @@ constexpr int64_t kMaxLogitsBytes = int64_t{256} << 20;
 template <typename T, int D>
 void run(const Problem& p, Result& r) {
   const int64_t B = p.q.size(0), n_total = p.q.size(2);
-  const int64_t S = p.start.size(0);
-  const int64_t capacity = p.k.size(0);
+  const int64_t S = p.segments;
+  const int64_t capacity = p.capacity;
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(p.len_host->size()) == S);
+  // 16-byte loads of K and V rows: D * sizeof(T) is a multiple of 16 (RowLayout), and
+  // every row of a part starts at page base + offset + row * row bytes, where page bases
+  // are 16-byte aligned (slab allocations of records that are multiples of 16 bytes).
+  const store::PageRecord& rec = p.view.record;
+  TORCH_INTERNAL_ASSERT(rec.row_bytes[store::kK] == D * static_cast<int64_t>(sizeof(T)) &&
+                            rec.row_bytes[store::kV] == rec.row_bytes[store::kK] &&
+                            rec.offset[store::kK] % 16 == 0 && rec.offset[store::kV] % 16 == 0 &&
+                            rec.offset[store::kPos] % 4 == 0 && rec.bytes % 16 == 0,
+                        "the CUDA attention kernel needs 16-byte aligned K and V rows of ", D,
+                        " elements");
   const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
   const int64_t per_query_bytes = p.groups * std::max<int64_t>(capacity, 1) * 4;
   const int64_t chunk =
@@ -498,10 +563,7 @@ void run(const Problem& p, Result& r) {
 
     Params<T> prm;
     prm.q = p.q.data_ptr<T>();
-    prm.k = p.k.data_ptr<T>();
-    prm.v = p.v.data_ptr<T>();
-    prm.pos = p.pos.data_ptr<int32_t>();
-    prm.start = p.start.data_ptr<int64_t>();
+    prm.view = p.view;
     prm.q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() : nullptr;
     prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
     prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
@@ -556,10 +618,7 @@ void run_head_dim(const Problem& p, Result& r) {
 
 void ragged_attention_cuda(const Problem& p, Result& r) {
   const c10::cuda::CUDAGuard guard(p.q.device());
-  // 16-byte loads of K and V rows: D * sizeof(T) is a multiple of 16 for the supported
-  // head dims, and the store allocates its buffers itself, so the bases are aligned.
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(p.k.data_ptr()) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(p.v.data_ptr()) % 16 == 0);
+  // The alignment of K and V rows for 16-byte loads is checked in run(), per head_dim.
   switch (p.q.scalar_type()) {
     case at::kFloat: run_head_dim<float>(p, r); break;
     case at::kHalf: run_head_dim<at::Half>(p, r); break;

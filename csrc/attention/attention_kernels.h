@@ -9,16 +9,18 @@
 
 #include <vector>
 
+#include "store/paged_layout.h"
+
 namespace kvcache_ext::attention {
 
 struct Problem {
   at::Tensor q;       // [B, Hq, n, D] contiguous, the store's dtype
-  at::Tensor k, v;    // [capacity, D] the store's buffers
-  at::Tensor pos;     // [capacity] int32
-  at::Tensor start;   // [S] int64
-  at::Tensor len;     // [S] int32
+  store::PagedView view;  // the store's pages: K, V and pos of every live token
+  int64_t capacity;   // slots of the store's slot layout (the statistics' length)
+  int64_t segments;   // S = B * H
+  at::Tensor len;     // [S] int32 on the store's device
   const std::vector<int32_t>* len_host;  // host mirror of len (no device sync needed)
-  at::Tensor q_pos;   // [B, n] int32: slot l is visible to query i iff pos[l] <= q_pos[b, i].
+  at::Tensor q_pos;   // [B, n] int32: token l is visible to query i iff its pos <= q_pos[b, i].
                       // Undefined: every live slot is visible to every query.
   int64_t groups;     // G = Hq / H
   float scale;        // softmax scale applied to q . k
@@ -28,6 +30,7 @@ struct Problem {
 // otherwise arrives zero-filled (the kernels write the live slots only).
 struct Result {
   at::Tensor out;     // [B, Hq, n, D] the store's dtype
+  // Statistics are in slot layout (store/paged_layout.h).
   at::Tensor mass;    // [capacity] f32: sum over the n queries and G heads of p
   at::Tensor last;    // [capacity, G] f32: p of the last query (i = n - 1) per head g
   at::Tensor sum_sq;  // [capacity] f32: sum over queries of (mean over g of p)^2

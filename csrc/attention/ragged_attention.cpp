@@ -15,10 +15,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
     const c10::optional<at::Tensor>& q_pos_in, bool want_mass, bool want_last, bool want_sum_sq,
     bool want_count) {
   check_defined(q_in, "q");
-  const auto device = store.k().device();
+  const auto device = store.device();
   check_device_supported(device);
   check_device(q_in, device, "q");
-  check_dtype(q_in, store.k().scalar_type(), "q (the store's dtype)");
+  check_dtype(q_in, store.dtype(), "q (the store's dtype)");
   TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be [batch, query heads, n, head_dim], got shape ",
                     q_in.sizes());
   const int64_t B = q_in.size(0), Hq = q_in.size(1), n = q_in.size(2), D = q_in.size(3);
@@ -34,11 +34,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
 
   attention::Problem p;
   p.q = q_in.contiguous();  // HF hands q over as a transposed view
-  p.k = store.k();
-  p.v = store.v();
-  p.pos = store.pos();
-  p.start = store.start();
-  p.len = store.len();
+  p.view = store.view();
+  p.capacity = store.capacity();
+  p.segments = store.num_segments();
+  p.len = store.len_device();
   p.len_host = &store.len_host();
   p.groups = Hq / H;
   p.scale = static_cast<float>(scale);

@@ -1,45 +1,47 @@
 #include "store/ragged_store.h"
 
 #include <algorithm>
-#include <cmath>
 #include <numeric>
 
 #include "common/checks.h"
 #include "common/device_dispatch.h"
+#include "store/store_kernels.h"
 
 namespace kvcache_ext {
 
 namespace {
-// Smallest headroom a regrown segment gets, so that decode does not regrow every few tokens.
-constexpr int64_t kMinGrowthSlots = 16;
+constexpr int64_t kMaxPageSize = 1024;
 }  // namespace
 
 RaggedKVStore::RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim,
-                             int64_t score_channels, const at::Tensor& like, double growth)
+                             int64_t score_channels, const at::Tensor& like, int64_t page_size)
     : batch_(batch), heads_(heads), head_dim_(head_dim), score_channels_(score_channels),
-      growth_(growth) {
+      page_size_(page_size) {
   TORCH_CHECK_VALUE(batch >= 1, "batch must be >= 1, got ", batch);
   TORCH_CHECK_VALUE(heads >= 1, "heads must be >= 1, got ", heads);
-  TORCH_CHECK_VALUE(head_dim >= 1, "head_dim must be >= 1, got ", head_dim);
-  TORCH_CHECK_VALUE(score_channels >= 0, "score_channels must be >= 0, got ", score_channels);
-  TORCH_CHECK_VALUE(growth > 1.0 && std::isfinite(growth), "growth must be > 1, got ", growth);
+  TORCH_CHECK_VALUE(batch <= INT32_MAX / heads, "batch * heads must be < 2^31, got ", batch,
+                    " * ", heads);
+  TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= 65536, "head_dim must be in [1, 65536], got ",
+                    head_dim);
+  TORCH_CHECK_VALUE(score_channels >= 0 && score_channels <= 65536,
+                    "score_channels must be in [0, 65536], got ", score_channels);
+  TORCH_CHECK_VALUE(page_size >= 1 && page_size <= kMaxPageSize && (page_size & (page_size - 1)) == 0,
+                    "page_size must be a power of two in [1, ", kMaxPageSize, "], got ", page_size);
   const auto dtype = like.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                    "the store holds float32, float16 or bfloat16 K/V, got ", dtype);
   check_device_supported(like.device());
   kv_options_ = like.options();
-  const int64_t S = batch * heads;
+  shift_ = 0;
+  while ((int64_t{1} << shift_) < page_size) ++shift_;
+  record_ = store::page_record(page_size, head_dim, like.element_size(), score_channels);
+  const int64_t S = num_segments();
   const auto meta = at::TensorOptions().device(like.device());
-  buf_.k = at::empty({0, head_dim}, kv_options_);
-  buf_.v = at::empty({0, head_dim}, kv_options_);
-  buf_.pos = at::empty({0}, meta.dtype(at::kInt));
-  buf_.scores = at::empty({0, score_channels}, meta.dtype(at::kFloat));
-  start_ = at::zeros({S}, meta.dtype(at::kLong));
+  page_base_ = at::empty({0}, meta.dtype(at::kLong));
+  table_ = at::empty({S, 0}, meta.dtype(at::kInt));
   len_ = at::zeros({S}, meta.dtype(at::kInt));
-  cap_ = at::zeros({S}, meta.dtype(at::kInt));
-  start_h_.assign(S, 0);
+  pages_h_.assign(S, 0);
   len_h_.assign(S, 0);
-  cap_h_.assign(S, 0);
 }
 
 int64_t RaggedKVStore::num_tokens() const {
@@ -48,17 +50,64 @@ int64_t RaggedKVStore::num_tokens() const {
 
 int64_t RaggedKVStore::nbytes() const {
   int64_t total = 0;
-  for (const auto* t : {&buf_.k, &buf_.v, &buf_.pos, &buf_.scores, &start_, &len_, &cap_}) {
-    total += t->numel() * t->element_size();
-  }
+  for (const auto& slab : slabs_) total += slab.nbytes();
+  for (const auto* t : {&page_base_, &table_, &len_}) total += t->nbytes();
   return total;
+}
+
+store::PagedView RaggedKVStore::view() const {
+  return store::PagedView{page_base_.data_ptr<int64_t>(), table_.data_ptr<int32_t>(), width_,
+                          shift_, record_};
+}
+
+at::Tensor RaggedKVStore::page_table() const { return table_.clone(); }
+
+at::Tensor RaggedKVStore::part_of(const at::Tensor& slab, int part) const {
+  const int64_t pages = slab.size(0), P = page_size_;
+  const at::ScalarType dtype = part == store::kPos      ? at::kInt
+                               : part == store::kScores ? at::kFloat
+                                                        : this->dtype();
+  const int64_t width = part == store::kPos ? 1 : part == store::kScores ? score_channels_ : head_dim_;
+  // The part's bytes of every page: [pages, P * row bytes] with the record as row stride.
+  at::Tensor bytes = slab.narrow(1, record_.offset[part], P * record_.row_bytes[part]);
+  at::Tensor typed = width == 0 ? at::empty({pages, 0}, slab.options().dtype(dtype))
+                                : bytes.view(dtype);
+  return part == store::kPos ? typed.view({pages, P}) : typed.view({pages, P, width});
+}
+
+at::Tensor RaggedKVStore::gather_part(int part) const {
+  std::vector<at::Tensor> pieces;
+  for (const auto& slab : slabs_) {
+    at::Tensor p = part_of(slab, part);
+    pieces.push_back(p.reshape(part == store::kPos ? std::vector<int64_t>{-1}
+                                                   : std::vector<int64_t>{p.size(0) * page_size_, p.size(2)}));
+  }
+  if (pieces.empty()) {
+    const auto meta = at::TensorOptions().device(device());
+    if (part == store::kPos) return at::empty({0}, meta.dtype(at::kInt));
+    if (part == store::kScores) return at::empty({0, score_channels_}, meta.dtype(at::kFloat));
+    return at::empty({0, head_dim_}, kv_options_);
+  }
+  return at::cat(pieces, 0);  // a copy even for one slab: callers cannot write the store
+}
+
+void RaggedKVStore::set_scores(const at::Tensor& scores) {
+  check_defined(scores, "scores");
+  check_dtype(scores, at::kFloat, "scores");
+  check_device(scores, device(), "scores");
+  check_shape(scores, {capacity(), score_channels_}, "scores");
+  for (size_t i = 0; i < slabs_.size(); ++i) {
+    at::Tensor dst = part_of(slabs_[i], store::kScores);
+    const int64_t slots = dst.size(0) * page_size_;
+    dst.copy_(scores.narrow(0, slab_first_[i] * page_size_, slots).view(dst.sizes()));
+  }
 }
 
 void RaggedKVStore::check_tokens(const at::Tensor& t, int64_t n, const char* name) const {
   check_defined(t, name);
-  TORCH_CHECK_TYPE(t.scalar_type() == kv_options_.dtype().toScalarType(), name,
-                   " must have the store's dtype ", kv_options_.dtype(), ", got ", t.scalar_type());
-  check_device(t, kv_options_.device(), name);
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype(), name, " must have the store's dtype ", dtype(),
+                   ", got ", t.scalar_type());
+  check_device(t, device(), name);
   check_shape(t, {batch_, heads_, n, head_dim_}, name);
   check_contiguous(t, name);
 }
@@ -70,8 +119,7 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
   const int64_t n = k.size(2);
   check_tokens(k, n, "k");
   check_tokens(v, n, "v");
-  const auto device = kv_options_.device();
-  at::Tensor pos32 = as_int32(pos, device, "pos");
+  at::Tensor pos32 = as_int32(pos, device(), "pos");
   TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) ||
                         pos32.sizes() == at::IntArrayRef({batch_, n}),
                     "pos must have shape [batch, n] = [", batch_, ", ", n, "] or [n], got ",
@@ -85,7 +133,7 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
   if (valid.has_value() && valid->defined()) {
     const at::Tensor& mask = *valid;
     check_dtype(mask, at::kBool, "valid");
-    check_device(mask, device, "valid");
+    check_device(mask, device(), "valid");
     TORCH_CHECK_VALUE(
         mask.sizes() == at::IntArrayRef({batch_, n}) ||
             mask.sizes() == at::IntArrayRef({batch_, heads_, n}),
@@ -99,17 +147,18 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
     std::copy_n(counts_h.data_ptr<int64_t>(), S, incoming.begin());
   }
   if (n == 0) return;
-  ensure_room(incoming);
-  KVCACHE_DEVICE_DISPATCH(device, store::append, buf_, start_, len_, k.view({S, n, head_dim_}),
+  std::vector<int64_t> need(S);
+  for (int64_t s = 0; s < S; ++s) need[s] = len_h_[s] + incoming[s];
+  ensure_pages(need);
+  KVCACHE_DEVICE_DISPATCH(device(), store::append, view(), len_, k.view({S, n, head_dim_}),
                           v.view({S, n, head_dim_}), pos32, rank);
   // Both copies of the lengths advance without a host-device transfer.
   if (counts.defined()) len_.add_(counts); else len_.add_(n);
-  for (int64_t s = 0; s < S; ++s) len_h_[s] += static_cast<int32_t>(incoming[s]);
+  for (int64_t s = 0; s < S; ++s) len_h_[s] = static_cast<int32_t>(need[s]);
 }
 
 void RaggedKVStore::replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& pos, bool check_bounds) {
-  const auto device = kv_options_.device();
   const int64_t S = num_segments();
   check_tokens(k, 1, "k");
   check_tokens(v, 1, "v");
@@ -117,103 +166,165 @@ void RaggedKVStore::replace(const at::Tensor& slot, const at::Tensor& k, const a
   TORCH_CHECK_TYPE(is_integer_dtype(slot.scalar_type()), "slot must be an integer tensor, got ",
                    slot.scalar_type());
   check_shape(slot, {batch_, heads_}, "slot");
-  const at::Tensor slot64 = slot.to(device, at::kLong).reshape({S}).contiguous();
-  at::Tensor pos32 = as_int32(pos, device, "pos");
+  const at::Tensor slot64 = slot.to(device(), at::kLong).reshape({S}).contiguous();
+  at::Tensor pos32 = as_int32(pos, device(), "pos");
   TORCH_CHECK_VALUE(pos32.numel() == batch_ && (pos32.dim() == 1 || pos32.dim() == 2),
                     "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
   pos32 = pos32.reshape({batch_});
   if (check_bounds) {
     const bool out_of_range = slot64.lt(0).logical_or(slot64.ge(len_)).any().item<bool>();
-    TORCH_CHECK_INDEX(!out_of_range, "slot must index a live slot of its segment: 0 <= slot[b, h] < ",
+    TORCH_CHECK_INDEX(!out_of_range, "slot must index a live token of its segment: 0 <= slot[b, h] < ",
                       "len[b, h] (an empty segment has nothing to replace)");
   }
-  KVCACHE_DEVICE_DISPATCH(device, store::replace, buf_, start_, slot64, k.view({S, head_dim_}),
+  KVCACHE_DEVICE_DISPATCH(device(), store::replace, view(), slot64, k.view({S, head_dim_}),
                           v.view({S, head_dim_}), pos32);
 }
 
 void RaggedKVStore::compact(const at::Tensor& keep) {
   check_defined(keep, "keep");
   check_dtype(keep, at::kBool, "keep");
-  check_device(keep, kv_options_.device(), "keep");
+  check_device(keep, device(), "keep");
   TORCH_CHECK_VALUE(keep.dim() == 1 && keep.size(0) == capacity(),
                     "keep must be a [capacity] = [", capacity(),
                     "] bool mask in the store's slot layout, got shape ", keep.sizes());
   check_contiguous(keep, "keep");
-  KVCACHE_DEVICE_DISPATCH(kv_options_.device(), store::compact, buf_, start_, len_, keep);
+  if (capacity() == 0) return;
+  KVCACHE_DEVICE_DISPATCH(device(), store::compact, view(), len_, keep);
   const at::Tensor lens = len_.to(at::kCPU);  // host sync: the new lengths depend on keep
   std::copy_n(lens.data_ptr<int32_t>(), num_segments(), len_h_.begin());
+  // Pages past a segment's last token are free again.
+  bool freed = false;
+  for (int64_t s = 0; s < num_segments(); ++s) {
+    const int64_t used = (len_h_[s] + page_size_ - 1) >> shift_;
+    for (int64_t j = used; j < pages_h_[s]; ++j) {
+      free_.push_back(table_h_[s * width_ + j]);
+      table_h_[s * width_ + j] = -1;
+      freed = true;
+    }
+    pages_h_[s] = static_cast<int32_t>(used);
+  }
+  if (freed) upload_tables();
 }
 
 void RaggedKVStore::reserve(int64_t extra) {
-  TORCH_CHECK_VALUE(extra >= 0, "reserve takes a number of tokens >= 0, got ", extra);
-  std::vector<int32_t> new_cap(cap_h_);
-  bool grows = false;
-  for (size_t s = 0; s < new_cap.size(); ++s) {
-    const int64_t need = len_h_[s] + extra;
-    TORCH_CHECK_VALUE(need <= INT32_MAX, "a segment cannot hold more than 2^31 - 1 tokens");
-    if (need > new_cap[s]) {
-      new_cap[s] = static_cast<int32_t>(need);
-      grows = true;
+  TORCH_CHECK_VALUE(extra >= 0 && extra <= INT32_MAX,
+                    "reserve takes a number of tokens in [0, 2^31 - 1], got ", extra);
+  std::vector<int64_t> need(num_segments());
+  for (size_t s = 0; s < need.size(); ++s) need[s] = len_h_[s] + extra;  // < 2^32: no overflow
+  ensure_pages(need);
+}
+
+void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need) {
+  const int64_t S = num_segments();
+  std::vector<int64_t> missing(S);
+  int64_t total_missing = 0, widest = width_;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK_VALUE(need[s] <= INT32_MAX, "a segment cannot hold more than 2^31 - 1 tokens");
+    const int64_t pages = (need[s] + page_size_ - 1) >> shift_;
+    missing[s] = std::max<int64_t>(0, pages - pages_h_[s]);
+    total_missing += missing[s];
+    widest = std::max(widest, pages);
+  }
+  if (total_missing == 0) return;
+  // Free pages first, then one new slab for the rest: the pages a segment has never move.
+  std::vector<int32_t> fresh;
+  const int64_t from_free = std::min<int64_t>(total_missing, free_pages());
+  fresh.assign(free_.end() - from_free, free_.end());
+  free_.resize(free_.size() - from_free);
+  if (total_missing > from_free) {
+    const int32_t first = allocate_slab(total_missing - from_free);
+    for (int64_t i = 0; i < total_missing - from_free; ++i) fresh.push_back(first + static_cast<int32_t>(i));
+  }
+  if (widest > width_) {  // the page table widens: a copy of the table only
+    std::vector<int32_t> wider(S * widest, -1);
+    for (int64_t s = 0; s < S; ++s)
+      std::copy_n(table_h_.begin() + s * width_, width_, wider.begin() + s * widest);
+    table_h_ = std::move(wider);
+    width_ = widest;
+  }
+  size_t next = 0;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t j = 0; j < missing[s]; ++j) table_h_[s * width_ + pages_h_[s]++] = fresh[next++];
+  upload_tables();
+}
+
+int32_t RaggedKVStore::allocate_slab(int64_t pages) {
+  const int64_t first = num_pages();
+  TORCH_CHECK_VALUE(first + pages <= (INT32_MAX >> shift_),
+                    "the store cannot hold more than 2^31 - 1 slots");
+  at::Tensor slab = at::empty({pages, record_.bytes}, kv_options_.dtype(at::kByte));
+  const int64_t base = reinterpret_cast<int64_t>(slab.data_ptr());
+  for (int64_t p = 0; p < pages; ++p) page_base_h_.push_back(base + p * record_.bytes);
+  slabs_.push_back(std::move(slab));
+  slab_first_.push_back(first);
+  ++slab_allocations_;
+  return static_cast<int32_t>(first);
+}
+
+void RaggedKVStore::upload_tables() {
+  // Plain copies up, at most once per operation that changes pages (a page holds
+  // page_size tokens, so decoding uploads once per page_size steps at most).
+  page_base_ = at::tensor(page_base_h_, at::kLong).to(device());
+  table_ = at::from_blob(table_h_.data(), {num_segments(), width_}, at::kInt).to(device());
+  if (table_.device().is_cpu()) table_ = table_.clone();  // from_blob does not own the memory
+}
+
+void RaggedKVStore::repack(int64_t extra) {
+  TORCH_CHECK_VALUE(extra >= 0 && extra <= INT32_MAX,
+                    "repack takes a number of tokens in [0, 2^31 - 1], got ", extra);
+  const int64_t S = num_segments();
+  std::vector<int64_t> keep_pages(S);  // pages with live tokens move; the rest are new
+  std::vector<int32_t> new_pages(S);
+  int64_t total = 0, moved = 0, widest = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK_VALUE(len_h_[s] + extra <= INT32_MAX, "a segment cannot hold more than 2^31 - 1 tokens");
+    keep_pages[s] = (len_h_[s] + page_size_ - 1) >> shift_;
+    new_pages[s] = static_cast<int32_t>((len_h_[s] + extra + page_size_ - 1) >> shift_);
+    total += new_pages[s];
+    moved += keep_pages[s];
+    widest = std::max<int64_t>(widest, new_pages[s]);
+  }
+  // Old page id -> new page id of every page that holds live tokens, grouped by old slab.
+  std::vector<int64_t> new_table(S * widest, -1);
+  std::vector<std::vector<int64_t>> from(slabs_.size()), to(slabs_.size());
+  int64_t next = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t j = 0; j < new_pages[s]; ++j) {
+      if (j < keep_pages[s]) {
+        const int64_t old = table_h_[s * width_ + j];
+        const size_t slab = std::upper_bound(slab_first_.begin(), slab_first_.end(), old) -
+                            slab_first_.begin() - 1;
+        from[slab].push_back(old - slab_first_[slab]);
+        to[slab].push_back(next);
+      }
+      new_table[s * widest + j] = next++;
     }
   }
-  if (grows) relayout(new_cap);
-}
-
-void RaggedKVStore::shrink_to_fit() {
-  if (cap_h_ != len_h_) relayout(len_h_);
-}
-
-void RaggedKVStore::ensure_room(const std::vector<int64_t>& incoming) {
-  const int64_t S = num_segments();
-  std::vector<int64_t> need(S);
-  bool fits = true;
-  for (int64_t s = 0; s < S; ++s) {
-    need[s] = len_h_[s] + incoming[s];
-    fits = fits && need[s] <= cap_h_[s];
+  TORCH_CHECK_VALUE(total <= (INT32_MAX >> shift_), "the store cannot hold more than 2^31 - 1 slots");
+  at::Tensor slab = at::empty({total, record_.bytes}, kv_options_.dtype(at::kByte));
+  const auto index = at::TensorOptions().dtype(at::kLong);
+  for (size_t i = 0; i < slabs_.size(); ++i) {
+    if (from[i].empty()) continue;
+    const at::Tensor src = at::tensor(from[i], index).to(device());
+    const at::Tensor dst = at::tensor(to[i], index).to(device());
+    slab.index_copy_(0, dst, slabs_[i].index_select(0, src));
   }
-  if (fits) return;
-  // Every segment gets headroom proportional to the larger of its own need and the mean
-  // need. A regrowth copies the whole store once, and the headroom guarantees that at
-  // least (growth - 1) * total tokens arrive before the next one: amortized O(1) per token
-  // however skewed the segment lengths are, with slack bounded by 2 * (growth - 1) * total.
-  const double mean = std::accumulate(need.begin(), need.end(), 0.0) / static_cast<double>(S);
-  std::vector<int32_t> new_cap(S);
-  for (int64_t s = 0; s < S; ++s) {
-    const auto headroom = std::max<int64_t>(
-        kMinGrowthSlots,
-        static_cast<int64_t>(std::ceil((growth_ - 1.0) * std::max<double>(need[s], mean))));
-    const int64_t target = std::max<int64_t>(cap_h_[s], need[s] + headroom);
-    TORCH_CHECK_VALUE(target <= INT32_MAX, "a segment cannot hold more than 2^31 - 1 tokens");
-    new_cap[s] = static_cast<int32_t>(target);
+  slabs_.clear();
+  slab_first_.clear();
+  page_base_h_.clear();
+  free_.clear();
+  if (total > 0) {
+    slabs_.push_back(slab);
+    slab_first_.push_back(0);
+    ++slab_allocations_;
   }
-  relayout(new_cap);
-}
-
-void RaggedKVStore::relayout(const std::vector<int32_t>& new_cap) {
-  const int64_t S = num_segments();
-  std::vector<int64_t> new_start(S);
-  int64_t total = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    new_start[s] = total;
-    total += new_cap[s];
-  }
-  const auto device = kv_options_.device();
-  const auto meta = at::TensorOptions().device(device);
-  store::SlotBuffers fresh{
-      at::empty({total, head_dim_}, kv_options_), at::empty({total, head_dim_}, kv_options_),
-      at::empty({total}, meta.dtype(at::kInt)),
-      at::empty({total, score_channels_}, meta.dtype(at::kFloat))};
-  const at::Tensor fresh_start = at::tensor(new_start, at::kLong).to(device);
-  const int64_t max_len = *std::max_element(len_h_.begin(), len_h_.end());
-  if (max_len > 0) {
-    KVCACHE_DEVICE_DISPATCH(device, store::relocate, buf_, fresh, start_, fresh_start, len_,
-                            max_len);
-  }
-  buf_ = std::move(fresh);
-  start_ = fresh_start;
-  cap_ = at::tensor(new_cap, at::kInt).to(device);
-  start_h_ = std::move(new_start);
-  cap_h_ = new_cap;
+  const int64_t base = reinterpret_cast<int64_t>(slab.data_ptr());
+  for (int64_t p = 0; p < total; ++p) page_base_h_.push_back(base + p * record_.bytes);
+  table_h_.assign(new_table.begin(), new_table.end());
+  width_ = widest;
+  pages_h_ = new_pages;
+  if (moved > 0) ++repacks_;
+  upload_tables();
 }
 
 }  // namespace kvcache_ext

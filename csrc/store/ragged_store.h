@@ -1,68 +1,101 @@
-// RaggedKVStore: the KV cache of one attention layer, stored as one ragged segment
-// per (batch item, KV head). See DESIGN.md "Ragged store" and README "Store API".
+// RaggedKVStore: the KV cache of one attention layer, one ragged segment per (batch item,
+// KV head), stored in pages (store/paged_layout.h). See DESIGN.md "Ragged store" and
+// README "Store API".
 #pragma once
 #include <ATen/ATen.h>
 
 #include <vector>
 
-#include "store/store_kernels.h"
+#include "store/paged_layout.h"
 
 namespace kvcache_ext {
 
 class RaggedKVStore {
  public:
-  // `like` only carries the dtype and device of K and V.
+  // `like` only carries the dtype and device of K and V. page_size: tokens per page, a
+  // power of two; it is also the unit by which a segment grows.
   RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim, int64_t score_channels,
-                const at::Tensor& like, double growth);
+                const at::Tensor& like, int64_t page_size);
 
   // Appends n tokens to every segment: k, v [B, H, n, D]; pos [B, n] or [n]. With
   // valid ([B, n] or [B, H, n] bool), only the valid tokens are stored, in order.
   void append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
               const c10::optional<at::Tensor>& valid);
-  // Overwrites slot[b, h] (an index in [0, len)) of every segment with the token
+  // Overwrites token slot[b, h] (an index in [0, len)) of every segment with the token
   // k, v [B, H, 1, D] at position pos [B]. check_bounds costs one host sync on CUDA.
   void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& pos, bool check_bounds);
-  // Keeps the live slots whose flag in keep ([capacity] bool) is set, in order.
+  // Keeps the live tokens whose flag in keep ([capacity] bool, slot layout) is set, in
+  // order. Pages left empty go back to the store's free pages.
   void compact(const at::Tensor& keep);
-  // Makes room for `extra` more tokens in every segment without regrowing.
+  // Gives every segment pages for `extra` more tokens (new pages only where needed).
   void reserve(int64_t extra);
-  // Gives back every slot beyond the live ones (cap = len).
-  void shrink_to_fit();
+  // Moves the live tokens into one new slab with pages for len + extra tokens per segment
+  // and gives back every other page: the only operation that moves every token.
+  void repack(int64_t extra);
+  void shrink_to_fit() { repack(0); }
 
-  const at::Tensor& k() const { return buf_.k; }
-  const at::Tensor& v() const { return buf_.v; }
-  const at::Tensor& pos() const { return buf_.pos; }
-  const at::Tensor& scores() const { return buf_.scores; }
-  const at::Tensor& start() const { return start_; }
-  const at::Tensor& len() const { return len_; }
-  const at::Tensor& cap() const { return cap_; }
+  // Copies in slot layout ([capacity, ...]); slots that hold no live token are undefined.
+  at::Tensor k() const { return gather_part(store::kK); }
+  at::Tensor v() const { return gather_part(store::kV); }
+  at::Tensor pos() const { return gather_part(store::kPos); }
+  at::Tensor scores() const { return gather_part(store::kScores); }
+  // Writes the score channels of every slot from a [capacity, C] float32 tensor.
+  void set_scores(const at::Tensor& scores);
+  at::Tensor len() const { return len_.clone(); }   // [S] int32, on the store's device
+  at::Tensor page_table() const;                     // [S, width] int32 copy, -1: no page
   const std::vector<int32_t>& len_host() const { return len_h_; }
-  const std::vector<int32_t>& cap_host() const { return cap_h_; }
-  int64_t capacity() const { return buf_.k.size(0); }
-  int64_t num_tokens() const;  // live slots, summed over segments
+  std::vector<int32_t> pages_host() const { return pages_h_; }  // pages per segment
+
+  // What kernels read: device pointers into the store. Valid until the next call that
+  // changes the store.
+  store::PagedView view() const;
+  const at::Tensor& len_device() const { return len_; }
+
+  int64_t capacity() const { return num_pages() * page_size_; }  // slots in slot layout
+  int64_t num_pages() const { return static_cast<int64_t>(page_base_h_.size()); }
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  int64_t num_slabs() const { return static_cast<int64_t>(slabs_.size()); }
+  int64_t slab_allocations() const { return slab_allocations_; }  // since construction
+  int64_t repacks() const { return repacks_; }                    // since construction
+  int64_t num_tokens() const;  // live tokens, summed over segments
   int64_t nbytes() const;      // bytes held by every buffer of the store
   int64_t batch() const { return batch_; }
   int64_t heads() const { return heads_; }
   int64_t head_dim() const { return head_dim_; }
   int64_t score_channels() const { return score_channels_; }
   int64_t num_segments() const { return batch_ * heads_; }
-  double growth() const { return growth_; }
+  int64_t page_size() const { return page_size_; }
+  at::ScalarType dtype() const { return kv_options_.dtype().toScalarType(); }
+  at::Device device() const { return kv_options_.device(); }
+  at::Tensor like() const { return at::empty({0}, kv_options_); }  // dtype and device for Python
 
  private:
   void check_tokens(const at::Tensor& t, int64_t n, const char* name) const;
-  // Grows segments (never shrinks them) so that segment s can take incoming[s] more tokens.
-  void ensure_room(const std::vector<int64_t>& incoming);
-  // Moves every live slot into fresh buffers whose segment capacities are new_cap.
-  void relayout(const std::vector<int32_t>& new_cap);
+  // Gives segment s pages for need[s] tokens, taking free pages first and allocating one
+  // slab for the rest.
+  void ensure_pages(const std::vector<int64_t>& need);
+  // Allocates a slab of `pages` pages; returns the id of its first page.
+  int32_t allocate_slab(int64_t pages);
+  void upload_tables();
+  at::Tensor gather_part(int part) const;
+  // Part b of every page of a slab as a [pages, P, ...] view of the slab.
+  at::Tensor part_of(const at::Tensor& slab, int part) const;
 
-  int64_t batch_, heads_, head_dim_, score_channels_;
-  double growth_;
+  int64_t batch_, heads_, head_dim_, score_channels_, page_size_;
+  int32_t shift_;
+  store::PageRecord record_;
   at::TensorOptions kv_options_;
-  store::SlotBuffers buf_;
-  at::Tensor start_, len_, cap_;   // on the store's device: int64, int32, int32 [S]
-  std::vector<int64_t> start_h_;   // host mirrors: growth decisions need no device sync
-  std::vector<int32_t> len_h_, cap_h_;
+  std::vector<at::Tensor> slabs_;       // uint8 [pages, record bytes] each
+  std::vector<int64_t> slab_first_;     // id of each slab's first page
+  std::vector<int64_t> page_base_h_;    // address of each page
+  std::vector<int32_t> free_;           // ids of the pages no segment owns
+  int64_t width_ = 0;                   // columns of the page table
+  std::vector<int32_t> table_h_;        // [S, width] page ids, -1 beyond a segment's pages
+  std::vector<int32_t> pages_h_;        // pages per segment
+  std::vector<int32_t> len_h_;          // host mirror of len_: no device sync to plan
+  at::Tensor page_base_, table_, len_;  // on the store's device: int64, int32, int32
+  int64_t slab_allocations_ = 0, repacks_ = 0;
 };
 
 }  // namespace kvcache_ext

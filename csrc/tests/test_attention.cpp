@@ -1,6 +1,12 @@
 // ragged_attention (attention/ragged_attention.h) against a plain reference written as loops
-// in double: per segment, gather its live slots, softmax each query row over the visible
-// ones, and add up the per-slot statistics of attention/attention_kernels.h.
+// in double: per segment, gather its live slots (through the store's page table), softmax
+// each query row over the visible ones, and add up the per-slot statistics of
+// attention/attention_kernels.h (in slot layout: zero wherever no live token is).
+//
+// Every case has a page size (1 to 1024), and its store is built by appends and
+// compactions that leave segments spread over pages and slabs, so the kernels cross page
+// boundaries inside a segment; some cases also hold reserved pages without tokens, others
+// a freshly repacked store.
 //
 // Every case runs on the CPU and is checked against the reference, asking for every
 // statistic, for none and for a subset. Its *Cuda twin builds a CUDA store by the same
@@ -15,6 +21,7 @@
 
 #include "attention/ragged_attention.h"
 #include "store/ragged_store.h"
+#include "tests/store_util.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -44,6 +51,8 @@ struct AttnCase {
   uint32_t seed;
   bool int_inputs = false;  // q, k integers in [-3, 3], scale 1: exact logits beyond exp's range
   int64_t long_len = 0;     // > 0: segment 0 starts with this many tokens and keeps them all
+  int64_t P = 16;           // the store's page size
+  bool fragment = false;    // pages reused out of order, several slabs (see build)
 };
 
 std::string attn_name(const ::testing::TestParamInfo<AttnCase>& info) {
@@ -52,8 +61,8 @@ std::string attn_name(const ::testing::TestParamInfo<AttnCase>& info) {
   std::ostringstream s;
   s << kvtest::dtype_name(c.dtype) << "_B" << c.B << "H" << c.H << "G" << c.G << "D" << c.D
     << "_n" << c.n << "_" << qpos_names[static_cast<int>(c.qpos)]
-    << (c.int_inputs ? "_bigexactlogits" : "") << (c.long_len ? "_long" : "") << "_seed"
-    << c.seed;
+    << (c.int_inputs ? "_bigexactlogits" : "") << (c.long_len ? "_long" : "") << "_P" << c.P
+    << (c.fragment ? "_frag" : "") << "_seed" << c.seed;
   return s.str();
 }
 
@@ -61,7 +70,11 @@ std::vector<AttnCase> attn_cases() {
   using Q = QPos;
   std::vector<AttnCase> cases;
   uint32_t seed = 1;
+  // Page sizes 1, 2, 4 and 16 in turn, shifted per dtype so that every shape meets several.
+  static const int64_t page_sizes[] = {1, 2, 4, 16};
+  int dtype_index = 0;
   for (const at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const size_t first = cases.size();
     // Decode (n = 1).
     cases.push_back({dt, 1, 1, 1, 64, 1, Q::kNone, seed++});
     cases.push_back({dt, 3, 2, 4, 128, 1, Q::kNone, seed++});
@@ -81,14 +94,35 @@ std::vector<AttnCase> attn_cases() {
     cases.push_back({dt, 1, 1, 8, 128, 1, Q::kBeforeAll, seed++});
     // Logits up to ~150, exact in float: exp overflows unless the softmax subtracts its max.
     cases.push_back({dt, 3, 2, 4, 64, 7, Q::kBlock, seed++, true});
+    for (size_t i = first; i < cases.size(); ++i) cases[i].P = page_sizes[(i - first + dtype_index) % 4];
+    // Fragmented stores: pages reused out of order, several slabs; every page size.
+    for (const int64_t P : page_sizes) {
+      const int64_t G = P == 4 ? 1 : 4, n = P == 1 ? 1 : P == 2 ? 33 : 7;
+      cases.push_back({dt, 2, 2, G, P == 16 ? 128 : 64, n, P == 2 ? Q::kRandom : Q::kBlock, seed++});
+      cases.back().P = P;
+      cases.back().fragment = true;
+    }
+    ++dtype_index;
   }
-  // One segment longer than 8192 slots.
+  // One segment longer than 8192 tokens.
   cases.push_back({at::kFloat, 1, 2, 4, 128, 7, Q::kBlock, seed++, false, 9000});
+  cases.back().P = 1;
   cases.push_back({at::kBFloat16, 1, 2, 8, 64, 1, Q::kNone, seed++, false, 9000});
+  cases.back().P = 16;
   cases.push_back({at::kHalf, 1, 1, 3, 128, 33, Q::kRandom, seed++, false, 8500});
+  cases.back().P = 1024;  // the largest page
   // head_dim the CUDA kernel does not take (12: not a multiple of 8 either); no queries.
   cases.push_back({at::kFloat, 3, 2, 3, 12, 7, Q::kBlock, seed++});
+  cases.back().P = 2;
   cases.push_back({at::kFloat, 3, 2, 4, 64, 0, Q::kNone, seed++});
+  cases.back().P = 8;
+  // Pages larger than a CUDA tile of tokens, and a page of one token with many queries.
+  cases.push_back({at::kHalf, 2, 2, 4, 128, 33, Q::kBlock, seed++});
+  cases.back().P = 256;
+  cases.back().fragment = true;
+  cases.push_back({at::kBFloat16, 3, 2, 4, 64, 33, Q::kRandom, seed++});
+  cases.back().P = 1;
+  cases.back().fragment = true;
   return cases;
 }
 
@@ -119,16 +153,22 @@ at::Tensor random_ints(at::IntArrayRef shape, at::ScalarType dtype, int64_t lo, 
 }
 
 // Fills the stores with a few rounds of appends (each segment with its own fill rate) and
-// random compactions; the last compaction leaves one segment empty and one with a single slot
-// (where there are segments to spare). With QPos::kBlock the block's own tokens come last.
+// random compactions; the last compaction leaves one segment empty and one with a single
+// token (where there are segments to spare). With QPos::kBlock the block's own tokens come
+// last. The first round appends more than two pages per segment and evicts most of it, so
+// that the next rounds grow into freed pages and new slabs. With c.fragment, the last
+// segment alone then takes every freed page (so it holds pages out of id order), and the
+// case checks that the store ends up over several slabs. Depending on the seed the store
+// also holds reserved pages without tokens, or (not with c.fragment) is repacked before
+// the block is appended.
 void build(const AttnCase& c, bool cuda, Scenario& sc) {
   std::mt19937 rng(c.seed);
-  const int64_t B = c.B, H = c.H, S = B * H, D = c.D, n = c.n;
+  const int64_t B = c.B, H = c.H, S = B * H, D = c.D, n = c.n, P = c.P;
   sc.devices = {at::Device(at::kCPU)};
   if (cuda) sc.devices.push_back(kCuda);
   for (const auto& d : sc.devices) {
     const at::Tensor like = at::empty({0}, at::TensorOptions().dtype(c.dtype).device(d));
-    sc.stores.push_back(std::make_unique<RaggedKVStore>(B, H, D, 1, like, 1.5));
+    sc.stores.push_back(std::make_unique<RaggedKVStore>(B, H, D, 1, like, P));
   }
   const RaggedKVStore& cpu = sc.cpu();
   const bool per_batch = c.seed % 2 == 1;  // positions [B, m] with per-batch offsets, else [m]
@@ -158,8 +198,11 @@ void build(const AttnCase& c, bool cuda, Scenario& sc) {
       sc.stores[i]->append(k.to(d), v.to(d), pos.to(d), ok.to(d));
     }
   };
+  auto compact = [&](const at::Tensor& keep) {
+    for (size_t i = 0; i < sc.stores.size(); ++i) sc.stores[i]->compact(keep.to(sc.devices[i]));
+  };
 
-  // The segments made empty / single-slot by the last compaction (never the long one).
+  // The segments made empty / single-token by the last compaction (never the long one).
   const int64_t first_free = c.long_len > 0 ? 1 : 0;
   int64_t empty_seg = -1, single_seg = -1;
   if (S - first_free >= 2) {
@@ -184,25 +227,46 @@ void build(const AttnCase& c, bool cuda, Scenario& sc) {
   const int rounds = 4;
   for (int round = 0; round < rounds; ++round) {
     const bool last_round = round == rounds - 1;
-    const int64_t m = kvtest::uniform_int(rng, last_round ? 1 : 0, 40);
+    const int64_t m = round == 0 ? 2 * P + kvtest::uniform_int(rng, 1, 40)
+                                 : kvtest::uniform_int(rng, last_round ? 1 : 0, 40);
     at::Tensor ok = valid(m);
     if (last_round && single_seg >= 0) ok.view({S, m})[single_seg][0].fill_(true);
     append(m, positions(next, m), ok);
     next += m;
     static const double keep_rates[] = {0.4, 0.7, 0.9, 1.0};
-    at::Tensor keep = kvtest::random_mask({cpu.capacity()}, keep_rates[kvtest::uniform_int(rng, 0, 3)], rng);
+    const double keep_rate = round == 0 ? 0.15 : keep_rates[kvtest::uniform_int(rng, 0, 3)];
+    // Random flags in every slot (slack rows and free pages too), then per live token.
+    at::Tensor keep = kvtest::random_mask({cpu.capacity()}, keep_rate, rng);
     bool* kp = keep.data_ptr<bool>();
-    const auto start = kvtest::to_vec<int64_t>(cpu.start());
-    const auto& len = cpu.len_host();
-    if (c.long_len > 0) std::fill(kp + start[0], kp + start[0] + len[0], true);
-    if (last_round && empty_seg >= 0) {
-      std::fill(kp + start[empty_seg], kp + start[empty_seg] + len[empty_seg], false);
-    }
+    const auto slots = kvtest::live_slots(cpu);
+    auto set = [&](int64_t s, bool flag) {
+      for (const int64_t slot : slots[s]) kp[slot] = flag;
+    };
+    if (c.long_len > 0) set(0, true);
+    if (c.fragment && round == 0 && !slots[S - 1].empty()) kp[slots[S - 1][0]] = true;
+    if (last_round && empty_seg >= 0) set(empty_seg, false);
     if (last_round && single_seg >= 0) {
-      std::fill(kp + start[single_seg], kp + start[single_seg] + len[single_seg], false);
-      kp[start[single_seg] + kvtest::uniform_int(rng, 0, len[single_seg] - 1)] = true;
+      set(single_seg, false);
+      kp[slots[single_seg][kvtest::uniform_int(rng, 0, slots[single_seg].size() - 1)]] = true;
     }
-    for (size_t i = 0; i < sc.stores.size(); ++i) sc.stores[i]->compact(keep.to(sc.devices[i]));
+    compact(keep);
+    if (c.fragment && round == 0) {  // the last segment takes every free page
+      const int64_t slack = cpu.pages_host()[S - 1] * P - cpu.len_host()[S - 1];
+      const int64_t grow = slack + cpu.free_pages() * P;
+      at::Tensor only_last = at::zeros({S, grow}, at::kBool);
+      only_last[S - 1].fill_(true);
+      append(grow, positions(next, grow), only_last.view({B, H, grow}));
+      next += grow;
+      ASSERT_EQ(cpu.free_pages(), 0) << "the last segment should have taken every free page";
+      if (S > 1) {
+        ASSERT_TRUE(kvtest::pages_out_of_order(cpu)) << "the last segment should hold pages out of id order";
+      }
+    }
+  }
+  if (c.seed % 5 == 0) {  // pages without tokens
+    for (const auto& st : sc.stores) st->reserve(kvtest::uniform_int(rng, 1, 2 * P));
+  } else if (c.seed % 5 == 1 && !c.fragment) {  // one slab, no free page
+    for (const auto& st : sc.stores) st->repack(0);
   }
   const int64_t p0 = next;
   if (c.qpos == QPos::kBlock) {  // the block's own tokens; the special segments get none
@@ -214,7 +278,7 @@ void build(const AttnCase& c, bool cuda, Scenario& sc) {
   }
   // Score channels: not read by attention, here to catch writes into the store.
   const at::Tensor scores = kvtest::random_normal({cpu.capacity(), 1}, at::kFloat, rng);
-  for (size_t i = 0; i < sc.stores.size(); ++i) sc.stores[i]->scores().copy_(scores.to(sc.devices[i]));
+  for (size_t i = 0; i < sc.stores.size(); ++i) sc.stores[i]->set_scores(scores.to(sc.devices[i]));
 
   const int64_t Hq = H * c.G;
   auto queries = [&](at::IntArrayRef shape) {
@@ -241,6 +305,7 @@ void build(const AttnCase& c, bool cuda, Scenario& sc) {
   sc.scale = c.int_inputs ? 1.0 : (c.seed % 3 == 0 ? 2.0 : 1.0) / std::sqrt(static_cast<double>(D));
 
   // What the case is meant to cover.
+  ASSERT_TRUE(kvtest::PagingConsistent(cpu));
   const auto& len = cpu.len_host();
   if (c.long_len > 0) {
     ASSERT_GT(len[0], 8192) << "the long segment";
@@ -249,11 +314,15 @@ void build(const AttnCase& c, bool cuda, Scenario& sc) {
     ASSERT_EQ(len[empty_seg], 0) << "segment " << empty_seg << " should be empty";
   }
   if (single_seg >= 0) {
-    ASSERT_EQ(len[single_seg], 1) << "segment " << single_seg << " should have one slot";
+    ASSERT_EQ(len[single_seg], 1) << "segment " << single_seg << " should have one token";
+  }
+  if (c.fragment) {
+    ASSERT_GE(cpu.num_slabs(), 2) << "the pages should lie in several slabs";
   }
   if (cuda) {  // the same slot layout, so that CUDA statistics compare slot by slot
-    ASSERT_TRUE(kvtest::BytesEqual(sc.stores[1]->start(), cpu.start()));
+    ASSERT_TRUE(kvtest::BytesEqual(sc.stores[1]->page_table(), cpu.page_table()));
     ASSERT_TRUE(kvtest::BytesEqual(sc.stores[1]->len(), cpu.len()));
+    ASSERT_TRUE(kvtest::PagingConsistent(*sc.stores[1]));
   }
 }
 
@@ -276,8 +345,7 @@ Reference reference_attention(const at::Tensor& q, const RaggedKVStore& st, doub
   const auto kf = kvtest::to_vec<float>(st.k().to(at::kFloat));
   const auto vf = kvtest::to_vec<float>(st.v().to(at::kFloat));
   const auto pos = kvtest::to_vec<int32_t>(st.pos());
-  const auto start = kvtest::to_vec<int64_t>(st.start());
-  const auto len = kvtest::to_vec<int32_t>(st.len());
+  const auto slots = kvtest::live_slots(st);  // token l of segment s: slot slots[s][l]
   std::vector<int64_t> qp;
   if (q_pos) qp = kvtest::to_vec<int64_t>(q_pos->to(at::kLong).expand({B, n}).contiguous());
 
@@ -291,10 +359,10 @@ Reference reference_attention(const at::Tensor& q, const RaggedKVStore& st, doub
   ref.count.assign(capacity, 0);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t s = b * H + h, L = len[s];
-      // The segment's live slots, gathered.
-      std::vector<int64_t> slot(L);
-      for (int64_t l = 0; l < L; ++l) slot[l] = start[s] + l;
+      const int64_t s = b * H + h;
+      // The segment's live slots, gathered through the page table.
+      const std::vector<int64_t>& slot = slots[s];
+      const int64_t L = static_cast<int64_t>(slot.size());
       std::vector<double> logit(L), p(L), group(L);
       std::vector<bool> visible(L);
       for (int64_t i = 0; i < n; ++i) {
@@ -504,39 +572,30 @@ void expect_result(const Result& res, const RaggedKVStore& st, const at::Tensor&
 // ---- the store must not change ----------------------------------------------------------
 
 struct Snapshot {
-  std::vector<at::Tensor> copies;  // k, v, pos, scores, start, len, cap on the host
-  std::vector<const void*> ptrs;
-  std::vector<int32_t> len_h, cap_h;
+  std::vector<at::Tensor> copies;  // k, v, pos, scores, len, page_table on the host
+  kvtest::Placement placement;     // pages, their addresses and the counters
 };
 
-std::vector<const at::Tensor*> store_tensors(const RaggedKVStore& st) {
-  return {&st.k(), &st.v(), &st.pos(), &st.scores(), &st.start(), &st.len(), &st.cap()};
+std::vector<at::Tensor> store_tensors(const RaggedKVStore& st) {
+  return {st.k(), st.v(), st.pos(), st.scores(), st.len(), st.page_table()};
 }
 
 Snapshot snapshot(const RaggedKVStore& st) {
   Snapshot s;
-  for (const at::Tensor* t : store_tensors(st)) {
-    s.copies.push_back(kvtest::host(*t).clone());
-    s.ptrs.push_back(t->data_ptr());
-  }
-  s.len_h = st.len_host();
-  s.cap_h = st.cap_host();
+  for (const at::Tensor& t : store_tensors(st)) s.copies.push_back(kvtest::host(t));
+  s.placement = kvtest::placement(st);
   return s;
 }
 
 ::testing::AssertionResult Unchanged(const RaggedKVStore& st, const Snapshot& s) {
-  static const char* names[] = {"k", "v", "pos", "scores", "start", "len", "cap"};
+  static const char* names[] = {"k", "v", "pos", "scores", "len", "page_table"};
+  const ::testing::AssertionResult same_pages = kvtest::SamePlacement(s.placement, kvtest::placement(st));
+  if (!same_pages) return same_pages;
   const auto now = store_tensors(st);
   for (size_t i = 0; i < now.size(); ++i) {
-    if (now[i]->data_ptr() != s.ptrs[i]) {
-      return ::testing::AssertionFailure() << "the store's " << names[i] << " was reallocated";
-    }
-    // Live and slack slots alike: attention writes nothing into the store.
-    const ::testing::AssertionResult same = kvtest::BytesEqual(*now[i], s.copies[i]);
+    // Every slot of every page, live or not: attention writes nothing into the store.
+    const ::testing::AssertionResult same = kvtest::BytesEqual(now[i], s.copies[i]);
     if (!same) return ::testing::AssertionFailure() << "the store's " << names[i] << " changed: " << same.message();
-  }
-  if (st.len_host() != s.len_h || st.cap_host() != s.cap_h) {
-    return ::testing::AssertionFailure() << "the store's host mirrors changed";
   }
   return ::testing::AssertionSuccess();
 }

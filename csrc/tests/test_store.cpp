@@ -1,25 +1,33 @@
-// RaggedKVStore against a plain host model: one std::vector of tokens per segment.
+// RaggedKVStore against a plain host model: one std::vector of tokens per segment, and the
+// page bookkeeping the store promises (pages per segment, free pages, slabs, repacks).
 //
 // Every scenario runs on the CPU store; its *Cuda twin runs the same operations with the
 // same inputs on a CPU store and a CUDA store side by side, checks both against the model
-// and the CUDA store's live slots against the CPU store's, byte for byte.
+// and the CUDA store's pages and live slots against the CPU store's, byte for byte.
+// Every case has a page size (1 to 1024), so that appends, compactions and the kernels
+// cross page boundaries, and most scenarios leave the pages fragmented (pages freed by
+// compaction and reused by other segments, several slabs).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 
 #include "select/topk.h"
 #include "store/ragged_store.h"
+#include "tests/store_util.h"
 #include "tests/test_util.h"
 
 namespace {
 
 using kvcache_ext::RaggedKVStore;
+using kvtest::ceil_div;
+using kvtest::Placement;
 using kvtest::Throws;
 
 struct StoreCase {
   at::ScalarType dtype;
   int64_t B, H, D, C;
-  double growth;
+  int64_t P;  // page size
   uint32_t seed;
 };
 
@@ -27,7 +35,7 @@ std::string case_name(const ::testing::TestParamInfo<StoreCase>& info) {
   const StoreCase& c = info.param;
   std::ostringstream s;
   s << kvtest::dtype_name(c.dtype) << "_B" << c.B << "H" << c.H << "D" << c.D << "C" << c.C
-    << "_g" << static_cast<int>(c.growth * 100) << "_seed" << c.seed;
+    << "_P" << c.P << "_seed" << c.seed;
   return s.str();
 }
 
@@ -38,10 +46,51 @@ struct Token {
   std::vector<uint32_t> scores;
 };
 
-struct Ptrs {
-  const void *k, *v, *pos, *scores;
-  bool operator==(const Ptrs& o) const {
-    return k == o.k && v == o.v && pos == o.pos && scores == o.scores;
+// The page bookkeeping of the store's contract (ragged_store.h): a segment owns the pages
+// for its tokens, or for the tokens reserve/repack asked room for; growth takes free pages
+// first and allocates the missing ones as one slab; compaction gives the pages past a
+// segment's last token back to the free pages; repack moves the live tokens into one new
+// slab of exactly the pages asked for, gives back every other page, and counts as a repack
+// when it moved a token.
+struct PageModel {
+  int64_t P = 1;
+  std::vector<int64_t> pages;  // per segment
+  int64_t num_pages = 0, free = 0, slabs = 0, allocations = 0, repacks = 0;
+
+  void grow(const std::vector<int64_t>& need_tokens) {
+    int64_t missing = 0;
+    for (size_t s = 0; s < pages.size(); ++s) {
+      const int64_t want = std::max(pages[s], ceil_div(need_tokens[s], P));
+      missing += want - pages[s];
+      pages[s] = want;
+    }
+    const int64_t reused = std::min(missing, free);
+    free -= reused;
+    if (missing > reused) {
+      num_pages += missing - reused;
+      ++slabs;
+      ++allocations;
+    }
+  }
+  void compacted(const std::vector<int64_t>& len) {
+    for (size_t s = 0; s < pages.size(); ++s) {
+      const int64_t keep = ceil_div(len[s], P);
+      free += pages[s] - keep;
+      pages[s] = keep;
+    }
+  }
+  void repacked(const std::vector<int64_t>& len, int64_t extra) {
+    int64_t total = 0, tokens = 0;
+    for (size_t s = 0; s < pages.size(); ++s) {
+      pages[s] = ceil_div(len[s] + extra, P);
+      total += pages[s];
+      tokens += len[s];
+    }
+    num_pages = total;
+    free = 0;
+    slabs = total > 0 ? 1 : 0;
+    allocations += total > 0 ? 1 : 0;
+    repacks += tokens > 0 ? 1 : 0;
   }
 };
 
@@ -49,11 +98,13 @@ struct Ptrs {
 class StoreHarness {
  public:
   StoreHarness(const StoreCase& c, bool with_cuda) : c_(c), segs_(c.B * c.H) {
+    model_.P = c.P;
+    model_.pages.assign(S(), 0);
     devices_.emplace_back(at::kCPU);
     if (with_cuda) devices_.emplace_back(at::kCUDA, 0);
     for (const auto& d : devices_) {
       const at::Tensor like = at::empty({0}, at::TensorOptions().dtype(c.dtype).device(d));
-      stores_.push_back(std::make_unique<RaggedKVStore>(c.B, c.H, c.D, c.C, like, c.growth));
+      stores_.push_back(std::make_unique<RaggedKVStore>(c.B, c.H, c.D, c.C, like, c.P));
     }
   }
 
@@ -63,12 +114,22 @@ class StoreHarness {
   RaggedKVStore& store(size_t i) { return *stores_[i]; }
   const at::Device& device(size_t i) const { return devices_[i]; }
   const std::vector<Token>& segment(int64_t s) const { return segs_[s]; }
+  const PageModel& model() const { return model_; }
+  std::vector<int64_t> lens() const {
+    std::vector<int64_t> out;
+    for (const auto& s : segs_) out.push_back(static_cast<int64_t>(s.size()));
+    return out;
+  }
   int64_t model_tokens() const {
     int64_t n = 0;
     for (const auto& s : segs_) n += s.size();
     return n;
   }
-  std::vector<int64_t> start_host() { return kvtest::to_vec<int64_t>(cpu().start()); }
+  std::vector<Placement> placements() const {
+    std::vector<Placement> out;
+    for (const auto& st : stores_) out.push_back(kvtest::placement(*st));
+    return out;
+  }
 
   // k, v [B, H, n, D] in the store's dtype; pos [n] or [B, n]; valid [B, n] or [B, H, n].
   void append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
@@ -96,9 +157,10 @@ class StoreHarness {
         }
       }
     }
+    if (n > 0) model_.grow(lens());  // appending nothing allocates nothing
   }
 
-  // slot [B, H] integer; k, v [B, H, 1, D]; pos [B] or [B, 1].
+  // slot [B, H] integer (token indices); k, v [B, H, 1, D]; pos [B] or [B, 1].
   void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& pos, bool check_bounds) {
     for (size_t i = 0; i < stores_.size(); ++i) {
@@ -112,35 +174,56 @@ class StoreHarness {
     }
   }
 
-  // keep [capacity] bool in the slot layout (identical on every store).
+  // keep [capacity] bool in the slot layout (identical on every store: verify checks it).
   void compact(const at::Tensor& keep) {
-    const std::vector<int64_t> start = start_host();
+    const auto slots = kvtest::live_slots(cpu());
     for (size_t i = 0; i < stores_.size(); ++i) stores_[i]->compact(keep.to(devices_[i]));
     const std::vector<bool> flags = kvtest::to_bools(keep);
     for (int64_t s = 0; s < S(); ++s) {
       std::vector<Token> kept;
       for (size_t j = 0; j < segs_[s].size(); ++j) {
-        if (flags[start[s] + j]) kept.push_back(segs_[s][j]);
+        if (flags[slots[s][j]]) kept.push_back(segs_[s][j]);
       }
       segs_[s] = std::move(kept);
     }
+    model_.compacted(lens());
+  }
+
+  // A keep mask: random flags in every slot (slack rows and free pages too, which compact
+  // must ignore), then keep_token(s, j) for token j of segment s.
+  at::Tensor keep_mask(std::mt19937& rng, const std::function<bool(int64_t, int64_t)>& keep_token) {
+    at::Tensor keep = kvtest::random_mask({cpu().capacity()}, 0.5, rng);
+    bool* kp = keep.data_ptr<bool>();
+    const auto slots = kvtest::live_slots(cpu());
+    for (int64_t s = 0; s < S(); ++s) {
+      for (size_t j = 0; j < slots[s].size(); ++j) kp[slots[s][j]] = keep_token(s, j);
+    }
+    return keep;
   }
 
   void reserve(int64_t extra) {
     for (auto& st : stores_) st->reserve(extra);
+    std::vector<int64_t> need = lens();
+    for (auto& n : need) n += extra;
+    model_.grow(need);
+  }
+  void repack(int64_t extra) {
+    for (auto& st : stores_) st->repack(extra);
+    model_.repacked(lens(), extra);
   }
   void shrink_to_fit() {
     for (auto& st : stores_) st->shrink_to_fit();
+    model_.repacked(lens(), 0);
   }
 
   // Writes values [capacity, C] float32 into every store's score channels (a policy's job).
   void set_scores(const at::Tensor& values) {
-    for (size_t i = 0; i < stores_.size(); ++i) stores_[i]->scores().copy_(values.to(devices_[i]));
-    const std::vector<int64_t> start = start_host();
-    const std::vector<uint32_t> bits = kvtest::to_vec<uint32_t>(values.view(at::kInt));
+    for (size_t i = 0; i < stores_.size(); ++i) stores_[i]->set_scores(values.to(devices_[i]));
+    const auto slots = kvtest::live_slots(cpu());
+    const std::vector<uint32_t> bits = kvtest::to_vec<uint32_t>(values.contiguous().view(at::kInt));
     for (int64_t s = 0; s < S(); ++s) {
       for (size_t j = 0; j < segs_[s].size(); ++j) {
-        const int64_t row = start[s] + j;
+        const int64_t row = slots[s][j];
         segs_[s][j].scores.assign(bits.begin() + row * c_.C, bits.begin() + (row + 1) * c_.C);
       }
     }
@@ -161,13 +244,26 @@ class StoreHarness {
     return t;
   }
 
-  std::vector<Ptrs> ptrs() const {
-    std::vector<Ptrs> out;
-    for (const auto& st : stores_) {
-      out.push_back({st->k().data_ptr(), st->v().data_ptr(), st->pos().data_ptr(),
-                     st->scores().data_ptr()});
+  // Every segment holds exactly the pages its tokens need, and the bytes held are those
+  // pages plus the free ones (and the tables): what append and compact leave when nothing
+  // was reserved, and what repack(0) leaves (with no free page).
+  void expect_tight() {
+    for (size_t i = 0; i < stores_.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "store on " << devices_[i]);
+      const RaggedKVStore& st = *stores_[i];
+      const std::vector<int32_t> pages = st.pages_host();
+      int64_t needed = 0;
+      for (int64_t s = 0; s < S(); ++s) {
+        EXPECT_EQ(pages[s], ceil_div(st.len_host()[s], c_.P))
+            << "segment " << s << " with " << st.len_host()[s] << " tokens";
+        needed += ceil_div(st.len_host()[s], c_.P);
+      }
+      const int64_t page_bytes = kvtest::expected_page_bytes(c_.P, c_.D, at::elementSize(c_.dtype), c_.C);
+      const int64_t held = needed + st.free_pages();
+      EXPECT_EQ(st.nbytes(), held * (page_bytes + 8) + S() * st.page_table().size(1) * 4 + S() * 4)
+          << needed << " pages needed + " << st.free_pages() << " free pages of " << page_bytes
+          << " bytes";
     }
-    return out;
   }
 
   // Checks every store against the model, and the CUDA store against the CPU store.
@@ -180,11 +276,13 @@ class StoreHarness {
     if (stores_.size() > 1) {
       SCOPED_TRACE("CUDA store vs CPU store");
       RaggedKVStore &a = *stores_[0], &b = *stores_[1];
-      EXPECT_TRUE(kvtest::BytesEqual(b.start(), a.start()));
+      EXPECT_TRUE(kvtest::BytesEqual(b.page_table(), a.page_table()));
       EXPECT_TRUE(kvtest::BytesEqual(b.len(), a.len()));
-      EXPECT_TRUE(kvtest::BytesEqual(b.cap(), a.cap()));
+      EXPECT_EQ(b.pages_host(), a.pages_host());
       EXPECT_EQ(b.capacity(), a.capacity());
       EXPECT_EQ(b.nbytes(), a.nbytes());
+      EXPECT_EQ(b.free_pages(), a.free_pages());
+      EXPECT_EQ(b.num_slabs(), a.num_slabs());
       const at::Tensor idx = live_index(a);
       EXPECT_TRUE(kvtest::BytesEqual(host(b.k()).index_select(0, idx), host(a.k()).index_select(0, idx)));
       EXPECT_TRUE(kvtest::BytesEqual(host(b.v()).index_select(0, idx), host(a.v()).index_select(0, idx)));
@@ -205,80 +303,63 @@ class StoreHarness {
     return Token{{kp, kp + bytes}, {vp, vp + bytes}, pos, std::vector<uint32_t>(c_.C, 0u)};
   }
 
-  static at::Tensor live_index(RaggedKVStore& st) {
-    const auto start = kvtest::to_vec<int64_t>(st.start());
-    const auto len = kvtest::to_vec<int32_t>(st.len());
+  static at::Tensor live_index(const RaggedKVStore& st) {
     std::vector<int64_t> idx;
-    for (size_t s = 0; s < start.size(); ++s) {
-      for (int64_t j = 0; j < len[s]; ++j) idx.push_back(start[s] + j);
-    }
+    for (const auto& seg : kvtest::live_slots(st)) idx.insert(idx.end(), seg.begin(), seg.end());
     return kvtest::from_vec(idx, at::kLong);
   }
 
   void verify_store(RaggedKVStore& st, const at::Device& d) {
     const int64_t S = this->S();
-    // Metadata tensors.
-    EXPECT_EQ(st.start().scalar_type(), at::kLong);
-    EXPECT_EQ(st.len().scalar_type(), at::kInt);
-    EXPECT_EQ(st.cap().scalar_type(), at::kInt);
-    for (const at::Tensor* t : {&st.start(), &st.len(), &st.cap()}) {
-      EXPECT_EQ(t->sizes(), at::IntArrayRef({S}));
-      EXPECT_EQ(t->device(), d);
-    }
-    const auto start = kvtest::to_vec<int64_t>(st.start());
-    const auto len = kvtest::to_vec<int32_t>(st.len());
-    const auto cap = kvtest::to_vec<int32_t>(st.cap());
-    EXPECT_EQ(st.len_host(), len) << "len_host() disagrees with len()";
-    EXPECT_EQ(st.cap_host(), cap) << "cap_host() disagrees with cap()";
-    if (::testing::Test::HasFailure()) return;
-    // Segment layout.
-    const int64_t capacity = st.capacity();
-    int64_t prev_end = 0, total = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      EXPECT_EQ(len[s], static_cast<int64_t>(segs_[s].size())) << "len of segment " << s;
-      EXPECT_GE(cap[s], len[s]) << "segment " << s;
-      EXPECT_GE(start[s], prev_end) << "segment " << s << " overlaps the previous one";
-      prev_end = start[s] + cap[s];
-      total += len[s];
-    }
-    EXPECT_LE(prev_end, capacity) << "segments run past the buffers";
-    EXPECT_EQ(st.num_tokens(), total);
-    // Buffers.
-    const at::ScalarType dt = c_.dtype;
-    EXPECT_EQ(st.k().scalar_type(), dt);
-    EXPECT_EQ(st.v().scalar_type(), dt);
-    EXPECT_EQ(st.pos().scalar_type(), at::kInt);
-    EXPECT_EQ(st.scores().scalar_type(), at::kFloat);
-    EXPECT_EQ(st.k().sizes(), at::IntArrayRef({capacity, c_.D}));
-    EXPECT_EQ(st.v().sizes(), at::IntArrayRef({capacity, c_.D}));
-    EXPECT_EQ(st.pos().sizes(), at::IntArrayRef({capacity}));
-    EXPECT_EQ(st.scores().sizes(), at::IntArrayRef({capacity, c_.C}));
-    for (const at::Tensor* t : {&st.k(), &st.v(), &st.pos(), &st.scores()}) {
-      EXPECT_EQ(t->device(), d);
-      EXPECT_TRUE(t->is_contiguous());
-    }
-    const int64_t esz = at::elementSize(dt);
-    const int64_t expect_nbytes =
-        capacity * (2 * c_.D * esz + 4 + 4 * c_.C) + S * (8 + 4 + 4);
-    EXPECT_EQ(st.nbytes(), expect_nbytes);
+    ASSERT_TRUE(kvtest::PagingConsistent(st));
+    EXPECT_EQ(st.device(), d);
+    EXPECT_EQ(st.dtype(), c_.dtype);
+    EXPECT_EQ(st.page_size(), c_.P);
     EXPECT_EQ(st.batch(), c_.B);
     EXPECT_EQ(st.heads(), c_.H);
     EXPECT_EQ(st.head_dim(), c_.D);
     EXPECT_EQ(st.score_channels(), c_.C);
     EXPECT_EQ(st.num_segments(), S);
+    // The model's bookkeeping.
+    std::vector<int32_t> want_len;
+    for (const auto& seg : segs_) want_len.push_back(static_cast<int32_t>(seg.size()));
+    EXPECT_EQ(st.len_host(), want_len) << "tokens per segment";
+    const std::vector<int32_t> pages = st.pages_host();
+    EXPECT_EQ(std::vector<int64_t>(pages.begin(), pages.end()), model_.pages) << "pages per segment";
+    EXPECT_EQ(st.num_pages(), model_.num_pages) << "pages held";
+    EXPECT_EQ(st.free_pages(), model_.free) << "free pages";
+    EXPECT_EQ(st.num_slabs(), model_.slabs) << "slabs held";
+    EXPECT_EQ(st.slab_allocations(), model_.allocations) << "slab allocations";
+    EXPECT_EQ(st.repacks(), model_.repacks) << "repacks";
     if (::testing::Test::HasFailure()) return;
-    // Live slots, byte for byte.
-    const at::Tensor k = host(st.k()), v = host(st.v()), pos = host(st.pos()),
-                     sc = host(st.scores());
-    const auto* kp = static_cast<const uint8_t*>(k.data_ptr());
-    const auto* vp = static_cast<const uint8_t*>(v.data_ptr());
-    const auto* pp = pos.data_ptr<int32_t>();
-    const auto* sp = static_cast<const uint32_t*>(sc.data_ptr());
-    const int64_t row = c_.D * esz;
+    // The copies in slot layout.
+    const int64_t capacity = st.capacity();
+    const at::Tensor k = st.k(), v = st.v(), pos = st.pos(), sc = st.scores();
+    EXPECT_EQ(k.scalar_type(), c_.dtype);
+    EXPECT_EQ(v.scalar_type(), c_.dtype);
+    EXPECT_EQ(pos.scalar_type(), at::kInt);
+    EXPECT_EQ(sc.scalar_type(), at::kFloat);
+    EXPECT_EQ(k.sizes(), at::IntArrayRef({capacity, c_.D}));
+    EXPECT_EQ(v.sizes(), at::IntArrayRef({capacity, c_.D}));
+    EXPECT_EQ(pos.sizes(), at::IntArrayRef({capacity}));
+    EXPECT_EQ(sc.sizes(), at::IntArrayRef({capacity, c_.C}));
+    for (const at::Tensor* t : {&k, &v, &pos, &sc}) {
+      EXPECT_EQ(t->device(), d);
+      EXPECT_TRUE(t->is_contiguous());
+    }
+    if (::testing::Test::HasFailure()) return;
+    // Live tokens, byte for byte, found through the page table.
+    const at::Tensor kh = host(k), vh = host(v), ph = host(pos), sh = host(sc);
+    const auto* kp = static_cast<const uint8_t*>(kh.data_ptr());
+    const auto* vp = static_cast<const uint8_t*>(vh.data_ptr());
+    const auto* pp = ph.data_ptr<int32_t>();
+    const auto* sp = static_cast<const uint32_t*>(sh.data_ptr());
+    const int64_t row = c_.D * at::elementSize(c_.dtype);
+    const auto slots = kvtest::live_slots(st);
     int failures = 0;
     for (int64_t s = 0; s < S && failures < 5; ++s) {
       for (size_t j = 0; j < segs_[s].size() && failures < 5; ++j) {
-        const int64_t r = start[s] + j;
+        const int64_t r = slots[s][j];
         const Token& t = segs_[s][j];
         const bool k_ok = std::memcmp(kp + r * row, t.k.data(), row) == 0;
         const bool v_ok = std::memcmp(vp + r * row, t.v.data(), row) == 0;
@@ -286,10 +367,11 @@ class StoreHarness {
         const bool s_ok = c_.C == 0 || std::memcmp(sp + r * c_.C, t.scores.data(), 4 * c_.C) == 0;
         if (!(k_ok && v_ok && p_ok && s_ok)) {
           ++failures;
-          ADD_FAILURE() << "segment " << s << ", slot " << j << " (row " << r << "):"
-                        << (k_ok ? "" : " K differs") << (v_ok ? "" : " V differs")
-                        << (p_ok ? "" : " pos differs") << (s_ok ? "" : " scores differ")
-                        << " (pos " << pp[r] << ", expected " << t.pos << ")";
+          ADD_FAILURE() << "segment " << s << ", token " << j << " (slot " << r << ", page "
+                        << r / c_.P << " row " << r % c_.P << "):" << (k_ok ? "" : " K differs")
+                        << (v_ok ? "" : " V differs") << (p_ok ? "" : " pos differs")
+                        << (s_ok ? "" : " scores differ") << " (pos " << pp[r] << ", expected "
+                        << t.pos << ")";
         }
       }
     }
@@ -299,6 +381,7 @@ class StoreHarness {
   std::vector<at::Device> devices_;
   std::vector<std::unique_ptr<RaggedKVStore>> stores_;
   std::vector<std::vector<Token>> segs_;
+  PageModel model_;
 };
 
 // ---- inputs ---------------------------------------------------------------------------
@@ -319,10 +402,11 @@ at::Tensor make_pos(const StoreCase& c, int64_t n, int64_t first, int variant) {
   }
 }
 
-int count_relayouts(std::vector<Ptrs>& last, const std::vector<Ptrs>& now) {
-  const int changed = last[0] == now[0] ? 0 : 1;
-  last = now;
-  return changed;
+// [B, H, n] mask that stores tokens in segment `only` alone.
+at::Tensor only_segment(const StoreCase& c, int64_t n, int64_t only) {
+  at::Tensor m = at::zeros({c.B * c.H, n}, at::kBool);
+  m[only].fill_(true);
+  return m.view({c.B, c.H, n});
 }
 
 class Store : public ::testing::TestWithParam<StoreCase> {};
@@ -347,36 +431,64 @@ class Store : public ::testing::TestWithParam<StoreCase> {};
 // ---- scenarios ------------------------------------------------------------------------
 
 STORE_SCENARIO(EmptyStore) {
-  (void)c.seed;
   StoreHarness h(c, cuda);
+  const int64_t S = c.B * c.H;
   KVTEST_STEP("fresh store", h.verify());
-  EXPECT_EQ(h.cpu().capacity(), 0);
+  for (size_t i = 0; i < h.num_stores(); ++i) {
+    const RaggedKVStore& st = h.store(i);
+    EXPECT_EQ(st.capacity(), 0);
+    EXPECT_EQ(st.num_pages(), 0);
+    EXPECT_EQ(st.num_slabs(), 0);
+    EXPECT_EQ(st.page_table().sizes(), at::IntArrayRef({S, 0}));
+    EXPECT_EQ(st.pages_host(), std::vector<int32_t>(S, 0));
+    EXPECT_EQ(st.k().sizes(), at::IntArrayRef({0, c.D}));
+  }
   KVTEST_STEP("append n=0", h.append(at::empty({c.B, c.H, 0, c.D}, c.dtype),
                                      at::empty({c.B, c.H, 0, c.D}, c.dtype),
                                      at::empty({0}, at::kLong)));
   KVTEST_STEP("after append n=0", h.verify());
   EXPECT_EQ(h.cpu().capacity(), 0) << "appending nothing must not allocate";
+  EXPECT_EQ(h.cpu().slab_allocations(), 0) << "appending nothing must not allocate";
   KVTEST_STEP("compact empty", h.compact(at::empty({0}, at::kBool)));
+  KVTEST_STEP("repack(0) empty", h.repack(0));
   KVTEST_STEP("shrink empty", h.shrink_to_fit());
   KVTEST_STEP("reserve(0)", h.reserve(0));
   KVTEST_STEP("after no-ops", h.verify());
   EXPECT_EQ(h.cpu().capacity(), 0);
+  EXPECT_EQ(h.cpu().slab_allocations(), 0) << "nothing to hold, nothing allocated";
+  EXPECT_EQ(h.cpu().repacks(), 0) << "nothing to move, no repack";
+  // Pages without tokens: reserved, then given back by repack.
+  KVTEST_STEP("reserve(3) on empty", h.reserve(3));
+  KVTEST_STEP("after reserve(3)", h.verify());
+  for (const int32_t p : h.cpu().pages_host()) EXPECT_EQ(p, ceil_div(3, c.P));
+  EXPECT_EQ(h.cpu().num_tokens(), 0);
+  KVTEST_STEP("shrink pages without tokens", h.shrink_to_fit());
+  KVTEST_STEP("after shrink", h.verify());
+  EXPECT_EQ(h.cpu().capacity(), 0);
+  EXPECT_EQ(h.cpu().num_slabs(), 0);
+  KVTEST_STEP("tight", h.expect_tight());
 }
 
 STORE_SCENARIO(AppendUniform) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed);
-  const std::vector<int64_t> ns = {5, 0, 1, 3, 17, 1, 1, 40, 2};
+  // Lengths that start, end and cross page boundaries for every page size.
+  const std::vector<int64_t> ns = {5, 0, 1, 3, 17, 1, 1, 40, 2, c.P, 2 * c.P + 1};
   int64_t next = 0;
   for (size_t i = 0; i < ns.size(); ++i) {
     const int64_t n = ns[i];
     const at::Tensor k = rand_tokens(c, n, rng), v = rand_tokens(c, n, rng);
+    const auto before = h.placements();
     KVTEST_STEP(::testing::Message() << "append #" << i << " n=" << n,
                 h.append(k, v, make_pos(c, n, next, i)));
     KVTEST_STEP(::testing::Message() << "after append #" << i, h.verify());
+    KVTEST_STEP("tight", h.expect_tight());
+    const auto now = h.placements();
+    for (size_t s = 0; s < before.size(); ++s) EXPECT_TRUE(kvtest::PagesStayed(before[s], now[s]));
     next += n;
   }
   EXPECT_EQ(h.cpu().num_tokens(), next * c.B * c.H);
+  EXPECT_EQ(h.cpu().repacks(), 0);
 }
 
 STORE_SCENARIO(AppendValidMask) {
@@ -385,53 +497,87 @@ STORE_SCENARIO(AppendValidMask) {
   struct Step { int64_t n; double p; bool per_head; };
   const std::vector<Step> steps = {{6, 0.5, false}, {0, 0.5, true},  {1, 0.5, true},
                                    {9, 0.0, false}, {9, 1.0, true},  {13, 0.3, true},
-                                   {1, 0.0, true},  {30, 0.7, false}, {4, 0.5, true}};
+                                   {1, 0.0, true},  {30, 0.7, false}, {4, 0.5, true},
+                                   {3 * c.P + 2, 0.6, true}};
   int64_t next = 0;
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto& st = steps[i];
     const at::Tensor k = rand_tokens(c, st.n, rng), v = rand_tokens(c, st.n, rng);
     const at::Tensor valid = st.per_head ? kvtest::random_mask({c.B, c.H, st.n}, st.p, rng)
                                          : kvtest::random_mask({c.B, st.n}, st.p, rng);
+    const auto before = h.placements();
     KVTEST_STEP(::testing::Message() << "masked append #" << i << " n=" << st.n,
                 h.append(k, v, make_pos(c, st.n, next, i), valid));
     KVTEST_STEP(::testing::Message() << "after masked append #" << i, h.verify());
+    KVTEST_STEP("tight", h.expect_tight());
+    const auto now = h.placements();
+    for (size_t s = 0; s < before.size(); ++s) EXPECT_TRUE(kvtest::PagesStayed(before[s], now[s]));
     next += st.n;
   }
 }
 
-// Token-by-token decode: data survives every regrowth, and regrowths are geometric
-// (amortized O(1) per token, never a copy per step), also when one segment gets all tokens.
-STORE_SCENARIO(GrowthKeepsData) {
-  for (const bool skewed : {false, true}) {
-    SCOPED_TRACE(skewed ? "only segment 0 receives tokens" : "every segment receives tokens");
+// Token-by-token decode: a segment grows by one page when its last page is full, taking a
+// free page if there is one, else allocating; no token ever moves (repacks() stays 0), and
+// the contents stay exactly the model's. Variants: every segment decodes; only segment 0
+// does; every segment decodes with an eviction every 16 steps (free pages to reuse).
+STORE_SCENARIO(DecodeGrowsByWholePages) {
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant == 0 ? "every segment decodes"
+                 : variant == 1 ? "only segment 0 decodes"
+                                : "every segment decodes, evicting every 16 steps");
     StoreHarness h(c, cuda);
-    std::mt19937 rng(c.seed + 2);
-    const int64_t prompt = kvtest::uniform_int(rng, 0, 20);
-    const int64_t steps = 160, n = skewed ? 3 : 1;
-    at::Tensor only_first = at::zeros({c.B, c.H, n}, at::kBool);
-    only_first[0][0].fill_(true);
-    int64_t next = 0;
-    auto last = h.ptrs();
-    int relayouts = 0;
-    for (int64_t i = 0; i < steps + 1; ++i) {
-      const int64_t m = i == 0 ? prompt : n;
-      const at::Tensor k = rand_tokens(c, m, rng), v = rand_tokens(c, m, rng);
+    std::mt19937 rng(c.seed + 2 + variant);
+    // Large pages: a prompt that nearly fills the first page, so that decoding crosses it.
+    const int64_t prompt = c.P <= 16 ? kvtest::uniform_int(rng, 0, 20) : c.P - kvtest::uniform_int(rng, 1, 20);
+    const int64_t steps = std::min<int64_t>(std::max<int64_t>(120, 3 * c.P + 5), 300);
+    KVTEST_STEP("prompt", h.append(rand_tokens(c, prompt, rng), rand_tokens(c, prompt, rng),
+                                   make_pos(c, prompt, 0, 0)));
+    int64_t next = prompt, new_pages = 0, reused_pages = 0;
+    for (int64_t i = 0; i < steps; ++i) {
+      ::testing::Message what;
+      what << "step " << i;
       c10::optional<at::Tensor> valid;
-      if (skewed && i > 0) valid = only_first;
-      KVTEST_STEP(::testing::Message() << "step " << i, h.append(k, v, make_pos(c, m, next, 0), valid));
-      next += m;
-      relayouts += count_relayouts(last, h.ptrs());
-      KVTEST_STEP(::testing::Message() << "after step " << i, h.verify());
+      if (variant == 1) valid = only_segment(c, 1, 0);
+      const auto before = h.placements();
+      KVTEST_STEP(what << " decode", h.append(rand_tokens(c, 1, rng), rand_tokens(c, 1, rng),
+                                              make_pos(c, 1, next, i), valid));
+      next += 1;
+      KVTEST_STEP(what << " after decode", h.verify());
+      KVTEST_STEP(what << " tight", h.expect_tight());
+      const auto now = h.placements();
+      for (size_t d = 0; d < before.size(); ++d) {
+        const Placement &b = before[d], &a = now[d];
+        EXPECT_EQ(a.repacks, 0) << "decoding must never repack";
+        EXPECT_TRUE(kvtest::PagesStayed(b, a));
+        // One more page exactly for the segments whose last page was full.
+        int64_t grew = 0;
+        for (size_t s = 0; s < b.pages.size(); ++s) {
+          const bool got_token = a.len[s] == b.len[s] + 1;
+          const bool full = b.len[s] % c.P == 0;
+          EXPECT_EQ(a.pages[s] - b.pages[s], got_token && full ? 1 : 0) << "segment " << s;
+          grew += a.pages[s] - b.pages[s];
+        }
+        const int64_t reused = std::min(grew, b.free_pages);
+        EXPECT_EQ(a.num_pages - b.num_pages, grew - reused) << "free pages are taken first";
+        EXPECT_EQ(a.slab_allocations - b.slab_allocations, grew > reused ? 1 : 0);
+        if (d == 0) {
+          new_pages += grew;
+          reused_pages += reused;
+        }
+      }
+      if (::testing::Test::HasFailure()) return;
+      if (variant == 2 && i % 16 == 15) {
+        KVTEST_STEP(what << " evict", h.compact(h.keep_mask(rng, [&](int64_t, int64_t) {
+          return kvtest::uniform_int(rng, 0, 9) < 6;
+        })));
+        KVTEST_STEP(what << " after evict", h.verify());
+      }
     }
-    // The store never holds fewer slots than tokens, and at least one regrowth happened.
-    const int64_t total = h.cpu().num_tokens();
-    EXPECT_GE(h.cpu().capacity(), total);
-    EXPECT_GE(relayouts, 1);
-    // Geometric growth: about log_growth(total) regrowths, far fewer than the steps.
-    const int bound =
-        3 + static_cast<int>(std::ceil(std::log(std::max<double>(total, 2.0)) / std::log(c.growth)));
-    EXPECT_LE(relayouts, bound) << "the store regrew " << relayouts << " times for " << total
-                                << " tokens (growth " << c.growth << ")";
+    EXPECT_GT(new_pages, 0) << "the scenario must cross page boundaries";
+    if (variant == 2 && c.P <= 16) {
+      EXPECT_GT(reused_pages, 0) << "the scenario must reuse freed pages";
+    }
+    EXPECT_EQ(h.cpu().repacks(), 0);
   }
 }
 
@@ -439,20 +585,32 @@ STORE_SCENARIO(Replace) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 3);
   int64_t next = 0;
-  // Every segment needs >= 1 live slot; lengths differ per segment after the masked append.
+  // Every segment needs >= 1 live token; lengths differ per segment after the masked append.
   const int64_t n0 = kvtest::uniform_int(rng, 1, 6);
   KVTEST_STEP("prompt", h.append(rand_tokens(c, n0, rng), rand_tokens(c, n0, rng), make_pos(c, n0, 0, 0)));
   next += n0;
-  KVTEST_STEP("masked", h.append(rand_tokens(c, 7, rng), rand_tokens(c, 7, rng), make_pos(c, 7, next, 1),
-                                 kvtest::random_mask({c.B, c.H, 7}, 0.5, rng)));
-  next += 7;
+  const int64_t n1 = 7 + 2 * c.P;
+  KVTEST_STEP("masked", h.append(rand_tokens(c, n1, rng), rand_tokens(c, n1, rng), make_pos(c, n1, next, 1),
+                                 kvtest::random_mask({c.B, c.H, n1}, 0.5, rng)));
+  next += n1;
+  // Fragment: evict most tokens, then grow again into the freed pages.
+  KVTEST_STEP("evict", h.compact(h.keep_mask(rng, [&](int64_t, int64_t j) {
+    return j == 0 || kvtest::uniform_int(rng, 0, 3) == 0;
+  })));
+  KVTEST_STEP("regrow", h.append(rand_tokens(c, 5, rng), rand_tokens(c, 5, rng), make_pos(c, 5, next, 2),
+                                 kvtest::random_mask({c.B, c.H, 5}, 0.7, rng)));
+  next += 5;
   if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
   KVTEST_STEP("before replace", h.verify());
-  const auto ptrs = h.ptrs();
+  const auto before = h.placements();
   for (int round = 0; round < 12; ++round) {
     const auto len = kvtest::to_vec<int32_t>(h.cpu().len());
     std::vector<int64_t> slot(c.B * c.H);
-    for (size_t s = 0; s < slot.size(); ++s) slot[s] = kvtest::uniform_int(rng, 0, len[s] - 1);
+    for (size_t s = 0; s < slot.size(); ++s) {
+      // The first and last token of a segment half the time: page boundaries.
+      const int64_t pick = kvtest::uniform_int(rng, 0, 3);
+      slot[s] = pick == 0 ? 0 : pick == 1 ? len[s] - 1 : kvtest::uniform_int(rng, 0, len[s] - 1);
+    }
     at::Tensor slot_t = kvtest::from_vec(slot, at::kLong).view({c.B, c.H});
     if (round % 2) slot_t = slot_t.to(at::kInt);
     at::Tensor pos = at::arange(next, next + c.B, at::kLong);
@@ -463,46 +621,74 @@ STORE_SCENARIO(Replace) {
                           /*check_bounds=*/round % 4 != 3));
     KVTEST_STEP(::testing::Message() << "after replace round " << round, h.verify());
   }
-  EXPECT_EQ(h.ptrs(), ptrs) << "replace must write in place";
+  const auto after = h.placements();
+  for (size_t d = 0; d < before.size(); ++d) {
+    EXPECT_TRUE(kvtest::SamePlacement(before[d], after[d])) << "replace must write in place";
+  }
 }
 
+// Compaction keeps the kept tokens in order, in the pages they were in (no page moves),
+// and gives back whole pages: free_pages() grows by the pages past each segment's new last
+// token, num_pages() does not change. The next append takes those free pages before it
+// allocates anything.
 STORE_SCENARIO(CompactStableInPlace) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 4);
   int64_t next = 0;
   for (int i = 0; i < 3; ++i) {
-    const int64_t n = kvtest::uniform_int(rng, 1, 25);
+    const int64_t n = kvtest::uniform_int(rng, 1, 25) + c.P;
     KVTEST_STEP("fill", h.append(rand_tokens(c, n, rng), rand_tokens(c, n, rng), make_pos(c, n, next, i),
                                  kvtest::random_mask({c.B, c.H, n}, 0.8, rng)));
     next += n;
   }
   const std::vector<double> p_keep = {0.5, 1.0, 0.9, 0.3, 0.0, 0.6};
+  int64_t freed_total = 0;
   for (size_t round = 0; round < p_keep.size(); ++round) {
     if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
-    const auto ptrs = h.ptrs();
-    const at::Tensor start = kvtest::host(h.cpu().start()).clone();
-    const at::Tensor cap = kvtest::host(h.cpu().cap()).clone();
-    const int64_t capacity = h.cpu().capacity();
-    // Flags in slack slots are random too: compact must ignore them.
-    const at::Tensor keep = kvtest::random_mask({capacity}, p_keep[round], rng);
+    const auto before = h.placements();
+    // Flags in slack rows and free pages are random too: compact must ignore them.
+    const at::Tensor keep = kvtest::random_mask({h.cpu().capacity()}, p_keep[round], rng);
     KVTEST_STEP(::testing::Message() << "compact round " << round << " p_keep=" << p_keep[round],
                 h.compact(keep));
     KVTEST_STEP(::testing::Message() << "after compact round " << round, h.verify());
-    EXPECT_EQ(h.ptrs(), ptrs) << "compact must work in place";
-    EXPECT_EQ(h.cpu().capacity(), capacity);
-    EXPECT_TRUE(kvtest::BytesEqual(h.cpu().start(), start));
-    EXPECT_TRUE(kvtest::BytesEqual(h.cpu().cap(), cap));
-    // Appending after a compaction reuses the freed slots.
-    const int64_t n = kvtest::uniform_int(rng, 0, 3);
+    KVTEST_STEP("tight", h.expect_tight());
+    const auto now = h.placements();
+    for (size_t d = 0; d < before.size(); ++d) {
+      const Placement &b = before[d], &a = now[d];
+      EXPECT_TRUE(kvtest::PagesStayed(b, a)) << "compact must work in place";
+      EXPECT_EQ(a.num_pages, b.num_pages) << "compact gives pages back to the store, not to the allocator";
+      EXPECT_EQ(a.slab_allocations, b.slab_allocations);
+      EXPECT_EQ(a.num_slabs, b.num_slabs);
+      int64_t freed = 0;
+      for (size_t s = 0; s < b.pages.size(); ++s) freed += b.pages[s] - a.pages[s];
+      EXPECT_EQ(a.free_pages - b.free_pages, freed) << "every page left empty is free again";
+      if (d == 0) freed_total += freed;
+    }
+    if (round == 1) {  // p_keep = 1: nothing changes at all
+      for (size_t d = 0; d < before.size(); ++d) EXPECT_TRUE(kvtest::SamePlacement(before[d], now[d]));
+    }
+    // Appending after a compaction takes the freed pages first.
+    const int64_t n = kvtest::uniform_int(rng, 0, 3) + (round % 2) * c.P;
     KVTEST_STEP("append after compact",
                 h.append(rand_tokens(c, n, rng), rand_tokens(c, n, rng), make_pos(c, n, next, round)));
     next += n;
     KVTEST_STEP("after append", h.verify());
+    const auto grown = h.placements();
+    for (size_t d = 0; d < grown.size(); ++d) {
+      int64_t missing = 0;
+      for (size_t s = 0; s < grown[d].pages.size(); ++s) missing += grown[d].pages[s] - now[d].pages[s];
+      if (missing <= now[d].free_pages) {
+        EXPECT_EQ(grown[d].slab_allocations, now[d].slab_allocations)
+            << missing << " new pages, " << now[d].free_pages << " free: nothing to allocate";
+        EXPECT_EQ(grown[d].num_pages, now[d].num_pages);
+      }
+    }
   }
+  EXPECT_GT(freed_total, 0) << "the scenario must free pages";
 }
 
-// Segments of hundreds of slots: compaction in several tiles (the CUDA kernel stages at
-// most 256 slots at a time), with a fully kept prefix that does not move.
+// Segments of hundreds of tokens: compaction in several tiles (the CUDA kernel stages at
+// most 256 tokens at a time), with a fully kept prefix that does not move.
 STORE_SCENARIO(CompactLongSegments) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 10);
@@ -513,41 +699,51 @@ STORE_SCENARIO(CompactLongSegments) {
   const std::vector<int64_t> prefixes = {300, 0, 0, 520};
   const std::vector<double> p_keep = {0.5, 0.5, 0.97, 0.1};
   for (size_t round = 0; round < p_keep.size(); ++round) {
-    at::Tensor keep = kvtest::random_mask({h.cpu().capacity()}, p_keep[round], rng);
-    const auto start = h.start_host();
-    for (int64_t s = 0; s < c.B * c.H; ++s) {
-      keep.slice(0, start[s], start[s] + std::min<int64_t>(prefixes[round], h.segment(s).size()))
-          .fill_(true);
-    }
+    const at::Tensor keep = h.keep_mask(rng, [&](int64_t, int64_t j) {
+      return j < prefixes[round] || std::bernoulli_distribution(p_keep[round])(rng);
+    });
     KVTEST_STEP(::testing::Message() << "compact round " << round, h.compact(keep));
     KVTEST_STEP(::testing::Message() << "after compact round " << round, h.verify());
+    // Regrow into the freed pages, so that the next round compacts fragmented segments.
+    const int64_t m = kvtest::uniform_int(rng, 1, 60);
+    KVTEST_STEP("regrow", h.append(rand_tokens(c, m, rng), rand_tokens(c, m, rng),
+                                   make_pos(c, m, n + 100 * round, 0),
+                                   kvtest::random_mask({c.B, c.H, m}, 0.8, rng)));
+    KVTEST_STEP("after regrow", h.verify());
   }
 }
 
-STORE_SCENARIO(ReserveAndShrink) {
+// reserve(e): pages for e more tokens per segment, so that appending them allocates nothing
+// and moves nothing. repack(e): the live tokens move into one slab with pages for e more
+// tokens per segment, every other page is given back (free_pages() == 0), repacks() counts it.
+STORE_SCENARIO(ReserveAndRepack) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 5);
   int64_t next = 0;
   KVTEST_STEP("reserve on empty", h.reserve(3));
   KVTEST_STEP("after reserve on empty", h.verify());
-  for (int32_t cp : h.cpu().cap_host()) EXPECT_GE(cp, 3);
+  for (int32_t p : h.cpu().pages_host()) EXPECT_EQ(p, ceil_div(3, c.P));
   KVTEST_STEP("fill", h.append(rand_tokens(c, 9, rng), rand_tokens(c, 9, rng), make_pos(c, 9, 0, 0),
                                kvtest::random_mask({c.B, c.H, 9}, 0.6, rng)));
   next += 9;
   if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
-  auto ptrs = h.ptrs();
+  auto before = h.placements();
   KVTEST_STEP("reserve(0)", h.reserve(0));
-  EXPECT_EQ(h.ptrs(), ptrs) << "reserve(0) must not reallocate";
-  // reserve(e): e more tokens per segment fit without a regrowth.
+  for (size_t d = 0; d < before.size(); ++d) {
+    EXPECT_TRUE(kvtest::SamePlacement(before[d], h.placements()[d])) << "reserve(0) must change nothing";
+  }
+  // reserve(e): e more tokens per segment fit without any allocation.
   const int64_t extra = 25;
   KVTEST_STEP("reserve", h.reserve(extra));
   KVTEST_STEP("after reserve", h.verify());
   {
     const auto len = h.cpu().len_host();
-    const auto cap = h.cpu().cap_host();
-    for (size_t s = 0; s < len.size(); ++s) EXPECT_GE(cap[s], len[s] + extra) << "segment " << s;
+    const auto pages = h.cpu().pages_host();
+    for (size_t s = 0; s < len.size(); ++s) {
+      EXPECT_EQ(pages[s], ceil_div(len[s] + extra, c.P)) << "segment " << s << ": new pages only where needed";
+    }
   }
-  ptrs = h.ptrs();
+  before = h.placements();
   KVTEST_STEP("append into reserve", h.append(rand_tokens(c, 10, rng), rand_tokens(c, 10, rng),
                                               make_pos(c, 10, next, 1)));
   next += 10;
@@ -557,30 +753,148 @@ STORE_SCENARIO(ReserveAndShrink) {
     next += 1;
   }
   KVTEST_STEP("after filling the reserve", h.verify());
-  EXPECT_EQ(h.ptrs(), ptrs) << "appending what reserve() made room for must not regrow";
-  // Compact, then give memory back.
+  for (size_t d = 0; d < before.size(); ++d) {
+    const Placement now = h.placements()[d];
+    EXPECT_EQ(now.table.ids, before[d].table.ids) << "appending what reserve() made room for takes no page";
+    EXPECT_EQ(now.addresses, before[d].addresses);
+    EXPECT_EQ(now.slab_allocations, before[d].slab_allocations);
+  }
+  // Compact, then repack: contents kept, only the pages needed held, nothing free.
   KVTEST_STEP("compact", h.compact(kvtest::random_mask({h.cpu().capacity()}, 0.5, rng)));
+  KVTEST_STEP("append after compact", h.append(rand_tokens(c, 2, rng), rand_tokens(c, 2, rng),
+                                               make_pos(c, 2, next, 0),
+                                               kvtest::random_mask({c.B, c.H, 2}, 0.5, rng)));
+  next += 2;
   const int64_t bytes_before = h.cpu().nbytes();
+  const int64_t repacks_before = h.cpu().repacks();
   KVTEST_STEP("shrink_to_fit", h.shrink_to_fit());
   KVTEST_STEP("after shrink_to_fit", h.verify());
-  EXPECT_EQ(h.cpu().cap_host(), h.cpu().len_host());
-  EXPECT_EQ(h.cpu().capacity(), h.cpu().num_tokens());
-  EXPECT_LE(h.cpu().nbytes(), bytes_before);
-  ptrs = h.ptrs();
-  KVTEST_STEP("shrink_to_fit again", h.shrink_to_fit());
-  EXPECT_EQ(h.ptrs(), ptrs) << "shrink_to_fit of a tight store must not reallocate";
-  KVTEST_STEP("append after shrink", h.append(rand_tokens(c, 3, rng), rand_tokens(c, 3, rng),
-                                              make_pos(c, 3, next, 0)));
-  next += 3;
-  KVTEST_STEP("after append after shrink", h.verify());
-  // Keep nothing, shrink to nothing, start over.
+  KVTEST_STEP("tight after shrink_to_fit", h.expect_tight());
+  for (size_t d = 0; d < h.num_stores(); ++d) {
+    const RaggedKVStore& st = h.store(d);
+    EXPECT_EQ(st.free_pages(), 0);
+    EXPECT_EQ(st.repacks(), repacks_before + (st.num_tokens() > 0 ? 1 : 0));
+    EXPECT_LE(st.nbytes(), bytes_before);
+    EXPECT_LE(st.num_slabs(), 1);
+  }
+  // repack(e) gives room for e more tokens.
+  const int64_t room = 2 * c.P + 1;
+  KVTEST_STEP("repack with room", h.repack(room));
+  KVTEST_STEP("after repack with room", h.verify());
+  for (size_t s = 0; s < h.cpu().pages_host().size(); ++s) {
+    EXPECT_EQ(h.cpu().pages_host()[s], ceil_div(h.cpu().len_host()[s] + room, c.P));
+  }
+  EXPECT_EQ(h.cpu().free_pages(), 0);
+  before = h.placements();
+  KVTEST_STEP("append into the room", h.append(rand_tokens(c, room, rng), rand_tokens(c, room, rng),
+                                               make_pos(c, room, next, 1)));
+  next += room;
+  KVTEST_STEP("after append into the room", h.verify());
+  for (size_t d = 0; d < before.size(); ++d) {
+    EXPECT_TRUE(kvtest::PagesStayed(before[d], h.placements()[d]));
+    EXPECT_EQ(h.placements()[d].slab_allocations, before[d].slab_allocations);
+  }
+  // Keep nothing, repack to nothing, start over.
   KVTEST_STEP("compact to empty", h.compact(at::zeros({h.cpu().capacity()}, at::kBool)));
   KVTEST_STEP("shrink to empty", h.shrink_to_fit());
   KVTEST_STEP("after shrink to empty", h.verify());
   EXPECT_EQ(h.cpu().capacity(), 0);
+  EXPECT_EQ(h.cpu().nbytes(), c.B * c.H * 4) << "only the lengths are left";
   KVTEST_STEP("append after emptying", h.append(rand_tokens(c, 2, rng), rand_tokens(c, 2, rng),
                                                 make_pos(c, 2, next, 1)));
   KVTEST_STEP("after append after emptying", h.verify());
+}
+
+// Fragmented pages: pages freed by one segment are taken by another (out of id order), a
+// second and a third slab are allocated when the free pages run out, and every kernel keeps
+// working on tokens spread over all of them; repack then gathers everything in one slab.
+STORE_SCENARIO(FragmentedPages) {
+  StoreHarness h(c, cuda);
+  std::mt19937 rng(c.seed + 11);
+  const int64_t S = c.B * c.H, last = S - 1;
+  int64_t next = 0;
+  const int64_t n0 = 6 * c.P + 3;
+  KVTEST_STEP("fill", h.append(rand_tokens(c, n0, rng), rand_tokens(c, n0, rng), make_pos(c, n0, 0, 0)));
+  next += n0;
+  KVTEST_STEP("after fill", h.verify());
+  EXPECT_EQ(h.cpu().num_slabs(), 1);
+  // Evict most tokens; the last segment keeps its first token, so it keeps its first page.
+  auto before = h.placements();
+  KVTEST_STEP("evict", h.compact(h.keep_mask(rng, [&](int64_t s, int64_t j) {
+    return (s == last && j == 0) || kvtest::uniform_int(rng, 0, 5) == 0;
+  })));
+  KVTEST_STEP("after evict", h.verify());
+  KVTEST_STEP("tight after evict", h.expect_tight());
+  const int64_t free_after_evict = h.cpu().free_pages();
+  ASSERT_GT(free_after_evict, 0) << "the eviction must free pages";
+  for (size_t d = 0; d < before.size(); ++d) {
+    EXPECT_EQ(h.placements()[d].num_pages, before[d].num_pages);
+    EXPECT_TRUE(kvtest::PagesStayed(before[d], h.placements()[d]));
+  }
+  // Only the last segment grows, by exactly the free pages: every free page is reused,
+  // nothing is allocated.
+  before = h.placements();
+  const int64_t slack = h.cpu().pages_host()[last] * c.P - h.cpu().len_host()[last];
+  const int64_t m = slack + free_after_evict * c.P;
+  KVTEST_STEP("grow into the free pages",
+              h.append(rand_tokens(c, m, rng), rand_tokens(c, m, rng), make_pos(c, m, next, 1),
+                       only_segment(c, m, last)));
+  next += m;
+  KVTEST_STEP("after growing into the free pages", h.verify());
+  for (size_t d = 0; d < before.size(); ++d) {
+    const Placement now = h.placements()[d];
+    EXPECT_EQ(now.free_pages, 0);
+    EXPECT_EQ(now.num_pages, before[d].num_pages) << "free pages suffice: nothing to allocate";
+    EXPECT_EQ(now.slab_allocations, before[d].slab_allocations);
+    EXPECT_TRUE(kvtest::PagesStayed(before[d], now));
+  }
+  if (S > 1) {
+    EXPECT_TRUE(kvtest::pages_out_of_order(h.cpu()))
+        << "the last segment must have taken pages freed by the others";
+  }
+  // Every segment grows: the free pages are gone, so a second slab is allocated.
+  before = h.placements();
+  const int64_t m2 = 2 * c.P + 1;
+  KVTEST_STEP("grow past the free pages",
+              h.append(rand_tokens(c, m2, rng), rand_tokens(c, m2, rng), make_pos(c, m2, next, 2),
+                       kvtest::random_mask({c.B, c.H, m2}, 0.9, rng)));
+  next += m2;
+  KVTEST_STEP("after growing past the free pages", h.verify());
+  EXPECT_EQ(h.cpu().num_slabs(), 2);
+  for (size_t d = 0; d < before.size(); ++d) {
+    EXPECT_TRUE(kvtest::PagesStayed(before[d], h.placements()[d])) << "growth moves no page";
+  }
+  // Scores in every slot, then evict again and grow by more than is free: the free pages
+  // are taken and the rest is a third slab.
+  if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
+  KVTEST_STEP("evict again", h.compact(h.keep_mask(rng, [&](int64_t, int64_t) {
+    return kvtest::uniform_int(rng, 0, 2) == 0;
+  })));
+  KVTEST_STEP("after evicting again", h.verify());
+  before = h.placements();
+  const int64_t m3 = (h.cpu().free_pages() / std::max<int64_t>(S, 1) + 2) * c.P;
+  KVTEST_STEP("grow past the free pages again",
+              h.append(rand_tokens(c, m3, rng), rand_tokens(c, m3, rng), make_pos(c, m3, next, 0)));
+  next += m3;
+  KVTEST_STEP("after growing past the free pages again", h.verify());
+  EXPECT_EQ(h.cpu().free_pages(), 0);
+  EXPECT_EQ(h.cpu().num_slabs(), 3);
+  EXPECT_EQ(h.cpu().slab_allocations(), before[0].slab_allocations + 1) << "one slab per growth";
+  // Replace and compact across the slabs.
+  std::vector<int64_t> slot(S);
+  for (int64_t s = 0; s < S; ++s) slot[s] = kvtest::uniform_int(rng, 0, h.cpu().len_host()[s] - 1);
+  KVTEST_STEP("replace", h.replace(kvtest::from_vec(slot, at::kLong).view({c.B, c.H}),
+                                   rand_tokens(c, 1, rng), rand_tokens(c, 1, rng),
+                                   at::arange(next, next + c.B, at::kLong), true));
+  KVTEST_STEP("compact across slabs", h.compact(kvtest::random_mask({h.cpu().capacity()}, 0.7, rng)));
+  KVTEST_STEP("after replace and compact", h.verify());
+  // Repack: same tokens, one slab, no free page.
+  KVTEST_STEP("repack", h.repack(0));
+  KVTEST_STEP("after repack", h.verify());
+  KVTEST_STEP("tight after repack", h.expect_tight());
+  EXPECT_EQ(h.cpu().num_slabs(), 1);
+  EXPECT_EQ(h.cpu().free_pages(), 0);
+  EXPECT_EQ(h.cpu().repacks(), 1);
 }
 
 // A random mix of every operation, checked after each.
@@ -589,11 +903,11 @@ STORE_SCENARIO(RandomOperations) {
   std::mt19937 rng(c.seed + 6);
   int64_t next = 0;
   for (int step = 0; step < 60; ++step) {
-    const int op = static_cast<int>(kvtest::uniform_int(rng, 0, 9));
+    const int op = static_cast<int>(kvtest::uniform_int(rng, 0, 10));
     ::testing::Message what;
     what << "step " << step << " op " << op;
     if (op <= 3) {
-      const int64_t n = kvtest::uniform_int(rng, 0, op == 0 ? 20 : 2);
+      const int64_t n = kvtest::uniform_int(rng, 0, op == 0 ? 20 + c.P : 2);
       c10::optional<at::Tensor> valid;
       if (op == 2) valid = kvtest::random_mask({c.B, c.H, n}, 0.5, rng);
       if (op == 3) valid = kvtest::random_mask({c.B, n}, 0.5, rng);
@@ -615,6 +929,8 @@ STORE_SCENARIO(RandomOperations) {
     } else if (op == 7) {
       KVTEST_STEP(what << " reserve", h.reserve(kvtest::uniform_int(rng, 0, 12)));
     } else if (op == 8) {
+      KVTEST_STEP(what << " repack", h.repack(kvtest::uniform_int(rng, 0, 1) * kvtest::uniform_int(rng, 0, 9)));
+    } else if (op == 9) {
       KVTEST_STEP(what << " shrink_to_fit", h.shrink_to_fit());
     } else if (c.C > 0) {
       KVTEST_STEP(what << " set_scores", h.set_scores(h.random_scores(rng)));
@@ -623,7 +939,9 @@ STORE_SCENARIO(RandomOperations) {
   }
 }
 
-// The eviction loop of a policy: score, select with segmented / grouped top-k, compact.
+// The eviction loop of a policy, as kvcache_ext/store.py runs it: score, gather the live
+// tokens segment by segment (the top-k kernels take contiguous segments), select with
+// segmented / grouped top-k, scatter the flags back to the slot layout, compact.
 STORE_SCENARIO(EvictWithTopk) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 7);
@@ -642,36 +960,53 @@ STORE_SCENARIO(EvictWithTopk) {
       all.select(1, 0).copy_(scores);
       KVTEST_STEP("scores", h.set_scores(all));
     }
-    const auto start = kvtest::to_vec<int64_t>(h.cpu().start());
-    const auto len = kvtest::to_vec<int32_t>(h.cpu().len());
-    const auto pos = kvtest::to_vec<int32_t>(h.cpu().pos());
-    const auto sc = kvtest::to_vec<float>(scores);
+    // The live tokens packed segment by segment.
+    const auto slots = kvtest::live_slots(h.cpu());
+    std::vector<int64_t> packed_slots, start;
+    std::vector<int32_t> len;
+    for (const auto& seg : slots) {
+      start.push_back(static_cast<int64_t>(packed_slots.size()));
+      len.push_back(static_cast<int32_t>(seg.size()));
+      packed_slots.insert(packed_slots.end(), seg.begin(), seg.end());
+    }
+    const at::Tensor index = kvtest::from_vec(packed_slots, at::kLong);
+    const auto pos = kvtest::to_vec<int32_t>(h.cpu().pos().index_select(0, index));
+    const auto sc = kvtest::to_vec<float>(scores.index_select(0, index));
     const int64_t S = c.B * c.H;
-    std::vector<bool> want;
+    std::vector<bool> want_packed;
     std::vector<int64_t> budget;
     const bool grouped = round % 2 == 1;
     std::vector<int32_t> want_counts;
     if (!grouped) {
       for (int64_t s = 0; s < S; ++s) budget.push_back(kvtest::uniform_int(rng, 0, len[s] + 2));
-      want = kvtest::reference_segmented_topk(sc, pos, start, len, budget);
+      want_packed = kvtest::reference_segmented_topk(sc, pos, start, len, budget);
     } else {  // Ada-KV: all heads of a batch item share one budget
       for (int64_t b = 0; b < c.B; ++b) budget.push_back(kvtest::uniform_int(rng, 0, 12 * c.H));
-      want = kvtest::reference_grouped_topk(sc, pos, start, len, c.H, budget, want_counts);
+      want_packed = kvtest::reference_grouped_topk(sc, pos, start, len, c.H, budget, want_counts);
     }
+    std::vector<bool> want(capacity, false);
+    for (size_t j = 0; j < packed_slots.size(); ++j) want[packed_slots[j]] = want_packed[j];
     for (size_t i = 0; i < h.num_stores(); ++i) {
       SCOPED_TRACE(::testing::Message() << "selection on " << h.device(i));
       RaggedKVStore& st = h.store(i);
-      const at::Tensor sc_d = scores.to(h.device(i));
-      const at::Tensor k_d = kvtest::from_vec(budget, at::kLong).to(h.device(i));
-      at::Tensor keep;
+      const at::Device d = h.device(i);
+      const at::Tensor index_d = index.to(d);
+      const at::Tensor sc_d = scores.to(d).index_select(0, index_d);
+      const at::Tensor pos_d = st.pos().index_select(0, index_d);
+      const at::Tensor start_d = kvtest::from_vec(start, at::kLong).to(d);
+      const at::Tensor len_d = kvtest::from_vec(len, at::kInt).to(d);
+      const at::Tensor k_d = kvtest::from_vec(budget, at::kLong).to(d);
+      at::Tensor kept;
       if (!grouped) {
-        keep = kvcache_ext::segmented_topk(sc_d, st.pos(), st.start(), st.len(), k_d);
+        kept = kvcache_ext::segmented_topk(sc_d, pos_d, start_d, len_d, k_d);
       } else {
         at::Tensor counts;
-        std::tie(keep, counts) = kvcache_ext::grouped_topk(sc_d, st.pos(), st.start(), st.len(), c.H, k_d);
+        std::tie(kept, counts) = kvcache_ext::grouped_topk(sc_d, pos_d, start_d, len_d, c.H, k_d);
         EXPECT_EQ(kvtest::to_vec<int32_t>(counts), want_counts);
       }
-      EXPECT_EQ(keep.device(), h.device(i));
+      EXPECT_EQ(kept.device(), d);
+      at::Tensor keep = at::zeros({capacity}, at::TensorOptions().dtype(at::kBool).device(d));
+      keep.index_copy_(0, index_d, kept);
       EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), want));
     }
     if (::testing::Test::HasFailure()) return;
@@ -683,14 +1018,90 @@ STORE_SCENARIO(EvictWithTopk) {
   }
 }
 
+// k(), v(), pos(), scores(), len() and page_table() are copies: writing to them changes
+// nothing in the store, and each call gives a new tensor.
+STORE_SCENARIO(AccessorsReturnCopies) {
+  StoreHarness h(c, cuda);
+  std::mt19937 rng(c.seed + 12);
+  // Writes to every copy the store hands out, then checks that the store is as it was.
+  auto write_to_copies = [&] {
+    const auto before = h.placements();
+    for (size_t i = 0; i < h.num_stores(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "store on " << h.device(i));
+      RaggedKVStore& st = h.store(i);
+      if (st.capacity() > 0) {
+        EXPECT_NE(st.k().data_ptr(), st.k().data_ptr()) << "k() must return a new copy";
+        EXPECT_NE(st.pos().data_ptr(), st.pos().data_ptr()) << "pos() must return a new copy";
+      }
+      st.k().fill_(7);
+      st.v().fill_(-7);
+      st.pos().fill_(-1);
+      st.scores().fill_(42);
+      st.len().fill_(0);
+      st.page_table().fill_(0);
+      at::Tensor k = st.k();
+      k.mul_(2);
+    }
+    KVTEST_STEP("after writing to the copies", h.verify());
+    const auto after = h.placements();
+    for (size_t d = 0; d < before.size(); ++d) EXPECT_TRUE(kvtest::SamePlacement(before[d], after[d]));
+  };
+  KVTEST_STEP("empty store", write_to_copies());
+  const int64_t n = 2 * c.P + 3;
+  KVTEST_STEP("fill", h.append(rand_tokens(c, n, rng), rand_tokens(c, n, rng), make_pos(c, n, 0, 1),
+                               kvtest::random_mask({c.B, c.H, n}, 0.7, rng)));
+  if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
+  KVTEST_STEP("one slab", write_to_copies());
+  KVTEST_STEP("evict", h.compact(kvtest::random_mask({h.cpu().capacity()}, 0.5, rng)));
+  KVTEST_STEP("regrow", h.append(rand_tokens(c, n, rng), rand_tokens(c, n, rng), make_pos(c, n, n, 1)));
+  if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
+  KVTEST_STEP("several slabs", write_to_copies());
+  KVTEST_STEP("repack", h.repack(0));
+  KVTEST_STEP("repacked", write_to_copies());
+  KVTEST_STEP("single token", h.compact(h.keep_mask(rng, [](int64_t, int64_t j) { return j == 0; })));
+  KVTEST_STEP("repack to one page per segment", h.repack(0));
+  KVTEST_STEP("one page per segment", write_to_copies());
+}
+
+// set_scores writes every slot's channels; scores() reads them back, bit for bit, whatever
+// page and slab the slot is in and whatever the strides of the input. New tokens start
+// with zero scores; kept tokens take theirs along through compaction and repack.
+STORE_SCENARIO(SetScoresRoundTrip) {
+  StoreHarness h(c, cuda);
+  std::mt19937 rng(c.seed + 13);
+  const int64_t n = 3 * c.P + 1;
+  KVTEST_STEP("fill", h.append(rand_tokens(c, n, rng), rand_tokens(c, n, rng), make_pos(c, n, 0, 0)));
+  KVTEST_STEP("evict", h.compact(kvtest::random_mask({h.cpu().capacity()}, 0.3, rng)));
+  // More pages than the eviction freed: a second slab.
+  KVTEST_STEP("grow into two slabs", h.append(rand_tokens(c, 2 * n, rng), rand_tokens(c, 2 * n, rng),
+                                              make_pos(c, 2 * n, n, 0)));
+  ASSERT_GE(h.cpu().num_slabs(), 2);
+  for (int round = 0; round < 2; ++round) {
+    const at::Tensor x = h.random_scores(rng);
+    // Round 1 passes a column-major tensor.
+    const at::Tensor input = round == 0 ? x : x.t().contiguous().t();
+    KVTEST_STEP(::testing::Message() << "set_scores round " << round, h.set_scores(input));
+    for (size_t i = 0; i < h.num_stores(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "store on " << h.device(i));
+      EXPECT_TRUE(kvtest::BytesEqual(h.store(i).scores(), x)) << "every slot reads back what was written";
+    }
+    KVTEST_STEP("after set_scores", h.verify());
+  }
+  KVTEST_STEP("append", h.append(rand_tokens(c, 3, rng), rand_tokens(c, 3, rng), make_pos(c, 3, 3 * n, 0)));
+  KVTEST_STEP("compact", h.compact(kvtest::random_mask({h.cpu().capacity()}, 0.6, rng)));
+  KVTEST_STEP("after append and compact", h.verify());
+  KVTEST_STEP("repack", h.repack(1));
+  KVTEST_STEP("after repack", h.verify());
+}
+
 STORE_SCENARIO(BadInputsThrow) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 8);
-  const int64_t B = c.B, H = c.H, D = c.D, n = 2;
+  const int64_t B = c.B, H = c.H, D = c.D, C = c.C, n = 2;
   KVTEST_STEP("fill", h.append(rand_tokens(c, 4, rng), rand_tokens(c, 4, rng), make_pos(c, 4, 0, 0)));
   KVTEST_STEP("fill", h.append(rand_tokens(c, 3, rng), rand_tokens(c, 3, rng), make_pos(c, 3, 4, 0),
                                kvtest::random_mask({B, H, 3}, 0.5, rng)));
-  const auto ptrs = h.ptrs();
+  const auto before = h.placements();
   const at::ScalarType other = c.dtype == at::kFloat ? at::kHalf : at::kFloat;
   for (size_t i = 0; i < h.num_stores(); ++i) {
     SCOPED_TRACE(::testing::Message() << "store on " << h.device(i));
@@ -727,6 +1138,7 @@ STORE_SCENARIO(BadInputsThrow) {
     EXPECT_TRUE(Throws<c10::TypeError>([&] { st.replace(slot0, k1.to(other), v1, pos1, true); }, "k"));
     EXPECT_TRUE(Throws<c10::ValueError>([&] { st.replace(slot0, k1, v1, at::zeros({B + 1}, o.dtype(at::kLong)), true); }, "pos"));
     EXPECT_TRUE(Throws<c10::TypeError>([&] { st.replace(slot0, k1, v1, pos1.to(at::kFloat), true); }, "pos"));
+    // A token index at len (inside the segment's last page, or just past it) is not live.
     const at::Tensor len = st.len().view({B, H}).to(at::kLong);
     EXPECT_TRUE(Throws<c10::IndexError>([&] { st.replace(len, k1, v1, pos1, true); }, "slot"));
     EXPECT_TRUE(Throws<c10::IndexError>([&] { st.replace(slot0 - 1, k1, v1, pos1, true); }, "slot"));
@@ -734,10 +1146,21 @@ STORE_SCENARIO(BadInputsThrow) {
     const int64_t capacity = st.capacity();
     EXPECT_TRUE(Throws<c10::TypeError>([&] { st.compact(at::ones({capacity}, o.dtype(at::kByte))); }, "keep"));
     EXPECT_TRUE(Throws<c10::ValueError>([&] { st.compact(at::ones({capacity + 1}, o.dtype(at::kBool))); }, "keep"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.compact(at::ones({capacity - 1}, o.dtype(at::kBool))); }, "keep"));
     EXPECT_TRUE(Throws<c10::ValueError>([&] { st.compact(at::ones({1, capacity}, o.dtype(at::kBool))); }, "keep"));
     EXPECT_TRUE(Throws<c10::ValueError>([&] { st.compact(at::ones({2 * capacity}, o.dtype(at::kBool)).slice(0, 0, 2 * capacity, 2)); }, "contiguous"));
-    // reserve
+    // reserve, repack
     EXPECT_TRUE(Throws<c10::ValueError>([&] { st.reserve(-1); }, "reserve"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.repack(-1); }, "repack"));
+    // set_scores: a [capacity, C] float32 tensor on the store's device
+    const auto f32 = o.dtype(at::kFloat);
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.set_scores(at::Tensor()); }, "scores"));
+    EXPECT_TRUE(Throws<c10::TypeError>([&] { st.set_scores(at::zeros({capacity, C}, o.dtype(at::kDouble))); }, "scores"));
+    EXPECT_TRUE(Throws<c10::TypeError>([&] { st.set_scores(at::zeros({capacity, C}, o.dtype(at::kHalf))); }, "scores"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.set_scores(at::zeros({capacity + 1, C}, f32)); }, "scores"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.set_scores(at::zeros({capacity - 1, C}, f32)); }, "scores"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.set_scores(at::zeros({capacity, C + 1}, f32)); }, "scores"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st.set_scores(at::zeros({capacity * std::max<int64_t>(C, 1)}, f32)); }, "scores"));
     if (d.is_cuda()) {  // tensors on the wrong device
       const at::Tensor kc = k.cpu(), vc = v.cpu();
       EXPECT_TRUE(Throws<c10::ValueError>([&] { st.append(kc, vc, pos, c10::nullopt); }, "k"));
@@ -745,17 +1168,17 @@ STORE_SCENARIO(BadInputsThrow) {
       EXPECT_TRUE(Throws<c10::ValueError>([&] { st.append(k, v, pos, at::ones({B, n}, at::kBool)); }, "valid"));
       EXPECT_TRUE(Throws<c10::ValueError>([&] { st.replace(slot0, k1.cpu(), v1, pos1, true); }, "k"));
       EXPECT_TRUE(Throws<c10::ValueError>([&] { st.compact(at::ones({capacity}, at::kBool)); }, "keep"));
+      EXPECT_TRUE(Throws<c10::ValueError>([&] { st.set_scores(at::zeros({capacity, C}, at::kFloat)); }, "scores"));
     }
   }
   // No failed call may have changed anything.
   KVTEST_STEP("after the failed calls", h.verify());
-  EXPECT_EQ(h.ptrs(), ptrs);
+  const auto after = h.placements();
+  for (size_t d = 0; d < before.size(); ++d) EXPECT_TRUE(kvtest::SamePlacement(before[d], after[d]));
   // An empty segment has nothing to replace.
   StoreHarness e(c, cuda);
-  at::Tensor only_first = at::zeros({B, H, 1}, at::kBool);
-  only_first[0][0].fill_(true);
   KVTEST_STEP("fill one segment", e.append(rand_tokens(c, 1, rng), rand_tokens(c, 1, rng),
-                                           make_pos(c, 1, 0, 0), only_first));
+                                           make_pos(c, 1, 0, 0), only_segment(c, 1, 0)));
   for (size_t i = 0; i < e.num_stores(); ++i) {
     const auto o = at::TensorOptions().device(e.device(i));
     if (B * H > 1) {
@@ -794,12 +1217,19 @@ std::vector<StoreCase> store_cases() {
   std::vector<StoreCase> cases;
   uint32_t seed = 1;
   for (const at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
-    cases.push_back({dt, 1, 1, 1, 0, 1.5, seed++});   // smallest: one segment, D = 1, no scores
-    cases.push_back({dt, 1, 1, 8, 1, 2.0, seed++});
-    cases.push_back({dt, 2, 3, 16, 3, 1.25, seed++});
-    cases.push_back({dt, 3, 2, 64, 2, 1.5, seed++});
+    cases.push_back({dt, 1, 1, 1, 0, 1, seed++});   // smallest: one segment, D = 1, no scores
+    cases.push_back({dt, 1, 1, 8, 1, 2, seed++});
+    cases.push_back({dt, 2, 3, 16, 3, 4, seed++});
+    cases.push_back({dt, 3, 2, 64, 2, 16, seed++});
   }
-  cases.push_back({at::kHalf, 4, 8, 128, 1, 1.5, seed++});  // a model-like head_dim
+  // Other page sizes over the same shapes.
+  cases.push_back({at::kFloat, 2, 3, 16, 3, 1, seed++});
+  cases.push_back({at::kFloat, 3, 2, 64, 2, 2, seed++});
+  cases.push_back({at::kHalf, 1, 1, 8, 1, 16, seed++});
+  cases.push_back({at::kBFloat16, 2, 2, 8, 1, 8, seed++});
+  cases.push_back({at::kFloat, 1, 2, 4, 1, 64, seed++});
+  cases.push_back({at::kHalf, 2, 1, 8, 0, 1024, seed++});  // the largest page
+  cases.push_back({at::kHalf, 4, 8, 128, 1, 16, seed++});  // a model-like head_dim
   return cases;
 }
 
@@ -810,32 +1240,85 @@ INSTANTIATE_TEST_SUITE_P(Cases, Store, ::testing::ValuesIn(store_cases()), case_
 void constructor_errors(const at::Device& d) {
   const auto o = at::TensorOptions().device(d);
   const at::Tensor f = at::empty({0}, o.dtype(at::kFloat));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(0, 1, 8, 1, f, 1.5); }, "batch"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 0, 8, 1, f, 1.5); }, "heads"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 0, 1, f, 1.5); }, "head_dim"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, -1, f, 1.5); }, "score_channels"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, 1, f, 1.0); }, "growth"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, 1, f, 0.5); }, "growth"));
-  EXPECT_TRUE(Throws<c10::ValueError>(
-      [&] { RaggedKVStore(1, 1, 8, 1, f, std::numeric_limits<double>::infinity()); }, "growth"));
-  EXPECT_TRUE(Throws<c10::ValueError>(
-      [&] { RaggedKVStore(1, 1, 8, 1, f, std::numeric_limits<double>::quiet_NaN()); }, "growth"));
-  EXPECT_TRUE(Throws<c10::TypeError>([&] { RaggedKVStore(1, 1, 8, 1, f.to(at::kDouble), 1.5); }, "float"));
-  EXPECT_TRUE(Throws<c10::TypeError>([&] { RaggedKVStore(1, 1, 8, 1, f.to(at::kInt), 1.5); }, "float"));
-  const RaggedKVStore ok(2, 3, 8, 2, f.to(at::kBFloat16), 1.5);
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(0, 1, 8, 1, f, 16); }, "batch"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 0, 8, 1, f, 16); }, "heads"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 0, 1, f, 16); }, "head_dim"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, -1, f, 16); }, "score_channels"));
+  // page_size: a power of two in [1, 1024].
+  for (const int64_t bad : {int64_t{0}, int64_t{-1}, int64_t{-16}, int64_t{3}, int64_t{6},
+                            int64_t{12}, int64_t{24}, int64_t{1000}, int64_t{1023},
+                            int64_t{1025}, int64_t{2048}, int64_t{4096}, int64_t{1} << 40,
+                            std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()}) {
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, 1, f, bad); }, "page_size"))
+        << "page_size " << bad;
+  }
+  EXPECT_TRUE(Throws<c10::TypeError>([&] { RaggedKVStore(1, 1, 8, 1, f.to(at::kDouble), 16); }, "float"));
+  EXPECT_TRUE(Throws<c10::TypeError>([&] { RaggedKVStore(1, 1, 8, 1, f.to(at::kInt), 16); }, "float"));
+  const RaggedKVStore ok(2, 3, 8, 2, f.to(at::kBFloat16), 4);
   EXPECT_EQ(ok.k().scalar_type(), at::kBFloat16);
   EXPECT_EQ(ok.k().device(), d);
+  EXPECT_EQ(ok.dtype(), at::kBFloat16);
+  EXPECT_EQ(ok.device(), d);
+  EXPECT_EQ(ok.like().scalar_type(), at::kBFloat16);
+  EXPECT_EQ(ok.like().device(), d);
   EXPECT_EQ(ok.num_segments(), 6);
   EXPECT_EQ(ok.capacity(), 0);
-  EXPECT_DOUBLE_EQ(ok.growth(), 1.5);
+  EXPECT_EQ(ok.page_size(), 4);
+  EXPECT_EQ(ok.num_pages(), 0);
+  EXPECT_EQ(ok.free_pages(), 0);
+  EXPECT_EQ(ok.slab_allocations(), 0);
+  EXPECT_EQ(ok.repacks(), 0);
+  EXPECT_TRUE(kvtest::PagingConsistent(ok));
+}
+
+// Every power of two in [1, 1024] is a page size: P + 1 tokens take two pages per segment.
+void every_page_size(const at::Device& d) {
+  std::mt19937 rng(77);
+  for (int64_t P = 1; P <= 1024; P *= 2) {
+    SCOPED_TRACE(::testing::Message() << "page_size " << P);
+    const int64_t B = 2, H = 2, D = 8;
+    RaggedKVStore st(B, H, D, 1, at::empty({0}, at::TensorOptions().dtype(at::kHalf).device(d)), P);
+    EXPECT_EQ(st.page_size(), P);
+    const at::Tensor k = kvtest::random_normal({B, H, P + 1, D}, at::kHalf, rng);
+    const at::Tensor v = kvtest::random_normal({B, H, P + 1, D}, at::kHalf, rng);
+    st.append(k.to(d), v.to(d), at::arange(P + 1, at::kLong).to(d), c10::nullopt);
+    EXPECT_TRUE(kvtest::PagingConsistent(st));
+    EXPECT_EQ(st.pages_host(), std::vector<int32_t>(B * H, 2));
+    EXPECT_EQ(st.num_pages(), 2 * B * H);
+    EXPECT_EQ(st.capacity(), 2 * B * H * P);
+    // Token i of segment s is at slot page * P + i mod P.
+    const auto slots = kvtest::live_slots(st);
+    const at::Tensor keys = kvtest::host(st.k());
+    const at::Tensor want = k.reshape({B * H, P + 1, D});
+    for (int64_t s = 0; s < B * H; ++s) {
+      for (const int64_t i : {int64_t{0}, P - 1, P}) {
+        EXPECT_TRUE(kvtest::BytesEqual(keys[slots[s][i]], want[s][i])) << "segment " << s << " token " << i;
+      }
+    }
+  }
 }
 
 TEST(StoreConstruction, RejectsBadArguments) { constructor_errors(at::kCPU); }
+TEST(StoreConstruction, TakesEveryPageSize) { every_page_size(at::kCPU); }
+TEST(StoreConstruction, HugeExtraIsRejected) {
+  RaggedKVStore st(1, 2, 8, 1, at::empty({0}, at::kHalf), 16);
+  st.append(at::zeros({1, 2, 3, 8}, at::kHalf), at::zeros({1, 2, 3, 8}, at::kHalf), at::arange(3),
+            c10::nullopt);
+  const auto before = kvtest::placement(st);
+  EXPECT_TRUE(kvtest::Throws<c10::ValueError>([&] { st.reserve(INT64_MAX); }, "2^31"));
+  EXPECT_TRUE(kvtest::Throws<c10::ValueError>([&] { st.repack(INT64_MAX); }, "2^31"));
+  EXPECT_TRUE(kvtest::SamePlacement(before, kvtest::placement(st)));
+  EXPECT_EQ(st.repacks(), 0);
+}
 
 #ifdef KVCACHE_EXT_WITH_CUDA
 TEST(StoreConstruction, RejectsBadArgumentsCuda) {
   KVTEST_REQUIRE_CUDA();
   constructor_errors(at::Device(at::kCUDA, 0));
+}
+TEST(StoreConstruction, TakesEveryPageSizeCuda) {
+  KVTEST_REQUIRE_CUDA();
+  every_page_size(at::Device(at::kCUDA, 0));
 }
 #endif
 

@@ -16,8 +16,11 @@ using kvtest::Throws;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// A slot layout as the store has it: segments in order, each with slack after its live
-// slots and gaps between segments.
+// The layout the top-k kernels take: segments in order, each a contiguous run of live
+// slots, with slack after them and gaps between segments. (The paged store's tokens are not
+// contiguous per segment: kvcache_ext/store.py packs them segment by segment into this
+// layout first and scatters the keep flags back; test_store.cpp's EvictWithTopk does the
+// same over fragmented pages.)
 struct Layout {
   std::vector<float> scores;
   std::vector<int32_t> pos;

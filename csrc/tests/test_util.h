@@ -1,6 +1,7 @@
 // Shared helpers of the GoogleTest cases: random inputs from fixed seeds, exact (bitwise)
 // comparisons, error-type checks, CUDA skipping, and the plain reference selection that
-// the top-k kernels are checked against. Nothing here calls kvcache_ext code.
+// the top-k kernels are checked against. Nothing here calls kvcache_ext code (the helpers
+// that read a RaggedKVStore's paged layout are in store_util.h).
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -191,6 +192,7 @@ inline void keep_best(std::vector<Candidate> cand, int64_t k, std::vector<bool>&
   for (int64_t i = 0; i < std::min<int64_t>(k, cand.size()); ++i) keep[cand[i].slot] = true;
 }
 
+// The top-k kernels take contiguous segments: [start[s], start[s] + len[s]) of scores/pos.
 inline std::vector<bool> reference_segmented_topk(const std::vector<float>& scores,
                                                   const std::vector<int32_t>& pos,
                                                   const std::vector<int64_t>& start,

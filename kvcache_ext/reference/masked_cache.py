@@ -40,6 +40,9 @@ class MaskedLayerKV:
         n = values.shape[2]
         self.channels[:, :, -n:] = values.float() * keep[..., None]
 
+    def write_channels(self, channels) -> None:
+        self.channels = channels
+
     def set_channels(self, padded) -> None:
         order, _ = self._order()
         idx = order[..., None].expand(order.shape + padded.shape[-1:])
@@ -129,3 +132,6 @@ class MaskedCache(RaggedCache):
     ``kvcache_ext.patch(model, policy).new_cache(reference=True)`` builds one."""
 
     storage = MaskedLayerKV
+
+    def storage_factory(self):
+        return self.storage   # a dense cache has no pages
