@@ -38,7 +38,10 @@ def _dense_function(name: str):
 
 
 def _make_attention(dense_name: str):
-    def kvcache_ext_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # SDPA's argument order (dropout before scaling): HF passes both by name, but wrappers
+    # that other libraries put around every attention function (kvpress's) pass dropout by
+    # position.
+    def kvcache_ext_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         dense = _dense_function(dense_name)
         state = take_pending(key)
         if state is None:   # no cache, or a cache that is not ours: the model's own attention

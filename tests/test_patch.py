@@ -363,3 +363,17 @@ def test_sliding_window_beyond_the_window_is_refused():
         teacher_forced(model, cache, ids, mask, steps=3)      # within the window: fine
         with pytest.raises(NotImplementedError, match="sliding-window"):
             teacher_forced(model, handle.new_cache(), *inputs(length=30))
+
+
+def test_attention_takes_dropout_by_position_as_sdpa_does():
+    """Libraries that wrap every registered attention function (kvpress) pass dropout by
+    position, in SDPA's order (module, q, k, v, mask, dropout, scaling=...)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=1)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=8)):
+        attention = ALL_ATTENTION_FUNCTIONS["kvcache_ext_sdpa"]
+        q, k, v = (torch.randn(1, h, 5, 16) for h in (4, 2, 2))
+        module = model.model.layers[0].self_attn
+        want = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, None, 0.0, scaling=0.3)[0]
+        got = attention(module, q, k, v, None, 0.0, scaling=0.3)[0]
+        torch.testing.assert_close(got, want)
