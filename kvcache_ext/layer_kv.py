@@ -83,13 +83,10 @@ class RaggedLayerKV:
 
     def evict(self, scores: torch.Tensor, k: torch.Tensor) -> None:
         """scores [B, H, L] of the cached tokens (padded view), k [B, H]: keep k per head."""
-        slot_scores = self.store.from_padded(scores.float().contiguous())
-        keep = self.store.select(k.to(self.store.device), slot_scores)
-        self.store.compact(keep)
+        self.store.compact(self.store.select(k.to(self.store.device), scores))
 
     def grouped_counts(self, scores, mask, k):
-        slot_scores = self.store.from_padded(scores.float().contiguous())
-        _, counts = self.store.select(k.to(self.store.device), slot_scores, grouped=True)
+        _, counts = self.store.select(k.to(self.store.device), scores, grouped=True)
         return counts.long()
 
     @staticmethod

@@ -87,9 +87,11 @@ class RaggedKVStore:
     def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False):
         """Keep mask ([capacity] bool) of the k best live slots by ``scores`` (default: channel 0).
 
-        ``grouped=False``: k per segment (an int, or [B, H]). ``grouped=True``: Ada-KV's
-        allocation, k per batch item (an int, or [B]) shared by its heads; returns
-        ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted first.
+        ``scores``: [capacity] in slot layout, or [B, H, max_len] padded as ``to_dense`` gives
+        (what the eviction engine has). ``grouped=False``: k per segment (an int, or [B, H]).
+        ``grouped=True``: Ada-KV's allocation, k per batch item (an int, or [B]) shared by its
+        heads; returns ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted
+        first.
         """
         if scores is None:
             if self.score_channels == 0:
@@ -97,24 +99,22 @@ class RaggedKVStore:
             scores = self.scores[:, 0]
         # The top-k kernels take contiguous segments: the live tokens are packed in segment
         # order, selected, and the keep flags put back in slot layout.
-        slots, lens = self._packed_slots()
-        start = torch.cumsum(lens, 0) - lens
-        packed, pos = scores.contiguous()[slots], self.pos[slots]
+        index, mask = self.slot_index()
+        live = mask.view(-1).nonzero().squeeze(1)      # padded positions of the live tokens
+        slots = index.view(-1)[live]
+        packed = scores.reshape(-1)[live] if scores.dim() == 3 else scores[slots]
+        lens = mask.sum(-1).view(-1)
+        start, lens = torch.cumsum(lens, 0) - lens, lens.to(torch.int32)
+        pos = self.pos[slots]
         keep = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         if not grouped:
             k = torch.as_tensor(k).expand(self.batch, self.heads).reshape(-1)
-            keep[slots] = segmented_topk(packed, pos, start, lens.to(torch.int32), k)
+            keep[slots] = segmented_topk(packed.float().contiguous(), pos, start, lens, k)
             return keep
         k = torch.as_tensor(k).expand(self.batch).reshape(-1)
-        kept, counts = grouped_topk(packed, pos, start, lens.to(torch.int32), self.heads, k)
+        kept, counts = grouped_topk(packed.float().contiguous(), pos, start, lens, self.heads, k)
         keep[slots] = kept
         return keep, counts.view(self.batch, self.heads)
-
-    def _packed_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots of the live tokens, segment by segment in token order; [S] int64 lengths)."""
-        index, mask = self.slot_index()
-        segments = self.batch * self.heads
-        return index.view(segments, -1)[mask.view(segments, -1)], mask.view(segments, -1).sum(1)
 
     # --- layout helpers ---------------------------------------------------------------------
     def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,11 +102,14 @@ def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, s
             if op == "topk":
                 k = torch.randint(0, int(ref.lens.max()) + 2, (B, H), generator=gen)
                 keep = store.select(k.to(device), flat)
+                assert torch.equal(store.select(k.to(device), scores.to(device)), keep)  # padded
                 want = reference.segmented_topk(scores.view(S, -1), ref.pos.view(S, -1),
                                                 ref.lens.view(S), k.view(S)).view(ref.mask.shape)
             else:
                 k = torch.randint(0, int(ref.lens.sum(1).max()) + 2, (B,), generator=gen)
                 keep, counts = store.select(k.to(device), flat, grouped=True)
+                padded_keep, padded_counts = store.select(k.to(device), scores.to(device), grouped=True)
+                assert torch.equal(padded_keep, keep) and torch.equal(padded_counts, counts)
                 want, want_counts = reference.grouped_topk(scores.view(S, -1), ref.pos.view(S, -1),
                                                            ref.lens.view(S), H, k)
                 want = want.view(ref.mask.shape)
@@ -266,3 +269,21 @@ def test_constructor_rejects_bad_arguments():
     if not kvcache_ext.build_info()["cuda"]:
         with pytest.raises(ValueError, match="without CUDA"):
             kvcache_ext.RaggedKVStore(1, 1, 8, device="cuda")
+
+
+def test_per_step_eviction_gives_each_head_back_its_own_page(device):
+    """Append one token, evict one: a head that crosses into a new page takes the page it
+    freed the step before, so the page table (and its copy on the device) never changes."""
+    store = kvcache_ext.RaggedKVStore(2, 3, 8, dtype=torch.float32, device=device, page_size=4)
+    k = torch.randn(2, 3, 8, 8, device=device)
+    store.append(k, k, torch.arange(8, device=device))
+    tok = torch.randn(2, 3, 1, 8, device=device)
+    table, allocations = None, store.slab_allocations
+    for t in range(8, 20):
+        store.append(tok, tok, torch.tensor([t], device=device))
+        grown = store.page_table
+        assert table is None or torch.equal(grown, table), t
+        table = grown
+        store.compact(store.select(8, torch.rand(store.capacity, device=device)))
+        assert store.free_pages == 6
+    assert store.slab_allocations == allocations + 1

@@ -60,7 +60,9 @@ store::PagedView RaggedKVStore::view() const {
                           shift_, record_};
 }
 
-at::Tensor RaggedKVStore::page_table() const { return table_.clone(); }
+at::Tensor RaggedKVStore::page_table() const {
+  return at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
+}
 
 at::Tensor RaggedKVStore::part_of(const at::Tensor& slab, int part) const {
   const int64_t pages = slab.size(0), P = page_size_;
@@ -192,18 +194,16 @@ void RaggedKVStore::compact(const at::Tensor& keep) {
   KVCACHE_DEVICE_DISPATCH(device(), store::compact, view(), len_, keep);
   const at::Tensor lens = len_.to(at::kCPU);  // host sync: the new lengths depend on keep
   std::copy_n(lens.data_ptr<int32_t>(), num_segments(), len_h_.begin());
-  // Pages past a segment's last token are free again.
-  bool freed = false;
+  // Pages past a segment's last token are free again (host bookkeeping only: the kernels
+  // never read the table past a segment's pages, so nothing is copied up).
   for (int64_t s = 0; s < num_segments(); ++s) {
     const int64_t used = (len_h_[s] + page_size_ - 1) >> shift_;
     for (int64_t j = used; j < pages_h_[s]; ++j) {
       free_.push_back(table_h_[s * width_ + j]);
       table_h_[s * width_ + j] = -1;
-      freed = true;
     }
     pages_h_[s] = static_cast<int32_t>(used);
   }
-  if (freed) upload_tables();
 }
 
 void RaggedKVStore::reserve(int64_t extra) {
@@ -226,7 +226,9 @@ void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need) {
     widest = std::max(widest, pages);
   }
   if (total_missing == 0) return;
-  // Free pages first, then one new slab for the rest: the pages a segment has never move.
+  // Free pages first, in the order they were freed (a segment that freed a page takes it
+  // back, and the device's table is then already right), then one new slab for the rest:
+  // the pages a segment has never move.
   std::vector<int32_t> fresh;
   const int64_t from_free = std::min<int64_t>(total_missing, free_pages());
   fresh.assign(free_.end() - from_free, free_.end());
@@ -234,6 +236,7 @@ void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need) {
   if (total_missing > from_free) {
     const int32_t first = allocate_slab(total_missing - from_free);
     for (int64_t i = 0; i < total_missing - from_free; ++i) fresh.push_back(first + static_cast<int32_t>(i));
+    upload_page_base();
   }
   if (widest > width_) {  // the page table widens: a copy of the table only
     std::vector<int32_t> wider(S * widest, -1);
@@ -245,7 +248,7 @@ void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need) {
   size_t next = 0;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t j = 0; j < missing[s]; ++j) table_h_[s * width_ + pages_h_[s]++] = fresh[next++];
-  upload_tables();
+  upload_table();
 }
 
 int32_t RaggedKVStore::allocate_slab(int64_t pages) {
@@ -261,12 +264,18 @@ int32_t RaggedKVStore::allocate_slab(int64_t pages) {
   return static_cast<int32_t>(first);
 }
 
-void RaggedKVStore::upload_tables() {
-  // Plain copies up, at most once per operation that changes pages (a page holds
-  // page_size tokens, so decoding uploads once per page_size steps at most).
+void RaggedKVStore::upload_page_base() {
+  // Only when pages are allocated: decoding allocates once per page_size steps at most.
   page_base_ = at::tensor(page_base_h_, at::kLong).to(device());
-  table_ = at::from_blob(table_h_.data(), {num_segments(), width_}, at::kInt).to(device());
-  if (table_.device().is_cpu()) table_ = table_.clone();  // from_blob does not own the memory
+}
+
+void RaggedKVStore::upload_table() {
+  bool current = table_uploaded_.size() == table_h_.size();
+  for (size_t i = 0; current && i < table_h_.size(); ++i)
+    current = table_h_[i] < 0 || table_h_[i] == table_uploaded_[i];
+  if (current) return;  // e.g. per-step eviction: each head takes back the page it freed
+  table_uploaded_ = table_h_;
+  table_ = at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
 }
 
 void RaggedKVStore::repack(int64_t extra) {
@@ -324,7 +333,8 @@ void RaggedKVStore::repack(int64_t extra) {
   width_ = widest;
   pages_h_ = new_pages;
   if (moved > 0) ++repacks_;
-  upload_tables();
+  upload_page_base();
+  upload_table();
 }
 
 }  // namespace kvcache_ext

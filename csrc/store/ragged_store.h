@@ -77,7 +77,10 @@ class RaggedKVStore {
   void ensure_pages(const std::vector<int64_t>& need);
   // Allocates a slab of `pages` pages; returns the id of its first page.
   int32_t allocate_slab(int64_t pages);
-  void upload_tables();
+  void upload_page_base();
+  // Copies the page table up unless the device already has every page a segment owns
+  // (entries past a segment's pages are never read, so they may be stale there).
+  void upload_table();
   at::Tensor gather_part(int part) const;
   // Part b of every page of a slab as a [pages, P, ...] view of the slab.
   at::Tensor part_of(const at::Tensor& slab, int part) const;
@@ -92,6 +95,7 @@ class RaggedKVStore {
   std::vector<int32_t> free_;           // ids of the pages no segment owns
   int64_t width_ = 0;                   // columns of the page table
   std::vector<int32_t> table_h_;        // [S, width] page ids, -1 beyond a segment's pages
+  std::vector<int32_t> table_uploaded_; // what table_ holds
   std::vector<int32_t> pages_h_;        // pages per segment
   std::vector<int32_t> len_h_;          // host mirror of len_: no device sync to plan
   at::Tensor page_base_, table_, len_;  // on the store's device: int64, int32, int32
