@@ -2,16 +2,25 @@
 from __future__ import annotations
 
 import datetime
+import glob
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+# A script's own folder, not the working directory, heads sys.path: without this a benchmark
+# run from a checkout would measure whatever kvcache_ext pip installed last. The checkout
+# wins when it holds a built extension (build_ext --inplace, pip install -e .).
+if glob.glob(os.path.join(ROOT, "kvcache_ext", "_C*")) and ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 
 def sync(device: str) -> None:
@@ -44,7 +53,26 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the machine type where that is unavailable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def build_description() -> dict:
+    """What the measured kvcache_ext is: its path, its build, the CPU vector ISA it uses."""
+    import kvcache_ext
+    return {"path": os.path.dirname(kvcache_ext.__file__), **kvcache_ext.build_info(),
+            "cpu_isa": kvcache_ext._C.cpu_isa(), "cpu_cores": os.cpu_count()}
 
 
 def git_commit() -> str:

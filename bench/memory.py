@@ -63,6 +63,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
 from common import device_name, git_commit, write_results  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402

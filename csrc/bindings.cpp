@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include "attention/attention_cpu_tiles.h"
 #include "attention/ragged_attention.h"
 #include "select/topk.h"
 #include "store/ragged_store.h"
@@ -86,5 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ragged_attention", &kvcache_ext::ragged_attention, py::arg("q"), py::arg("store"),
         py::arg("scale"), py::arg("q_pos") = py::none(), py::arg("mass") = false,
         py::arg("last") = false, py::arg("sum_sq") = false, py::arg("count") = false);
+  // The vector ISA of the CPU attention (README "CPU kernels"); tests switch it to run each.
+  m.def("cpu_isa", &kvcache_ext::attention::cpu_isa);
+  m.def("set_cpu_isa", &kvcache_ext::attention::set_cpu_isa, py::arg("isa"));
   m.def("build_info", &kvcache_ext::build_info);
 }

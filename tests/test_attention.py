@@ -120,6 +120,51 @@ def test_long_segments(device, dtype):
         check_against_reference(store, q, 0.125, torch.arange(first, first + n), True)
 
 
+def supported_cpu_isas():
+    """The vector ISAs of the CPU attention that this CPU runs (baseline always)."""
+    current, isas = kvcache_ext._C.cpu_isa(), []
+    for isa in ("baseline", "avx2", "avx512"):
+        try:
+            kvcache_ext._C.set_cpu_isa(isa)
+            isas.append(isa)
+        except ValueError:
+            pass
+    kvcache_ext._C.set_cpu_isa(current)
+    return isas
+
+
+@pytest.fixture(params=supported_cpu_isas())
+def cpu_isa(request):
+    """Runs the CPU attention with each vector ISA the CPU has, then restores the default."""
+    current = kvcache_ext._C.cpu_isa()
+    kvcache_ext._C.set_cpu_isa(request.param)
+    yield request.param
+    kvcache_ext._C.set_cpu_isa(current)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("G, n", [(1, 1), (4, 1), (3, 5), (8, 3), (4, 70)])
+def test_work_split_on_cpu(cpu_isa, dtype, page_size, G, n):
+    """The CPU kernel's splits: segments longer than a key chunk (512 tokens) merged across
+    chunks, query blocks (G * n > 256 rows: two blocks), tile loops (G * n < 16 rows) and matrix
+    products, ragged lengths with empty and single-slot segments, causal positions, statistics,
+    page runs of 1 to 64 tokens; every vector ISA of this CPU."""
+    gen = torch.Generator().manual_seed(page_size * 100 + G * 10 + n)
+    B, H, D, prompt = 2, 3, 80, 1300   # D = 80: not a multiple of the vector width either
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, page_size=page_size)
+    k, v = (torch.randn(B, H, prompt, D, generator=gen).to(dtype) for _ in range(2))
+    store.append(k, v, torch.arange(prompt))
+    lens = torch.tensor([[1300, 1, 0], [700, 513, 512]])
+    store.compact(store.from_padded(torch.arange(prompt) < lens[..., None], False))
+    new_k, new_v = (torch.randn(B, H, n, D, generator=gen).to(dtype) for _ in range(2))
+    store.append(new_k, new_v, torch.arange(prompt, prompt + n))
+    q = torch.randn(B, H * G, n, D, generator=gen).to(dtype)
+    q_pos = torch.arange(prompt, prompt + n).expand(B, n)
+    check_against_reference(store, q, D ** -0.5, q_pos, True)
+    check_against_reference(store, q, 0.3, None, False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_store_and_unseen_queries(device):
     """No slot to attend: zero output, no NaN, zero statistics."""

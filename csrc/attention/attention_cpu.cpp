@@ -1,298 +1,370 @@
-// CPU attention over the ragged store.
+// CPU attention over the ragged store, split as flash-decoding splits it.
 //
-// Work unit: one segment and a block of queries i (all G heads of each), so a K or V row
-// is converted to float once and used by every row of the block (decode: row loops,
-// vectorized for AVX2 when the CPU has it; block prefill: matrix products). A block keeps its logits
-// for the whole segment ([rows, len] floats, thread-local), so the softmax is the exact
-// two-pass one (max first) and the statistics come from the final probabilities without
-// recomputing anything. Without statistics the units run in parallel; with them, units of
-// one segment run on one thread, as they add into the same slots.
-#include <ATen/Dispatch.h>
+// A work unit is one segment, one chunk of its tokens and one block of its queries (all G
+// heads of each). A unit computes its logits, softmaxes them against its own maximum, and
+// leaves that maximum, the sum of its exponentials and its unnormalised output; a merge then
+// rescales the chunks of each (segment, query block) to their common maximum and writes the
+// output. Two shapes of unit:
+// - tile units (fewer than kGemmRows rows: decode) take chunks of kChunk tokens, so a batch-1
+//   decode with a few long segments still fills every core, and run the tile loops of
+//   attention_cpu_tiles.h: every row against one pass over the chunk's K and V;
+// - matrix units (block prefill) take a whole segment and at most kGemmMaxRows rows, whose
+//   logits and output are two BLAS products over the segment's K and V widened to float.
+// Statistics need the final probabilities. A tile unit keeps its exponentials, the merge
+// leaves each unit's factor to the final softmax, and a last pass per (segment, chunk) adds
+// them into the chunk's slots. A matrix unit sees its whole segment, so it adds its own; the
+// query blocks of one segment then run on one thread, as they add into the same slots.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
+#include "attention/attention_cpu_tiles.h"
 #include "attention/attention_kernels.h"
 
 namespace kvcache_ext::attention {
 
 namespace {
 
-constexpr int64_t kMaxRowsPerBlock = 64;
-// From this many rows on (block prefill) a block's logits and output are two matrix
-// products (torch's BLAS), which reuse each K and V row across rows far better than the
-// row loops below; decode (rows = G) keeps the loops, which read K and V in one pass.
+constexpr int64_t kChunk = 512;        // tokens per tile unit
+constexpr int64_t kTileMaxRows = 256;  // query rows (G per query) of a tile unit
+// From this many rows on, units are matrix units (see the top of the file).
 constexpr int64_t kGemmRows = 16;
+// Rows of a matrix unit: its logits [rows, segment length] stay in a thread's buffer.
+constexpr int64_t kGemmMaxRows = 128;
+// Below this many multiply-adds in all, the call runs on the calling thread: waking the
+// pool costs more than it saves (a decode step of a small model's layer).
+constexpr int64_t kSerialWork = int64_t{1} << 18;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-#define KVCACHE_ALWAYS_INLINE inline __attribute__((always_inline))
+// The split of a call into units. Unit u = chunk * blocks + block, chunks numbered segment
+// by segment.
+struct Plan {
+  int64_t heads, groups, n, D;
+  bool gemm;          // matrix units: one chunk per (non-empty) segment
+  int64_t per_block;  // queries per block
+  int64_t blocks;     // query blocks per segment
+  int64_t rows_max;   // rows of the tallest block: groups * per_block
+  std::vector<int64_t> chunk_segment;  // segment of each chunk
+  std::vector<int64_t> chunk_first;    // [S + 1] first chunk of each segment
 
-template <typename T>
-KVCACHE_ALWAYS_INLINE void to_float(const T* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-// logits[j * ld + l] = q_j . k_l for the rows j < rows of qf [rows, D] and the rows
-// l < len of k [len, D] (one page's run of a segment's keys). Each K row is converted once for all rows; the dot product runs in
-// 8 independent lanes, so it vectorizes without -ffast-math.
-template <typename T>
-KVCACHE_ALWAYS_INLINE void logits_impl(const T* k, int64_t len, int64_t D, const float* qf,
-                                       int64_t rows, float* logits, int64_t ld, float* row_buf) {
-  for (int64_t l = 0; l < len; ++l) {
-    to_float(k + l * D, row_buf, D);
-    for (int64_t j = 0; j < rows; ++j) {
-      const float* a = qf + j * D;
-      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) {
-        for (int e = 0; e < 8; ++e) part[e] += a[d + e] * row_buf[d + e];
-      }
-      for (; d < D; ++d) part[0] += a[d] * row_buf[d];
-      logits[j * ld + l] =
-          ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    }
+  int64_t chunks() const { return static_cast<int64_t>(chunk_segment.size()); }
+  int64_t units() const { return chunks() * blocks; }
+  int64_t block_queries(int64_t block) const {
+    return std::min(n, (block + 1) * per_block) - block * per_block;
   }
+};
+
+// Tokens [first, first + count) of segment s that chunk c covers.
+struct ChunkRange {
+  int64_t s, first, count;
+};
+
+ChunkRange chunk_range(const Problem& p, const Plan& plan, int64_t c) {
+  const int64_t s = plan.chunk_segment[c];
+  const int64_t len = (*p.len_host)[s];
+  if (plan.gemm) return {s, 0, len};
+  const int64_t first = (c - plan.chunk_first[s]) * kChunk;
+  return {s, first, std::min(kChunk, len - first)};
 }
 
-// acc_j += sum_l probs[j * ld + l] * v_l for the rows j < rows of acc [rows, D].
-template <typename T>
-KVCACHE_ALWAYS_INLINE void values_impl(const T* v, int64_t len, int64_t D, const float* probs,
-                                       int64_t ld, int64_t rows, float* acc, float* row_buf) {
-  for (int64_t l = 0; l < len; ++l) {
-    to_float(v + l * D, row_buf, D);
-    for (int64_t j = 0; j < rows; ++j) {
-      const float w = probs[j * ld + l];
-      if (w == 0.f) continue;  // masked slots, and rows that see nothing
-      float* a = acc + j * D;
-      for (int64_t d = 0; d < D; ++d) a[d] += w * row_buf[d];
-    }
+Plan make_plan(const Problem& p, int64_t n, int64_t D) {
+  Plan plan;
+  plan.heads = p.segments / p.q.size(0);
+  plan.groups = p.groups;
+  plan.n = n;
+  plan.D = D;
+  plan.gemm = p.groups * n >= kGemmRows;
+  const int64_t max_rows = plan.gemm ? kGemmMaxRows : kTileMaxRows;
+  plan.per_block = std::min(n, std::max<int64_t>(1, max_rows / p.groups));
+  plan.blocks = (n + plan.per_block - 1) / plan.per_block;
+  plan.rows_max = p.groups * plan.per_block;
+  plan.chunk_first.assign(p.segments + 1, 0);
+  for (int64_t s = 0; s < p.segments; ++s) {
+    const int64_t len = (*p.len_host)[s];
+    const int64_t chunks = plan.gemm ? (len > 0 ? 1 : 0) : (len + kChunk - 1) / kChunk;
+    plan.chunk_first[s + 1] = plan.chunk_first[s] + chunks;
+    plan.chunk_segment.insert(plan.chunk_segment.end(), chunks, s);
   }
+  return plan;
 }
 
-// The two hot loops are also compiled for AVX2+FMA and picked at run time: an extension is
-// built for the baseline x86-64 ISA (SSE2), while torch's own CPU kernels dispatch on the CPU.
-#if defined(__GNUC__) && defined(__x86_64__)
-#define KVCACHE_AVX2_PATH 1
-template <typename T>
-__attribute__((target("avx2,fma"))) void logits_avx2(const T* k, int64_t len, int64_t D,
-                                                     const float* qf, int64_t rows, float* logits,
-                                                     int64_t ld, float* row_buf) {
-  logits_impl(k, len, D, qf, rows, logits, ld, row_buf);
-}
-template <typename T>
-__attribute__((target("avx2,fma"))) void values_avx2(const T* v, int64_t len, int64_t D,
-                                                     const float* probs, int64_t ld, int64_t rows,
-                                                     float* acc, float* row_buf) {
-  values_impl(v, len, D, probs, ld, rows, acc, row_buf);
-}
-bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-#endif
+// Per-unit results. m: the unit's maximum logit per row, replaced by the merge with the
+// factor taking the unit's exponentials to final probabilities. sum: its sum of
+// exponentials. acc: sum of exponential * v. probs: the exponentials (statistics only).
+struct Workspace {
+  float* m;
+  float* sum;
+  float* acc;
+  float* probs;  // nullptr without statistics
+};
 
-template <typename T>
-void compute_logits(const T* k, int64_t len, int64_t D, const float* qf, int64_t rows,
-                    float* logits, int64_t ld, float* row_buf) {
-#ifdef KVCACHE_AVX2_PATH
-  if (cpu_has_avx2()) return logits_avx2(k, len, D, qf, rows, logits, ld, row_buf);
-#endif
-  logits_impl(k, len, D, qf, rows, logits, ld, row_buf);
-}
-
-template <typename T>
-void accumulate_values(const T* v, int64_t len, int64_t D, const float* probs, int64_t ld,
-                       int64_t rows, float* acc, float* row_buf) {
-#ifdef KVCACHE_AVX2_PATH
-  if (cpu_has_avx2()) return values_avx2(v, len, D, probs, ld, rows, acc, row_buf);
-#endif
-  values_impl(v, len, D, probs, ld, rows, acc, row_buf);
-}
-
-// Calls f(l0, run, rows) for the runs of a segment's tokens that share a page: tokens
-// [l0, l0 + run) of part b, whose rows are contiguous from `rows`.
+// Calls f(l, run, rows, next) for the runs of tokens [l0, l1) of segment s that share a page:
+// rows points to part b's row of token l, next to that of the following run (nullptr for
+// the last), which the tile loops prefetch.
 template <typename T, typename F>
-void for_each_page_run(const store::PagedView& view, int part, int64_t s, int64_t len, const F& f) {
+void for_each_page_run(const store::PagedView& view, int part, int64_t s, int64_t l0, int64_t l1,
+                       const F& f) {
   const int64_t P = view.page_size();
-  for (int64_t l0 = 0; l0 < len; l0 += P) {
-    f(l0, std::min(P, len - l0), reinterpret_cast<const T*>(view.token(part, s, l0)));
+  const T* rows = l0 < l1 ? reinterpret_cast<const T*>(view.token(part, s, l0)) : nullptr;
+  for (int64_t l = l0; l < l1;) {
+    const int64_t run = std::min(P - (l & (P - 1)), l1 - l);
+    const T* next = l + run < l1 ? reinterpret_cast<const T*>(view.token(part, s, l + run)) : nullptr;
+    f(l, run, rows, next);
+    rows = next;
+    l += run;
   }
 }
 
-// The segment's rows of part b (K or V) as floats, contiguous [len, D].
-template <typename T>
-void gather_rows_as_float(const store::PagedView& view, int part, int64_t s, int64_t len,
-                          int64_t D, float* out) {
-  for_each_page_run<T>(view, part, s, len, [&](int64_t l0, int64_t run, const T* rows) {
-    to_float(rows, out + l0 * D, run * D);
+template <typename F>
+void run_parallel(int64_t count, bool parallel, const F& f) {
+  if (!parallel) {
+    for (int64_t i = 0; i < count; ++i) f(i);
+    return;
+  }
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) f(i);
   });
 }
 
-struct Shape {
-  int64_t heads, groups, n, D;
-  bool causal, mass, last, sum_sq, count;
-};
-
-// Attends queries [i0, i1) of every head of segment s over its live slots.
-template <typename T>
-void attend_block(const Problem& p, Result& r, const Shape& sh, int64_t s, int64_t i0, int64_t i1) {
-  const int64_t G = sh.groups, n = sh.n, D = sh.D, ib = i1 - i0, rows = G * ib;
-  const int64_t b = s / sh.heads;
-  const int64_t len = (*p.len_host)[s];
+// Adds the final probabilities of query blocks [block_begin, block_end) over the tokens
+// [l0, l0 + cl) of segment s into the statistics of their slots. probs(block) gives the
+// block's exponentials ([rows, cl]) and factors ([rows]) to final probabilities. The caller
+// owns these slots: nothing else writes them meanwhile. Column buffers keep the loops over
+// tokens contiguous.
+template <typename F>
+void add_statistics(const Problem& p, const Plan& plan, Result& r, int64_t s, int64_t l0,
+                    int64_t cl, int64_t block_begin, int64_t block_end, const F& probs) {
+  const int64_t G = plan.groups, n = plan.n;
   const store::PagedView& view = p.view;
-  // Row (g, i) of this segment is q/out row (s * G + g) * n + i.
-  const T* q = p.q.data_ptr<T>() + s * G * n * D;
-  T* out = r.out.data_ptr<T>() + s * G * n * D;
-  auto row_offset = [&](int64_t g, int64_t i) { return (g * n + i) * D; };
-
-  if (len == 0) {  // nothing to attend: zero output, no statistics
-    for (int64_t g = 0; g < G; ++g)
-      std::fill(out + row_offset(g, i0), out + row_offset(g, i0) + ib * D, T(0));
-    return;
-  }
-
-  thread_local std::vector<float> qf, logits, acc, row_buf, kv_f;
+  thread_local std::vector<float> mass, sum_sq, group;
+  thread_local std::vector<int32_t> count, pos;
   thread_local std::vector<int64_t> slot;
-  thread_local std::vector<int32_t> slot_pos;
-  qf.resize(rows * D);
-  logits.resize(rows * len);
-  acc.assign(rows * D, 0.f);
-  row_buf.resize(D);
-  // Local row index j = g * ib + (i - i0).
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t j = g * ib + (i - i0);
-      to_float(q + row_offset(g, i), qf.data() + j * D, D);
-      for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= p.scale;
-    }
-  // The segment's slots and positions, token by token (they lie in pages).
-  slot.resize(len);
-  slot_pos.resize(len);
-  for (int64_t l = 0; l < len; ++l) {
-    slot[l] = view.slot(s, l);
-    slot_pos[l] = *reinterpret_cast<const int32_t*>(view.row(store::kPos, slot[l]));
-  }
-  const int32_t* q_pos = sh.causal ? p.q_pos.data_ptr<int32_t>() + b * n : nullptr;
-
-  // Logits: each K row once, against every row of the block.
-  const bool gemm = rows >= kGemmRows;
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  if (gemm) {  // logits [rows, len] = qf [rows, D] @ K^T
-    kv_f.resize(len * D);
-    gather_rows_as_float<T>(view, store::kK, s, len, D, kv_f.data());
-    at::Tensor logits_t = at::from_blob(logits.data(), {rows, len}, f32);
-    at::mm_out(logits_t, at::from_blob(qf.data(), {rows, D}, f32),
-               at::from_blob(kv_f.data(), {len, D}, f32).t());
-  } else {
-    for_each_page_run<T>(view, store::kK, s, len, [&](int64_t l0, int64_t run, const T* k) {
-      compute_logits(k, run, D, qf.data(), rows, logits.data() + l0, len, row_buf.data());
-    });
-  }
-  if (q_pos) {  // causal by position: slots in a query's future are masked
-    for (int64_t l = 0; l < len; ++l)
-      for (int64_t i = i0; i < i1; ++i) {
-        if (slot_pos[l] <= q_pos[i]) continue;
-        for (int64_t g = 0; g < G; ++g) logits[(g * ib + (i - i0)) * len + l] = kNegInf;
-      }
-  }
-  // Exact softmax per row: probabilities replace the logits; inv_sum = 0 for a row that sees
-  // no slot (all its slots are in its future), whose output is then zero.
-  std::vector<float> inv_sum(rows);
-  for (int64_t j = 0; j < rows; ++j) {
-    float* x = logits.data() + j * len;
-    const float m = *std::max_element(x, x + len);
-    if (m == kNegInf) {
-      std::fill(x, x + len, 0.f);
-      inv_sum[j] = 0.f;
-      continue;
-    }
-    float sum = 0.f;
-    for (int64_t l = 0; l < len; ++l) {
-      x[l] = std::exp(x[l] - m);
-      sum += x[l];
-    }
-    inv_sum[j] = 1.f / sum;
-  }
-  // Output: each V row once, accumulated into every row of the block.
-  if (gemm) {  // acc [rows, D] = probs [rows, len] @ V
-    gather_rows_as_float<T>(view, store::kV, s, len, D, kv_f.data());
-    at::Tensor acc_t = at::from_blob(acc.data(), {rows, D}, f32);
-    at::mm_out(acc_t, at::from_blob(logits.data(), {rows, len}, f32),
-               at::from_blob(kv_f.data(), {len, D}, f32));
-  } else {
-    for_each_page_run<T>(view, store::kV, s, len, [&](int64_t l0, int64_t run, const T* v) {
-      accumulate_values(v, run, D, logits.data() + l0, len, rows, acc.data(), row_buf.data());
-    });
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t j = g * ib + (i - i0);
-      T* o = out + row_offset(g, i);
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[j * D + d] * inv_sum[j]);
-    }
-
-  // Statistics of the normalized probabilities, added into this segment's slots.
-  if (!(sh.mass || sh.last || sh.sum_sq || sh.count)) return;
-  float* mass = sh.mass ? r.mass.data_ptr<float>() : nullptr;
-  float* last = sh.last ? r.last.data_ptr<float>() : nullptr;
-  float* sum_sq = sh.sum_sq ? r.sum_sq.data_ptr<float>() : nullptr;
-  int32_t* count = sh.count ? r.count.data_ptr<int32_t>() : nullptr;
-  for (int64_t l = 0; l < len; ++l) {
-    float slot_mass = 0.f, slot_sq = 0.f;
-    int32_t seen = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      float group_mass = 0.f;
+  mass.assign(cl, 0.f);
+  sum_sq.assign(cl, 0.f);
+  group.resize(cl);
+  count.assign(cl, 0);
+  pos.resize(cl);
+  slot.resize(cl);
+  for_each_page_run<int32_t>(view, store::kPos, s, l0, l0 + cl,
+                             [&](int64_t l, int64_t run, const int32_t* pp, const int32_t*) {
+                               const int64_t first = view.slot(s, l);
+                               for (int64_t t = 0; t < run; ++t) {
+                                 pos[l - l0 + t] = pp[t];
+                                 slot[l - l0 + t] = first + t;
+                               }
+                             });
+  const int32_t* q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() + (s / plan.heads) * n
+                                           : nullptr;
+  float* last = r.last.defined() ? r.last.data_ptr<float>() : nullptr;
+  const float inv_g = 1.f / static_cast<float>(G);
+  for (int64_t block = block_begin; block < block_end; ++block) {
+    const int64_t i0 = block * plan.per_block, ib = plan.block_queries(block);
+    const auto [x_block, factor] = probs(block);
+    for (int64_t i = i0; i < i0 + ib; ++i) {
+      std::fill(group.begin(), group.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = g * ib + (i - i0);
-        const float prob = logits[j * len + l] * inv_sum[j];
-        group_mass += prob;
-        if (last && i == n - 1) last[slot[l] * G + g] = prob;
+        const float f = factor[j];
+        const float* x = x_block + j * cl;
+        for (int64_t l = 0; l < cl; ++l) group[l] += x[l] * f;
+        if (last && i == n - 1) {
+          for (int64_t l = 0; l < cl; ++l) last[slot[l] * G + g] = x[l] * f;
+        }
       }
-      slot_mass += group_mass;
-      const float mean = group_mass / static_cast<float>(G);
-      slot_sq += mean * mean;
-      seen += (!q_pos || slot_pos[l] <= q_pos[i]) ? 1 : 0;
+      for (int64_t l = 0; l < cl; ++l) {
+        mass[l] += group[l];
+        const float mean = group[l] * inv_g;
+        sum_sq[l] += mean * mean;
+      }
+      if (q_pos) {
+        for (int64_t l = 0; l < cl; ++l) count[l] += pos[l] <= q_pos[i] ? 1 : 0;
+      } else {
+        for (int64_t l = 0; l < cl; ++l) count[l] += 1;
+      }
     }
-    if (mass) mass[slot[l]] += slot_mass;
-    if (sum_sq) sum_sq[slot[l]] += slot_sq;
-    if (count) count[slot[l]] += seen;
+  }
+  float* mass_out = r.mass.defined() ? r.mass.data_ptr<float>() : nullptr;
+  float* sum_sq_out = r.sum_sq.defined() ? r.sum_sq.data_ptr<float>() : nullptr;
+  int32_t* count_out = r.count.defined() ? r.count.data_ptr<int32_t>() : nullptr;
+  for (int64_t l = 0; l < cl; ++l) {
+    if (mass_out) mass_out[slot[l]] += mass[l];
+    if (sum_sq_out) sum_sq_out[slot[l]] += sum_sq[l];
+    if (count_out) count_out[slot[l]] += count[l];
+  }
+}
+
+// Unit u: the queries of its block against the tokens of its chunk. Leaves the unit's
+// maximum, sum and unnormalised output in the workspace; a tile unit leaves its exponentials
+// in ws.probs when statistics are asked for, a matrix unit adds its statistics itself.
+template <typename T>
+void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result& r, int64_t u) {
+  const Tiles<T>& tiles = attention::tiles<T>();
+  const int64_t block = u % plan.blocks;
+  const auto [s, l0, cl] = chunk_range(p, plan, u / plan.blocks);
+  const int64_t G = plan.groups, n = plan.n, D = plan.D;
+  const int64_t i0 = block * plan.per_block, ib = plan.block_queries(block), rows = G * ib;
+  const store::PagedView& view = p.view;
+
+  // The block's queries as scaled floats, row j = g * ib + (i - i0).
+  thread_local std::vector<float> qf, logits_buf, kv_f;
+  thread_local std::vector<int32_t> pos;
+  qf.resize(rows * D);
+  const T* q = p.q.data_ptr<T>() + s * G * n * D;
+  for (int64_t g = 0; g < G; ++g) {
+    tiles.widen(q + (g * n + i0) * D, qf.data() + g * ib * D, ib * D);
+  }
+  for (float& x : qf) x *= p.scale;
+
+  const bool keep_probs = ws.probs != nullptr && !plan.gemm;
+  float* logits = keep_probs ? ws.probs + u * plan.rows_max * kChunk
+                             : (logits_buf.resize(rows * cl), logits_buf.data());
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  auto widen_part = [&](int part) {  // the chunk's K or V rows as floats [cl, D]
+    kv_f.resize(cl * D);
+    for_each_page_run<T>(view, part, s, l0, l0 + cl,
+                         [&](int64_t l, int64_t run, const T* rows_p, const T*) {
+                           tiles.widen(rows_p, kv_f.data() + (l - l0) * D, run * D);
+                         });
+    return at::from_blob(kv_f.data(), {cl, D}, f32);
+  };
+  if (plan.gemm) {
+    at::Tensor out = at::from_blob(logits, {rows, cl}, f32);
+    at::mm_out(out, at::from_blob(qf.data(), {rows, D}, f32), widen_part(store::kK).t());
+  } else {
+    for_each_page_run<T>(view, store::kK, s, l0, l0 + cl, [&](int64_t l, int64_t run, const T* k, const T* next) {
+      tiles.logits(k, run, D, qf.data(), rows, logits + (l - l0), cl, next);
+    });
+  }
+  if (p.q_pos.defined()) {  // causal by position: a slot in a query's future is masked
+    pos.resize(cl);
+    for_each_page_run<int32_t>(view, store::kPos, s, l0, l0 + cl,
+                               [&](int64_t l, int64_t run, const int32_t* pp, const int32_t*) {
+                                 std::copy(pp, pp + run, pos.data() + (l - l0));
+                               });
+    const int32_t* q_pos = p.q_pos.data_ptr<int32_t>() + (s / plan.heads) * n;
+    for (int64_t j = 0; j < rows; ++j) {
+      const int32_t limit = q_pos[i0 + j % ib];
+      float* x = logits + j * cl;
+      for (int64_t l = 0; l < cl; ++l) x[l] = pos[l] <= limit ? x[l] : kNegInf;
+    }
+  }
+  float* m = ws.m + u * plan.rows_max;
+  float* sum = ws.sum + u * plan.rows_max;
+  for (int64_t j = 0; j < rows; ++j) {
+    float* x = logits + j * cl;
+    m[j] = tiles.max(x, cl);
+    if (m[j] == kNegInf) {  // the row sees none of these tokens
+      std::fill(x, x + cl, 0.f);
+      sum[j] = 0.f;
+    } else {
+      sum[j] = tiles.exp_sum(x, cl, m[j]);
+    }
+  }
+  float* acc = ws.acc + u * plan.rows_max * D;
+  if (plan.gemm) {
+    at::Tensor out = at::from_blob(acc, {rows, D}, f32);
+    at::mm_out(out, at::from_blob(logits, {rows, cl}, f32), widen_part(store::kV));
+  } else {
+    std::fill(acc, acc + rows * D, 0.f);
+    for_each_page_run<T>(view, store::kV, s, l0, l0 + cl, [&](int64_t l, int64_t run, const T* v, const T* next) {
+      tiles.values(v, run, D, logits + (l - l0), cl, rows, acc, next);
+    });
+  }
+  if (plan.gemm && ws.probs != nullptr) {  // the unit is its segment's only chunk: final now
+    thread_local std::vector<float> factor;
+    factor.resize(rows);
+    for (int64_t j = 0; j < rows; ++j) factor[j] = sum[j] > 0.f ? 1.f / sum[j] : 0.f;
+    add_statistics(p, plan, r, s, l0, cl, block, block + 1,
+                   [&](int64_t) { return std::pair<const float*, const float*>(logits, factor.data()); });
+  }
+}
+
+// Merges the chunks of (segment s, query block) into the output; leaves in ws.m each unit's
+// factor to the final probabilities (0 where a row saw nothing).
+template <typename T>
+void merge_block(const Plan& plan, const Workspace& ws, T* out_all, int64_t w) {
+  const int64_t s = w / plan.blocks, block = w % plan.blocks;
+  const int64_t G = plan.groups, n = plan.n, D = plan.D;
+  const int64_t i0 = block * plan.per_block, ib = plan.block_queries(block);
+  const int64_t first = plan.chunk_first[s], last = plan.chunk_first[s + 1];
+  thread_local std::vector<float> row;
+  row.resize(D);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = i0; i < i0 + ib; ++i) {
+      const int64_t j = g * ib + (i - i0);
+      auto at = [&](int64_t c) { return (c * plan.blocks + block) * plan.rows_max + j; };
+      float top = kNegInf;
+      for (int64_t c = first; c < last; ++c) top = std::max(top, ws.m[at(c)]);
+      float total = 0.f;
+      for (int64_t c = first; c < last && top != kNegInf; ++c) {
+        total += ws.sum[at(c)] * std::exp(ws.m[at(c)] - top);
+      }
+      std::fill(row.begin(), row.end(), 0.f);
+      for (int64_t c = first; c < last; ++c) {
+        const float factor = top == kNegInf ? 0.f : std::exp(ws.m[at(c)] - top) / total;
+        ws.m[at(c)] = factor;
+        if (factor == 0.f) continue;
+        const float* acc = ws.acc + at(c) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] += factor * acc[d];
+      }
+      T* o = out_all + (s * G * n + g * n + i) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(row[d]);
+    }
+}
+
+template <typename T>
+void attend_all(const Problem& p, Result& r) {
+  const int64_t n = p.q.size(2), D = p.q.size(3);
+  const Plan plan = make_plan(p, n, D);
+  const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
+  int64_t tokens = 0;
+  for (int64_t s = 0; s < p.segments; ++s) tokens += (*p.len_host)[s];
+  const bool parallel = tokens * plan.groups * n * D >= kSerialWork;
+
+  const int64_t U = plan.units(), R = plan.rows_max;
+  const auto f32 = p.q.options().dtype(at::kFloat);
+  at::Tensor parts = at::empty({U * R * (2 + D)}, f32);
+  at::Tensor probs;
+  if (stats && !plan.gemm) probs = at::empty({U * R * kChunk}, f32);
+  float* base = parts.data_ptr<float>();
+  // A matrix unit keeps no exponentials; probs is then only a flag that statistics are on.
+  float* probs_p = !stats ? nullptr : plan.gemm ? base : probs.data_ptr<float>();
+  const Workspace ws{base, base + U * R, base + 2 * U * R, probs_p};
+  if (stats && plan.gemm) {  // a segment's blocks add into the same slots: one thread each
+    run_parallel(plan.chunks(), parallel, [&](int64_t c) {
+      for (int64_t b = 0; b < plan.blocks; ++b) attend_unit<T>(p, plan, ws, r, c * plan.blocks + b);
+    });
+  } else {
+    run_parallel(U, parallel, [&](int64_t u) { attend_unit<T>(p, plan, ws, r, u); });
+  }
+  T* out = r.out.data_ptr<T>();
+  run_parallel(p.segments * plan.blocks, parallel,
+               [&](int64_t w) { merge_block<T>(plan, ws, out, w); });
+  if (stats && !plan.gemm) {
+    run_parallel(plan.chunks(), parallel, [&](int64_t c) {
+      const auto [s, l0, cl] = chunk_range(p, plan, c);
+      add_statistics(p, plan, r, s, l0, cl, 0, plan.blocks, [&](int64_t block) {
+        const int64_t u = c * plan.blocks + block;
+        return std::pair<const float*, const float*>(ws.probs + u * R * kChunk, ws.m + u * R);
+      });
+    });
   }
 }
 
 }  // namespace
 
 void ragged_attention_cpu(const Problem& p, Result& r) {
-  const int64_t B = p.q.size(0), n = p.q.size(2), D = p.q.size(3);
-  const int64_t S = p.segments;
-  Shape sh{S / B, p.groups, n, D, p.q_pos.defined(), r.mass.defined(), r.last.defined(),
-           r.sum_sq.defined(), r.count.defined()};
-  const int64_t per_block = std::max<int64_t>(1, kMaxRowsPerBlock / sh.groups);
-  const int64_t blocks_per_segment = (n + per_block - 1) / per_block;
-  const bool stats = sh.mass || sh.last || sh.sum_sq || sh.count;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.q.scalar_type(), "ragged_attention_cpu",
-                                  [&] {
-    auto run_segment_blocks = [&](int64_t s, int64_t first, int64_t end) {
-      for (int64_t blk = first; blk < end; ++blk) {
-        const int64_t i0 = blk * per_block;
-        attend_block<scalar_t>(p, r, sh, s, i0, std::min(n, i0 + per_block));
-      }
-    };
-    if (stats) {  // a segment's blocks add into the same slots: one thread per segment
-      at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
-        for (int64_t s = s0; s < s1; ++s) run_segment_blocks(s, 0, blocks_per_segment);
-      });
-    } else {
-      at::parallel_for(0, S * blocks_per_segment, 1, [&](int64_t w0, int64_t w1) {
-        for (int64_t w = w0; w < w1; ++w) {
-          const int64_t s = w / blocks_per_segment, blk = w % blocks_per_segment;
-          run_segment_blocks(s, blk, blk + 1);
-        }
-      });
-    }
-  });
+  // The store holds float32, float16 or bfloat16 (its constructor checks).
+  switch (p.q.scalar_type()) {
+    case at::kFloat: return attend_all<float>(p, r);
+    case at::kHalf: return attend_all<c10::Half>(p, r);
+    case at::kBFloat16: return attend_all<c10::BFloat16>(p, r);
+    default: TORCH_CHECK(false, "ragged_attention_cpu: unsupported dtype ", p.q.scalar_type());
+  }
 }
 
 }  // namespace kvcache_ext::attention

@@ -19,6 +19,7 @@
 #include <memory>
 #include <tuple>
 
+#include "attention/attention_cpu_tiles.h"
 #include "attention/ragged_attention.h"
 #include "store/ragged_store.h"
 #include "tests/store_util.h"
@@ -602,6 +603,20 @@ Snapshot snapshot(const RaggedKVStore& st) {
 
 // ---- random cases -------------------------------------------------------------------------
 
+// The CPU kernel's vector ISAs that this CPU supports, narrowest first.
+std::vector<std::string> cpu_isas() {
+  static const std::vector<std::string> isas = [] {
+    const std::string widest = kvcache_ext::attention::cpu_isa();
+    std::vector<std::string> all;
+    for (const char* isa : {"baseline", "avx2", "avx512"}) {
+      all.push_back(isa);
+      if (widest == isa) break;
+    }
+    return all;
+  }();
+  return isas;
+}
+
 void matches_reference(const AttnCase& c, bool cuda) {
   Scenario sc;
   KVTEST_STEP("building the store", build(c, cuda, sc));
@@ -612,8 +627,14 @@ void matches_reference(const AttnCase& c, bool cuda) {
   const at::Tensor q_before = sc.q.clone();
   for (const Want& w : {kAllStats, kNoStats, some_stats(c.seed)}) {
     SCOPED_TRACE(describe(w));
-    const Result res = attend(st, sc.q, sc.q_pos, sc.scale, w);
-    KVTEST_STEP("CPU result", expect_result(res, st, sc.q, w, at::kCPU, ref, nullptr));
+    // Every vector ISA of the CPU kernel this CPU runs; the widest (the default) last.
+    Result res;
+    for (const std::string& isa : cpu_isas()) {
+      SCOPED_TRACE("CPU ISA " + isa);
+      kvcache_ext::attention::set_cpu_isa(isa);
+      res = attend(st, sc.q, sc.q_pos, sc.scale, w);
+      KVTEST_STEP("CPU result", expect_result(res, st, sc.q, w, at::kCPU, ref, nullptr));
+    }
     if (c.qpos == QPos::kBeforeAll) {  // said plainly, whatever the reference says
       EXPECT_TRUE(at::all(std::get<0>(res) == 0).item<bool>()) << "a query that sees nothing gets zeros";
       if (w.count) {
