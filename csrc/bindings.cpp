@@ -54,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("replace", &RaggedKVStore::replace, py::arg("slot"), py::arg("k"), py::arg("v"),
            py::arg("pos"), py::arg("check_bounds") = true)
       .def("compact", &RaggedKVStore::compact, py::arg("keep"))
+      .def("select", &RaggedKVStore::select, py::arg("scores"), py::arg("k"), py::arg("grouped"))
       .def("reserve", &RaggedKVStore::reserve, py::arg("extra"))
       .def("repack", &RaggedKVStore::repack, py::arg("extra"))
       .def("shrink_to_fit", &RaggedKVStore::shrink_to_fit)

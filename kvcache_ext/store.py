@@ -93,12 +93,20 @@ class RaggedKVStore:
         heads; returns ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted
         first.
         """
+        per = (self.batch,) if grouped else (self.batch, self.heads)
+        if self.device.type == "cpu":
+            # The store selects through its own pages: no packing, no copy of the scores.
+            if scores is not None:
+                scores = scores.float().contiguous()  # no copy when it is already so
+            keep, counts = self._store.select(scores, torch.as_tensor(k).expand(per).reshape(-1),
+                                              grouped)
+            return (keep, counts.view(self.batch, self.heads)) if grouped else keep
+        # CUDA: the top-k kernels (CUB radix sort) take contiguous segments, so the live tokens
+        # are packed in segment order, selected, and the keep flags put back in slot layout.
         if scores is None:
             if self.score_channels == 0:
                 raise ValueError("this store has no score channels: pass scores=")
             scores = self.scores[:, 0]
-        # The top-k kernels take contiguous segments: the live tokens are packed in segment
-        # order, selected, and the keep flags put back in slot layout.
         index, mask = self.slot_index()
         live = mask.view(-1).nonzero().squeeze(1)      # padded positions of the live tokens
         slots = index.view(-1)[live]

@@ -287,3 +287,77 @@ def test_per_step_eviction_gives_each_head_back_its_own_page(device):
         store.compact(store.select(8, torch.rand(store.capacity, device=device)))
         assert store.free_pages == 6
     assert store.slab_allocations == allocations + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(B=st.integers(1, 3), H=st.integers(1, 4), C=st.integers(1, 3), page_size=st.sampled_from([1, 4, 16]),
+       max_len=st.sampled_from([1, 5, 40]), seed=st.integers(0, 2**31 - 1))
+def test_select_through_pages_matches_reference(device, B, H, C, page_size, max_len, seed):
+    """select reads scores (channel 0 of the store, slot layout or padded with extra columns)
+    and positions through the pages: ragged and empty segments, pages out of order after an
+    eviction, k = 0, k >= len, ties and NaN (random_scores), per segment and grouped."""
+    gen = torch.Generator().manual_seed(seed)
+    store = kvcache_ext.RaggedKVStore(B, H, 4, dtype=torch.float32, device=device, score_channels=C,
+                                      page_size=page_size)
+    n = max_len
+    k0 = torch.randn(B, H, n, 4, generator=gen)
+    valid = torch.rand(B, H, n, generator=gen) < 0.7
+    valid[0, 0] = False  # one empty segment
+    store.append(k0.to(device), k0.to(device), torch.arange(n).to(device), valid.to(device))
+    store.compact(store.from_padded((torch.rand(store.to_dense().mask.shape, generator=gen) < 0.8)
+                                    .to(device), False))
+    store.append(k0.to(device), k0.to(device), torch.arange(n, 2 * n).to(device))  # reuses freed pages
+    dense = store.to_dense()
+    lens, S, L = dense.lens.cpu(), B * H, dense.mask.shape[-1]
+    scores = random_scores(gen, (B, H, L, C))
+    store.set_scores(store.from_padded(scores.to(device)))
+    sc0, pos = scores[..., 0].reshape(S, L), dense.pos.cpu().reshape(S, L)
+    wide = torch.cat([scores[..., 0], torch.randn(B, H, 3, generator=gen)], 2)  # padded, L + 3 columns
+    flat = store.from_padded(scores[..., 0].to(device), 0.0)
+
+    k = torch.randint(0, L + 2, (B, H), generator=gen)
+    k[0, -1] = 0
+    want = reference.segmented_topk(sc0, pos, lens.view(S), k.view(S)).view(B, H, L)
+    for given_scores in (None, flat, wide.to(device)):
+        keep = store.select(k.to(device), given_scores)
+        assert keep.shape == (store.capacity,) and keep.dtype == torch.bool
+        assert torch.equal(store.to_padded(keep, False).cpu(), want)
+        assert int(keep.sum()) == int(want.sum())  # nothing outside the live slots
+    for kg in (torch.randint(0, int(lens.sum(1).max()) + 2, (B,), generator=gen), 0, 2**40):
+        want, want_counts = reference.grouped_topk(sc0, pos, lens.view(S), H, kg)
+        for given_scores in (None, flat, wide.to(device)):
+            keep, counts = store.select(kg, given_scores, grouped=True)
+            assert torch.equal(store.to_padded(keep, False).cpu(), want.view(B, H, L))
+            assert int(keep.sum()) == int(want.sum())
+            assert torch.equal(counts.cpu(), want_counts.view(B, H))
+
+
+def test_store_select_rejects_bad_input():
+    B, H = 2, 3
+    store = kvcache_ext.RaggedKVStore(B, H, 8, dtype=torch.float16, page_size=4)
+    k = torch.randn(B, H, 5, 8, dtype=torch.float16)
+    store.append(k, k, torch.arange(5))
+    cap, S = store.capacity, B * H
+    raw = store._store.select
+    bad_calls = [
+        (ValueError, r"k \(the budget\) must be >= 0, got k\[4\] = -2",
+         lambda: raw(None, torch.tensor([1, 1, 1, 1, -2, 1]), False)),
+        (ValueError, r"k \(the budget\) must have shape \[6\] \(one per segment\), got \[2\]",
+         lambda: raw(None, torch.ones(B, dtype=torch.long), False)),
+        (ValueError, r"k \(the budget\) must have shape \[2\] \(one per batch item\)",
+         lambda: raw(None, torch.ones(S, dtype=torch.long), True)),
+        (TypeError, "k .*integer", lambda: raw(None, torch.ones(S), False)),
+        (ValueError, r"scores must be \[capacity\] = \[\d+\] in slot layout or \[batch, heads, L\] = \[2, 3, L >= 5\]",
+         lambda: raw(torch.zeros(cap + 1), torch.ones(S, dtype=torch.long), False)),
+        (ValueError, r"L >= 5\] padded, got shape \[2, 3, 4\]",
+         lambda: raw(torch.zeros(B, H, 4), torch.ones(S, dtype=torch.long), False)),
+        (TypeError, "scores", lambda: raw(torch.zeros(cap, dtype=torch.float64), torch.ones(S, dtype=torch.long), False)),
+        (ValueError, "contiguous", lambda: raw(torch.zeros(B, H, 10)[..., ::2], torch.ones(S, dtype=torch.long), False)),
+        (ValueError, "budget", lambda: store.select(-1)),
+    ]
+    for error, words, call in bad_calls:
+        with pytest.raises(error, match=words):
+            call()
+    none = kvcache_ext.RaggedKVStore(1, 1, 8, score_channels=0)
+    with pytest.raises(ValueError, match="no score channels"):
+        none.select(1)

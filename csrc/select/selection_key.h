@@ -8,14 +8,14 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
-#define KVCACHE_HOST_DEVICE __host__ __device__ __forceinline__
+#define KVCACHE_SELECTION_KEY_FN __host__ __device__ __forceinline__
 #else
-#define KVCACHE_HOST_DEVICE inline
+#define KVCACHE_SELECTION_KEY_FN inline
 #endif
 
 namespace kvcache_ext::select {
 
-KVCACHE_HOST_DEVICE uint64_t selection_key(float score, int32_t pos) {
+KVCACHE_SELECTION_KEY_FN uint64_t selection_key(float score, int32_t pos) {
   uint32_t ordered;
   if (score != score) {
     ordered = 1u;  // NaN: above slack (0), below -inf (0x007fffff)
@@ -34,3 +34,6 @@ KVCACHE_HOST_DEVICE uint64_t selection_key(float score, int32_t pos) {
 }
 
 }  // namespace kvcache_ext::select
+
+// Local to this header: store/paged_layout.h defines KVCACHE_HOST_DEVICE for its own use.
+#undef KVCACHE_SELECTION_KEY_FN

@@ -6,6 +6,10 @@
 
 namespace kvcache_ext {
 
+namespace store {
+struct PagedView;  // store/paged_layout.h
+}  // namespace store
+
 // Keeps the k[s] best live slots of every segment s (all of them when k[s] >= len[s]).
 // scores [capacity] float32, pos [capacity] int32, start [S] int64, len [S] int32,
 // k [S] integer. Returns keep [capacity] bool (false outside live slots).
@@ -26,6 +30,16 @@ void segmented_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const a
 void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                       const at::Tensor& len, int64_t group_size, const at::Tensor& k,
                       const at::Tensor& keep, const at::Tensor& counts);
+// The selection of RaggedKVStore::select, reading each segment's tokens through the
+// store's pages: group g is segments [g * group_size, (g + 1) * group_size) (group_size 1:
+// per segment) and keeps its k[g] best tokens. scores: undefined (channel 0 of the pages),
+// [capacity] (slot layout) or [B, H, L] (padded) float32. keep [capacity] bool, zeroed;
+// counts [S] int32 receives the number kept per segment. CPU only: on CUDA the store's
+// Python select packs the segments and calls the CUDA kernels above.
+void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
+                    int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
+                    const at::Tensor& counts);
+
 #ifdef KVCACHE_EXT_WITH_CUDA
 void segmented_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                          const at::Tensor& len, const at::Tensor& k, const at::Tensor& keep);

@@ -1,37 +1,83 @@
-// CPU selection: a partial sort (nth_element) of each segment or group, in parallel.
+// CPU selection, in parallel over segments (or groups): every candidate gets its 64-bit
+// selection key, the k-th largest key is found by a partial selection on the keys alone,
+// and one pass in candidate order keeps the keys above it and the first of the keys equal
+// to it. Candidate order is segment by segment, token by token, so equal keys (equal score
+// and position) go to the earlier candidate, as the CUDA path's stable sort does.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "select/selection_key.h"
 #include "select/topk.h"
+#include "store/paged_layout.h"
 
 namespace kvcache_ext::select {
 
 namespace {
 
-struct Ranked {
-  uint64_t key;
-  int64_t slot;
+// The candidates of one segment or group, reused across the groups a thread handles.
+struct Candidates {
+  std::vector<uint64_t> key;
+  std::vector<int64_t> slot;
+  std::vector<uint64_t> scratch;  // the partial selection reorders a copy of the keys
+
+  void clear() {
+    key.clear();
+    slot.clear();
+  }
+  void add(uint64_t k, int64_t s) {
+    key.push_back(k);
+    slot.push_back(s);
+  }
 };
 
-// Marks the k best of the ranked candidates; ties of equal keys go to the lower slot,
-// as CUB's stable radix sort does.
-void keep_best(std::vector<Ranked>& cand, int64_t k, bool* keep) {
-  if (k < static_cast<int64_t>(cand.size())) {
-    std::nth_element(cand.begin(), cand.begin() + k, cand.end(),
-                     [](const Ranked& a, const Ranked& b) {
-                       return a.key != b.key ? a.key > b.key : a.slot < b.slot;
-                     });
-    cand.resize(k);
-  }
-  for (const Ranked& c : cand) keep[c.slot] = true;
+// Largest key t such that at least k keys are >= t (0 < k < size), and how many of the
+// keys equal to t are kept: k minus the number above it.
+std::pair<uint64_t, int64_t> threshold(Candidates& c, int64_t k) {
+  c.scratch.assign(c.key.begin(), c.key.end());
+  // Only the keys move, 8 bytes each; after this the first k - 1 keys are >= the k-th.
+  std::nth_element(c.scratch.begin(), c.scratch.begin() + (k - 1), c.scratch.end(),
+                   std::greater<uint64_t>());
+  const uint64_t t = c.scratch[k - 1];
+  int64_t above = 0;
+  for (int64_t i = 0; i < k - 1; ++i) above += c.scratch[i] > t;
+  return {t, k - above};
 }
 
-void add_live_slots(std::vector<Ranked>& cand, const float* scores, const int32_t* pos,
-                    int64_t first, int32_t len) {
-  for (int64_t j = first; j < first + len; ++j) cand.push_back({selection_key(scores[j], pos[j]), j});
+// Keeps the k best candidates of [begin, end) in c (the whole of c when ends is null);
+// ends[j] is the end of segment j's candidates, and counts[j] receives its kept number.
+void keep_best(Candidates& c, int64_t k, bool* keep, const int64_t* ends, int64_t segments,
+               int32_t* counts) {
+  const int64_t n = static_cast<int64_t>(c.key.size());
+  uint64_t t = 0;      // keys >= t are candidates to keep: all of them when k >= n
+  int64_t ties = n;    // how many keys equal to t are kept
+  if (k == 0) {
+    if (counts) std::fill(counts, counts + segments, 0);
+    return;
+  }
+  if (k < n) std::tie(t, ties) = threshold(c, k);
+  int64_t i = 0;
+  for (int64_t j = 0; j < segments; ++j) {
+    const int64_t end = ends ? ends[j] : n;
+    int32_t kept = 0;
+    for (; i < end; ++i) {
+      const uint64_t key = c.key[i];
+      const bool take = key > t || (key == t && ties > 0);
+      ties -= key == t && take;
+      if (take) {
+        keep[c.slot[i]] = true;
+        ++kept;
+      }
+    }
+    if (counts) counts[j] = kept;
+  }
+}
+
+void add_live_slots(Candidates& c, const float* scores, const int32_t* pos, int64_t first,
+                    int32_t len) {
+  for (int64_t j = first; j < first + len; ++j) c.add(selection_key(scores[j], pos[j]), j);
 }
 
 }  // namespace
@@ -45,11 +91,15 @@ void segmented_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const a
   const int32_t* k_p = k.data_ptr<int32_t>();
   bool* keep_p = keep.data_ptr<bool>();
   at::parallel_for(0, start.size(0), 1, [&](int64_t begin, int64_t end) {
-    std::vector<Ranked> cand;
+    Candidates cand;
     for (int64_t s = begin; s < end; ++s) {
+      if (k_p[s] >= len_p[s]) {  // everything is kept: no keys needed
+        std::fill_n(keep_p + start_p[s], len_p[s], true);
+        continue;
+      }
       cand.clear();
       add_live_slots(cand, scores_p, pos_p, start_p[s], len_p[s]);
-      keep_best(cand, k_p[s], keep_p);
+      keep_best(cand, k_p[s], keep_p, nullptr, 1, nullptr);
     }
   });
 }
@@ -65,16 +115,56 @@ void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at:
   bool* keep_p = keep.data_ptr<bool>();
   int32_t* counts_p = counts.data_ptr<int32_t>();
   at::parallel_for(0, k.size(0), 1, [&](int64_t begin, int64_t end) {
-    std::vector<Ranked> cand;
+    Candidates cand;
+    std::vector<int64_t> ends(group_size);
     for (int64_t g = begin; g < end; ++g) {
       cand.clear();
-      const int64_t first = g * group_size, last = first + group_size;
-      for (int64_t s = first; s < last; ++s) add_live_slots(cand, scores_p, pos_p, start_p[s], len_p[s]);
-      keep_best(cand, k_p[g], keep_p);
-      for (int64_t s = first; s < last; ++s) {
-        counts_p[s] = static_cast<int32_t>(
-            std::count(keep_p + start_p[s], keep_p + start_p[s] + len_p[s], true));
+      for (int64_t j = 0; j < group_size; ++j) {
+        const int64_t s = g * group_size + j;
+        add_live_slots(cand, scores_p, pos_p, start_p[s], len_p[s]);
+        ends[j] = static_cast<int64_t>(cand.key.size());
       }
+      keep_best(cand, k_p[g], keep_p, ends.data(), group_size, counts_p + g * group_size);
+    }
+  });
+}
+
+void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
+                    int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
+                    const at::Tensor& counts) {
+  using store::kPos;
+  using store::kScores;
+  const int32_t* len_p = len.data_ptr<int32_t>();
+  const int32_t* k_p = k.data_ptr<int32_t>();
+  bool* keep_p = keep.data_ptr<bool>();
+  int32_t* counts_p = counts.data_ptr<int32_t>();
+  // Where token i of segment s (slot `slot`) finds its score: channel 0 in its page, the
+  // slot-layout tensor at its slot, or the padded tensor at [s, i].
+  const float* given = scores.defined() ? scores.data_ptr<float>() : nullptr;
+  const int64_t padded_len = scores.defined() && scores.dim() == 3 ? scores.size(2) : -1;
+  const int64_t channels = view.record.row_bytes[kScores] / 4;
+  const int64_t P = view.page_size();
+  at::parallel_for(0, k.size(0), 1, [&](int64_t begin, int64_t end) {
+    Candidates cand;
+    std::vector<int64_t> ends(group_size);
+    for (int64_t g = begin; g < end; ++g) {
+      cand.clear();
+      for (int64_t j = 0; j < group_size; ++j) {
+        const int64_t s = g * group_size + j, n = len_p[s];
+        // A page's rows at a time: consecutive tokens, consecutive slots and rows.
+        for (int64_t i = 0; i < n;) {
+          const int64_t slot = view.slot(s, i), run = std::min(P - (i & (P - 1)), n - i);
+          const int32_t* pos = reinterpret_cast<const int32_t*>(view.row(kPos, slot));
+          const float* score = given == nullptr ? reinterpret_cast<const float*>(view.row(kScores, slot))
+                               : padded_len < 0 ? given + slot
+                                                : given + s * padded_len + i;
+          const int64_t stride = given == nullptr ? channels : 1;
+          for (int64_t r = 0; r < run; ++r) cand.add(selection_key(score[r * stride], pos[r]), slot + r);
+          i += run;
+        }
+        ends[j] = static_cast<int64_t>(cand.key.size());
+      }
+      keep_best(cand, k_p[g], keep_p, ends.data(), group_size, counts_p + g * group_size);
     }
   });
 }

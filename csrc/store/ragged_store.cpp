@@ -5,6 +5,7 @@
 
 #include "common/checks.h"
 #include "common/device_dispatch.h"
+#include "select/topk.h"
 #include "store/store_kernels.h"
 
 namespace kvcache_ext {
@@ -204,6 +205,46 @@ void RaggedKVStore::compact(const at::Tensor& keep) {
     }
     pages_h_[s] = static_cast<int32_t>(used);
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> RaggedKVStore::select(const c10::optional<at::Tensor>& scores,
+                                                         const at::Tensor& k, bool grouped) const {
+  TORCH_CHECK_VALUE(device().is_cpu(), "RaggedKVStore::select runs on CPU stores; this one is on ",
+                    device(), " (the Python select packs the segments for the CUDA top-k)");
+  const int64_t S = num_segments(), groups = grouped ? batch_ : S;
+  at::Tensor given;  // undefined: channel 0 of the pages
+  if (scores.has_value() && scores->defined()) {
+    given = *scores;
+    check_dtype(given, at::kFloat, "scores");
+    check_device(given, device(), "scores");
+    check_contiguous(given, "scores");
+    const int64_t longest = len_h_.empty() ? 0 : *std::max_element(len_h_.begin(), len_h_.end());
+    const bool slot_layout = given.dim() == 1 && given.size(0) == capacity();
+    const bool padded = given.dim() == 3 && given.size(0) == batch_ && given.size(1) == heads_ &&
+                        given.size(2) >= longest;
+    TORCH_CHECK_VALUE(slot_layout || padded, "scores must be [capacity] = [", capacity(),
+                      "] in slot layout or [batch, heads, L] = [", batch_, ", ", heads_, ", L >= ",
+                      longest, "] padded, got shape ", given.sizes());
+  } else {
+    TORCH_CHECK_VALUE(score_channels_ > 0, "this store has no score channels: pass scores");
+  }
+  check_defined(k, "k");
+  TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k (the budget) must be an integer tensor, got ",
+                   k.scalar_type());
+  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == groups, "k (the budget) must have shape [",
+                    groups, "] (one per ", grouped ? "batch item" : "segment", "), got ", k.sizes());
+  // A budget beyond any segment keeps everything: clamp in int64 before narrowing.
+  const at::Tensor k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
+  const int32_t* k_p = k32.data_ptr<int32_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK_VALUE(k_p[g] >= 0, "k (the budget) must be >= 0, got k[", g, "] = ", k_p[g]);
+  }
+  at::Tensor keep = at::zeros({capacity()}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor counts = at::zeros({S}, at::TensorOptions().dtype(at::kInt));
+  if (num_tokens() > 0) {
+    select::paged_topk_cpu(view(), len_, given, grouped ? heads_ : 1, k32, keep, counts);
+  }
+  return {keep, counts};
 }
 
 void RaggedKVStore::reserve(int64_t extra) {

@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <tuple>
 #include <vector>
 
 #include "store/paged_layout.h"
@@ -28,6 +29,13 @@ class RaggedKVStore {
   // Keeps the live tokens whose flag in keep ([capacity] bool, slot layout) is set, in
   // order. Pages left empty go back to the store's free pages.
   void compact(const at::Tensor& keep);
+  // The k best live tokens (selection_key.h's order), CPU stores only: keep [capacity] bool
+  // in slot layout and counts [S] int32 kept per segment. scores: none (channel 0 of the
+  // store's scores), [capacity] (slot layout) or [B, H, L >= longest segment] (padded),
+  // float32. grouped = false: k [S] integers, per segment; true: k [B], per batch item over
+  // its heads (Ada-KV's allocation).
+  std::tuple<at::Tensor, at::Tensor> select(const c10::optional<at::Tensor>& scores,
+                                            const at::Tensor& k, bool grouped) const;
   // Gives every segment pages for `extra` more tokens (new pages only where needed).
   void reserve(int64_t extra);
   // Moves the live tokens into one new slab with pages for len + extra tokens per segment

@@ -1,6 +1,7 @@
 // CPU kernels of the ragged store: parallel over segments, rows moved with memcpy.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "store/store_kernels.h"
@@ -23,6 +24,15 @@ void write_token(const PagedView& view, int64_t slot, const char* k, const char*
   std::memcpy(view.row(kV, slot), v, r.row_bytes[kV]);
   std::memcpy(view.row(kPos, slot), &pos, sizeof(int32_t));
   std::memset(view.row(kScores, slot), 0, r.row_bytes[kScores]);
+}
+
+// Moves n consecutive tokens of one page to n consecutive rows of one page, every part.
+// memmove: within one page the destination rows may overlap the source rows (they are
+// lower, so a forward copy would do too, but memmove says so).
+void move_rows(const PagedView& view, int64_t from_slot, int64_t to_slot, int64_t n) {
+  for (int b = 0; b < 4; ++b) {
+    std::memmove(view.row(b, to_slot), view.row(b, from_slot), n * view.record.row_bytes[b]);
+  }
 }
 
 }  // namespace
@@ -63,18 +73,29 @@ void replace_cpu(const PagedView& view, const at::Tensor& slot, const at::Tensor
 void compact_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& keep) {
   int32_t* len_p = len.data_ptr<int32_t>();
   const bool* keep_p = keep.data_ptr<bool>();
-  const PageRecord& r = view.record;
+  const int64_t P = view.page_size(), row_mask = P - 1;
   for_each_segment(len.numel(), [&](int64_t s) {
-    int64_t kept = 0;
-    for (int64_t i = 0; i < len_p[s]; ++i) {
-      const int64_t from = view.slot(s, i);
-      if (!keep_p[from]) continue;
-      // Token kept moves to index kept <= i: a distinct row, or itself (no copy).
-      if (kept != i) {
-        const int64_t to = view.slot(s, kept);
-        for (int b = 0; b < 4; ++b) std::memcpy(view.row(b, to), view.row(b, from), r.row_bytes[b]);
+    const int64_t n = len_p[s];
+    int64_t kept = 0;  // tokens kept so far: where the next kept token goes
+    // One source page at a time: its keep flags are contiguous in slot layout.
+    for (int64_t i = 0; i < n;) {
+      const int64_t page_slot = view.table[s * view.width + (i >> view.shift)] << view.shift;
+      const bool* flags = keep_p + page_slot;
+      const int64_t page_end = std::min(n, (i | row_mask) + 1);
+      while (i < page_end) {
+        if (!flags[i & row_mask]) {
+          ++i;
+          continue;
+        }
+        // A run of kept tokens [i, j) of this page, cut where the destination page ends,
+        // moves with one copy per part. Tokens before the first dropped one stay put.
+        const int64_t limit = std::min(page_end, i + P - (kept & row_mask));
+        int64_t j = i + 1;
+        while (j < limit && flags[j & row_mask]) ++j;
+        if (kept != i) move_rows(view, page_slot | (i & row_mask), view.slot(s, kept), j - i);
+        kept += j - i;
+        i = j;
       }
-      ++kept;
     }
     len_p[s] = static_cast<int32_t>(kept);
   });

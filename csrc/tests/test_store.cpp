@@ -1009,6 +1009,25 @@ STORE_SCENARIO(EvictWithTopk) {
       keep.index_copy_(0, index_d, kept);
       EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), want));
     }
+    // The store's own selection (CPU): through its pages, with the scores in slot layout,
+    // padded with a spare column, or (C > 0) read from channel 0 of the store.
+    {
+      const RaggedKVStore& st = h.cpu();
+      int64_t longest = 0;
+      for (const int32_t l : len) longest = std::max<int64_t>(longest, l);
+      at::Tensor padded = at::full({S, longest + 1}, std::numeric_limits<float>::quiet_NaN(), at::kFloat);
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t i = 0; i < len[s]; ++i) padded[s][i] = sc[start[s] + i];
+      }
+      std::vector<c10::optional<at::Tensor>> sources = {scores, padded.view({c.B, c.H, longest + 1})};
+      if (c.C > 0) sources.push_back(c10::nullopt);
+      for (size_t i = 0; i < sources.size(); ++i) {
+        SCOPED_TRACE(::testing::Message() << "RaggedKVStore::select, scores source " << i);
+        const auto [keep, counts] = st.select(sources[i], kvtest::from_vec(budget, at::kLong), grouped);
+        EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), want));
+        if (grouped) EXPECT_EQ(kvtest::to_vec<int32_t>(counts), want_counts);
+      }
+    }
     if (::testing::Test::HasFailure()) return;
     KVTEST_STEP("compact", h.compact(kvtest::from_bools(want)));
     KVTEST_STEP("after compact", h.verify());
@@ -1323,3 +1342,27 @@ TEST(StoreConstruction, TakesEveryPageSizeCuda) {
 #endif
 
 }  // namespace
+
+// RaggedKVStore::select names the argument, the value and what it accepts.
+TEST(StoreSelect, RejectsBadInputs) {
+  const at::Tensor like = at::empty({0}, at::kHalf);
+  RaggedKVStore st(2, 3, 8, 1, like, 4);
+  const at::Tensor tok = at::randn({2, 3, 5, 8}).to(at::kHalf);
+  st.append(tok, tok, at::arange(5), c10::nullopt);
+  const at::Tensor k6 = at::ones({6}, at::kLong);
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(c10::nullopt, at::tensor({1, 1, 1, 1, -2, 1}), false); },
+                                      "k (the budget) must be >= 0, got k[4] = -2"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(c10::nullopt, at::ones({2}, at::kLong), false); },
+                                      "must have shape [6] (one per segment), got [2]"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(c10::nullopt, k6, true); },
+                                      "must have shape [2] (one per batch item), got [6]"));
+  EXPECT_TRUE(Throws<c10::TypeError>([&] { st.select(c10::nullopt, at::ones({6}), false); }, "integer"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(at::zeros({st.capacity() + 1}), k6, false); },
+                                      "[batch, heads, L] = [2, 3, L >= 5] padded, got shape"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(at::zeros({2, 3, 4}), k6, false); }, "L >= 5"));
+  EXPECT_TRUE(Throws<c10::TypeError>([&] { st.select(at::zeros({st.capacity()}, at::kDouble), k6, false); },
+                                     "scores"));
+  RaggedKVStore no_scores(1, 1, 8, 0, like, 4);
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { no_scores.select(c10::nullopt, at::ones({1}, at::kLong), false); },
+                                      "no score channels"));
+}
