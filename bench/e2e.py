@@ -37,7 +37,11 @@ Every (context, batch) runs these methods side by side in one process, on the sa
   Importing kvpress wraps every transformers attention function of the process (a no-op for a
   module without kvpress's mask), so in that process the other methods run through it too.
 
-Reported per run: prefill seconds, decode tokens/s (batch x steps / decode seconds), peak GPU
+Timing: every method runs ``--repeats`` times per (context, batch), the runs interleaved (one
+run of each method per round, each round starting one method later); a run decodes ``--warmup``
+untimed steps, then ``--steps`` timed ones; the table reports the median run.
+
+Reported per method: prefill seconds, decode tokens/s (batch x steps / decode seconds), peak GPU
 memory (``torch.cuda.max_memory_allocated``, of the prefill and of the decode apart, the peak
 column being the larger; not measured on CPU),
 the model's bytes, the KV bytes at the end (``DynamicCache`` K+V; ``RaggedCache.nbytes``: K, V,
@@ -73,6 +77,7 @@ import contextlib
 import gc
 import importlib.metadata
 import os
+import statistics
 import sys
 import time
 
@@ -245,13 +250,16 @@ def kv_tokens(cache) -> int:
 
 @torch.no_grad()
 def run_one(model, ids, method: str, budget: int | None, steps: int, device: str,
-            masks: list[torch.Tensor] | None = None, on_prefill=None) -> dict:
-    """Prefill ``ids`` and decode ``steps`` greedy tokens with one method; the record."""
+            masks: list[torch.Tensor] | None = None, on_prefill=None, warmup: int = 0) -> dict:
+    """Prefill ``ids`` and decode ``warmup`` + ``steps`` greedy tokens with one method, timing
+    the last ``steps`` (the first decode steps of a run pay one-time costs: lazy imports,
+    allocator growth, the store's first pages); the record."""
     global _active_masks
     import kvcache_ext
     from transformers import DynamicCache
     cuda = device.startswith("cuda")
-    record = dict(method=method, budget=budget, context=ids.shape[1], batch=ids.shape[0], steps=steps)
+    record = dict(method=method, budget=budget, context=ids.shape[1], batch=ids.shape[0], steps=steps,
+                  warmup_steps=warmup)
     handle = None
     cache = None
     press = None
@@ -282,10 +290,11 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
             on_prefill(cache)
         if method.startswith("masked"):
             _active_masks = HeadMasks(masks, steps, device)
-        sync(device)
-        t0 = time.perf_counter()
         tokens = [token]
-        for step in range(steps):   # positions given: kvpress's cache does not count the pruned tokens
+        for step in range(warmup + steps):   # positions given: kvpress's cache does not count the pruned tokens
+            if step == warmup:
+                sync(device)
+                t0 = time.perf_counter()
             position = torch.full_like(token, ids.shape[1] + step)
             out = model(tokens[-1], past_key_values=cache, use_cache=True, position_ids=position)
             tokens.append(out.logits[:, -1].argmax(dim=-1, keepdim=True))
@@ -320,6 +329,22 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
     return record
 
 
+def median_record(runs: list[dict]) -> dict:
+    """One method's repeats as one record: the first run's, with the median prefill and decode
+    seconds (decode tokens/s from that median) and every run's seconds; the first failure
+    when a run failed."""
+    failed = [r for r in runs if r["status"] != "ok"]
+    if failed:
+        return failed[0]
+    record = dict(runs[0])
+    for key in ("prefill_s", "decode_s"):
+        record[key + "_runs"] = [r[key] for r in runs]
+        record[key] = statistics.median(record[key + "_runs"])
+    if record["steps"]:
+        record["decode_tokens_per_s"] = record["batch"] * record["steps"] / record["decode_s"]
+    return record
+
+
 def budgets_of(args, context: int) -> list[int]:
     """Tokens per KV head at this context: --budgets, or --keep's fractions of the context."""
     return args.budgets or [round(keep * context) for keep in args.keep]
@@ -330,7 +355,8 @@ def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget_methods = [m for m in args.methods if m != "full"]
     levels = len(args.budgets or args.keep)
-    total = len(args.contexts) * len(args.batches) * (("full" in args.methods) + len(budget_methods) * levels)
+    total = (len(args.contexts) * len(args.batches) * (("full" in args.methods) + len(budget_methods) * levels)
+             * args.repeats)
     bar = tqdm(total=total, desc="e2e", disable=not progress)
     rows = []
     for context in args.contexts:
@@ -344,19 +370,30 @@ def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
 
             def keep_masks(budget):
                 return lambda cache: masks.__setitem__(budget, kept_masks(cache, context))
+            repeats = {run: [] for run in runs}
+            for rep in range(args.repeats):
+                # Interleaved: every method runs once per round, and each round starts one method
+                # later, so that no method always runs first (or right after the same one) while
+                # the machine's load drifts. The first round keeps the masked method last.
+                shift = rep % len(runs)
+                for method, budget in runs[shift:] + runs[:shift]:
+                    bar.set_postfix_str(f"{context} x {batch}: {method}" + (f" B={budget}" if budget else "")
+                                        + (f" ({rep + 1}/{args.repeats})" if args.repeats > 1 else ""))
+                    if method.startswith("masked") and budget not in masks:   # ada-snapkv not asked for
+                        run_one(model, ids, "ada-snapkv", budget, 0, device, on_prefill=keep_masks(budget))
+                    repeats[(method, budget)].append(
+                        run_one(model, ids, method, budget, args.steps, device, masks=masks.get(budget),
+                                on_prefill=keep_masks(budget) if method == "ada-snapkv" and not rep else None,
+                                warmup=args.warmup))
+                    bar.update()
             for method, budget in runs:
-                bar.set_postfix_str(f"{context} x {batch}: {method}" + (f" B={budget}" if budget else ""))
-                if method.startswith("masked") and budget not in masks:   # ada-snapkv not asked for
-                    run_one(model, ids, "ada-snapkv", budget, 0, device, on_prefill=keep_masks(budget))
-                record = run_one(model, ids, method, budget, args.steps, device, masks=masks.get(budget),
-                                 on_prefill=keep_masks(budget) if method == "ada-snapkv" else None)
+                record = median_record(repeats[(method, budget)])
                 record["model_bytes"] = model_bytes
                 if args.keep and budget is not None:
                     record["keep"] = args.keep[budgets_of(args, context).index(budget)]
                 if "peak_bytes" in record:   # what decoding needs beyond the model and the cache
                     record["workspace_bytes"] = record["decode_peak_bytes"] - model_bytes - record["kv_bytes"]
                 rows.append(record)
-                bar.update()
             del ids, masks
     bar.close()
     return rows
@@ -519,7 +556,11 @@ def main(argv=None) -> int:
     budget.add_argument("--keep", type=lambda text: [float(x) for x in text.split(",") if x.strip()],
                         help="instead of --budgets: the kept fraction of each context, B = round(keep x "
                         "context) tokens per KV head; default 0.125 (CPU)")
-    parser.add_argument("--steps", type=int, help="decode steps; default 256 (GPU), 64 (CPU)")
+    parser.add_argument("--steps", type=int, help="decode steps timed; default 256 (GPU), 64 (CPU)")
+    parser.add_argument("--warmup", type=int, help="decode steps before the timed ones, per run; "
+                        "default 4 (1 with --quick)")
+    parser.add_argument("--repeats", type=int, help="runs of every method per context and batch, "
+                        "interleaved; the median is reported (default 3, 1 with --quick)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
     parser.add_argument("--mlp-chunk", type=int, help="tokens per MLP call in the prefill; 0: off "
                         "(default 8192 on CUDA, off on CPU)")
@@ -555,6 +596,10 @@ def main(argv=None) -> int:
     if any(not 0 < keep <= 1 for keep in args.keep or ()):
         parser.error("--keep takes fractions in (0, 1]")
     args.steps = args.steps or (8 if quick else 256 if cuda else 64)
+    args.warmup = args.warmup if args.warmup is not None else 1 if quick else 4
+    args.repeats = args.repeats or (1 if quick else 3)
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error("--warmup must be >= 0 and --repeats >= 1")
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     if min(args.contexts) <= STEP_BLOCK or args.steps < 1:
         parser.error(f"contexts must exceed the block-wise prefill's block ({STEP_BLOCK}) and steps be >= 1")
@@ -575,7 +620,7 @@ def main(argv=None) -> int:
     kvpress = importlib.metadata.version("kvpress") if any(m in KVPRESS for m in args.methods) else None
     print(f"e2e on {device_name(device)}: {args.model} ({dtype}), contexts {args.contexts}, batches "
           f"{args.batches}, " + (f"budgets {args.budgets}" if args.budgets else f"keep {args.keep}") +
-          f", {args.steps} decode steps, commit {git_commit()}, kvcache_ext from {package}, transformers "
+          f", {args.steps} decode steps (after {args.warmup}, median of {args.repeats} interleaved runs), commit {git_commit()}, kvcache_ext from {package}, transformers "
           f"{transformers.__version__}" + (f", kvpress {kvpress}" if kvpress else ""))
     rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
     largest = derive(rows)
@@ -583,6 +628,7 @@ def main(argv=None) -> int:
     print("largest batch x context that ran: " +
           ", ".join(f"{k} {v['batch']} x {v['context']}" for k, v in largest.items()))
     extra = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), steps=args.steps,
+                 warmup_steps=args.warmup, repeats=args.repeats,
                  step_prefill_block=STEP_BLOCK, mlp_chunk=args.mlp_chunk, kvcache_ext_path=package,
                  transformers=transformers.__version__, kvpress=kvpress, keep=args.keep,
                  largest_fit=largest, kvpress_ratios=kvpress_ratios(rows), table=format_table(rows))

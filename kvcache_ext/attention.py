@@ -53,16 +53,26 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
     """
     if not isinstance(store, RaggedKVStore):
         raise TypeError(f"store must be a kvcache_ext.RaggedKVStore, got {type(store).__name__}")
-    wanted = _stat_names(stats)
+    # Every decode step of every layer comes here, mostly without statistics: that case
+    # builds nothing.
+    flags = _NO_STATS if stats is False or stats is None else _stat_flags(stats)
     if scale is None:
         scale = 1.0 / math.sqrt(store.head_dim)
-    if q_pos is not None:
+    if q_pos is not None and not isinstance(q_pos, torch.Tensor):
         q_pos = torch.as_tensor(q_pos)
-    out, *fields = _C.ragged_attention(q, store._store, float(scale), q_pos,
-                                       *(name in wanted for name in STAT_NAMES))
-    if not wanted:
+    out, *fields = _C.ragged_attention(q, store._store, float(scale), q_pos, *flags)
+    if flags is _NO_STATS:
         return out, None
     return out, AttentionStats(*fields)
+
+
+_NO_STATS = (False,) * len(STAT_NAMES)
+
+
+def _stat_flags(stats) -> tuple[bool, ...]:
+    """The kernel's want_* flags for ``stats`` (``_NO_STATS`` itself when none is asked for)."""
+    wanted = _stat_names(stats)
+    return tuple(name in wanted for name in STAT_NAMES) if wanted else _NO_STATS
 
 
 def _stat_names(stats) -> frozenset:

@@ -69,9 +69,9 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
         raise NotImplementedError(
             f"layer {state.layer_idx} uses sliding-window attention (window {window}) and the "
             f"sequence is now longer than the window; kvcache_ext does not evict by window yet")
-    valid = new_token_validity(attention_mask, state.seen, n, B, q.device)
-    # Known on the host without a sync when HF gives no mask (no padding anywhere).
-    all_valid = attention_mask is None or bool(valid.all())
+    if appends_only(state, n, attention_mask):
+        return decode_append_only(state, q, k, v, position_ids, scale)
+    valid, all_valid = step_validity(state, attention_mask, n, B, q.device)
     pos = new_positions(position_ids, state.seen, n, B, q.device)
     state.ensure_storage(q, k)
     fresh = state.seen == 0
@@ -90,6 +90,31 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     out = attend_in_blocks(state, q, k, v, pos, valid, scale, block, all_valid)
     if fresh:
         release_prefill_slack(state)
+    return out.transpose(1, 2)
+
+
+def appends_only(state: LayerState, n: int, attention_mask) -> bool:
+    """Whether this call is a decode step that only appends: one token, no padding (HF gives
+    no mask), a cache already filled, and a schedule that never evicts over the cache, so that
+    nothing will ever read statistics, channels or views of it."""
+    return (n == 1 and attention_mask is None and state.kv is not None
+            and not state.policy.schedule.evicts_over_cache)
+
+
+def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
+    """The decode step of a schedule that never evicts over the cache (one-shot SnapKV,
+    Ada-SnapKV, ...), for one token and no padding: append, attend, nothing else. No
+    statistics are asked of the kernel, no channels are updated (nothing will read them), no
+    validity mask is built and nothing waits on the device: this runs for every layer at every
+    step, so it is what such a policy's decoding costs beyond the attention itself.
+    ``attend_block`` would do the same work through its general path."""
+    B = q.shape[0]
+    pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
+    state.seen += 1
+    state.decode_steps += 1
+    state.kv.append(k, v, pos, None)
+    state.last_pos = torch.maximum(state.last_pos, pos[:, 0])
+    out, _ = state.kv.attend(q, scale, None, ())
     return out.transpose(1, 2)
 
 
@@ -261,6 +286,24 @@ def _union(a, b):
     return tuple(dict.fromkeys(a + b))
 
 
+def step_validity(state: LayerState, mask, n: int, batch: int, device) -> tuple[torch.Tensor, bool]:
+    """(valid [B, n], all_valid: no padding among them, on the host). HF hands every layer of a
+    step the same mask, so a decode step's answer is kept in the cache's shared state and the
+    other layers reuse it: one host sync per step, not one per layer. (Only a decode step's:
+    a prompt's mask is large, and holding it would keep it alive after the prefill.)"""
+    if mask is None:   # no padding anywhere: known without looking at the device
+        return torch.ones(batch, n, dtype=torch.bool, device=device), True
+    key = "_kvcache_ext_step_validity"
+    cached = state.shared.get(key) if n == 1 else None
+    if cached is not None and cached[0] is mask and cached[1] == (state.seen, device):
+        return cached[2], cached[3]
+    valid = new_token_validity(mask, state.seen, n, batch, device)
+    all_valid = bool(valid.all())
+    if n == 1:
+        state.shared[key] = (mask, (state.seen, device), valid, all_valid)
+    return valid, all_valid
+
+
 def new_token_validity(mask, seen: int, n: int, batch: int, device) -> torch.Tensor:
     """[B, n] bool: False for the padding tokens among the n new ones.
 
@@ -278,4 +321,6 @@ def new_positions(position_ids, seen: int, n: int, batch: int, device) -> torch.
     """[B, n] int64 positions of the new tokens: HF's position_ids (left padding aware)."""
     if position_ids is None:
         return (torch.arange(n, device=device) + seen).expand(batch, n)
+    if position_ids.dtype == torch.long and position_ids.device == device and position_ids.shape == (batch, n):
+        return position_ids   # HF's usual case: nothing to convert (this runs per layer and step)
     return position_ids.to(device).long().expand(batch, n)

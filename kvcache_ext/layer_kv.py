@@ -41,7 +41,7 @@ class RaggedLayerKV:
     def append(self, k, v, pos, keep) -> None:
         """k, v [B, H, n, D]; pos [B, n]; keep [B, H, n] bool: the tokens to store (None: all,
         with no device sync)."""
-        self.store.append(k.contiguous(), v.contiguous(), pos.to(torch.int32), valid=keep)
+        self.store.append(k.contiguous(), v.contiguous(), pos, valid=keep)   # the store takes any integer pos
 
     def set_prompt_channels(self, values: torch.Tensor, keep: torch.Tensor) -> None:
         """values [B, H, n, C] of a fresh prompt's tokens, keep [B, H, n]: the first append."""

@@ -55,7 +55,7 @@ class RaggedKVStore:
         (left padding is never stored). A full segment takes a free page, or one allocated
         with the other segments' missing pages in one slab; no stored token moves.
         """
-        self._store.append(k, v, torch.as_tensor(pos), valid)
+        self._store.append(k, v, pos if isinstance(pos, torch.Tensor) else torch.as_tensor(pos), valid)
 
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:

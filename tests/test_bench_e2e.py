@@ -17,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
 SMALL, LARGE = 48, 1024          # budgets: one evicts, one keeps every token (contexts 200, 300)
 STEPS = 6
+WARMUP, REPEATS = 1, 2           # untimed decode steps per run; interleaved runs per method
+DECODED = WARMUP + STEPS         # tokens decoded per run (the warmup's are in the cache too)
 METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step")
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16                                  # bench/e2e.py's TINY
@@ -44,7 +46,7 @@ def run(tmp_path_factory):
     png = out.with_suffix(".png")
     proc = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--device", "cpu", "--contexts", "200,300",
                            "--batches", "1,2", "--budgets", f"{SMALL},{LARGE}", "--steps", str(STEPS),
-                           "--no-progress", "--out", str(out), "--plot", str(png)],
+                           "--warmup", str(WARMUP), "--repeats", str(REPEATS), "--no-progress", "--out", str(out), "--plot", str(png)],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
@@ -63,14 +65,18 @@ def rows_of(doc, context, batch):
 def test_every_method_runs_and_the_json_says_what_ran(run):
     doc, stdout, png = run
     assert "| context | batch | method |" in stdout and png.is_file()
-    for key in ("device", "commit", "torch", "model", "dtype", "steps", "largest_fit", "rows"):
+    for key in ("device", "commit", "torch", "model", "dtype", "steps", "warmup_steps", "repeats",
+                "largest_fit", "rows"):
         assert key in doc, key
     methods = methods_of(doc)
     assert len(doc["rows"]) == 2 * 2 * (1 + (len(methods) - 1) * 2)
     for r in doc["rows"]:
         assert r["status"] == "ok" and r["method"] in methods
-        assert len(r["tokens"]) == r["batch"] and all(len(t) == STEPS + 1 for t in r["tokens"])
+        assert len(r["tokens"]) == r["batch"] and all(len(t) == DECODED + 1 for t in r["tokens"])
         assert r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["x_full"] > 0
+        # The median of the interleaved runs, over the timed steps only.
+        assert len(r["decode_s_runs"]) == REPEATS and min(r["decode_s_runs"]) <= r["decode_s"] <= max(r["decode_s_runs"])
+        assert r["decode_tokens_per_s"] == r["batch"] * STEPS / r["decode_s"]
     assert doc["largest_fit"]["full"] == {"batch": 2, "context": 300}
 
 
@@ -90,12 +96,12 @@ def test_tokens_held_and_bytes(run, context, batch):
     rows = rows_of(run[0], context, batch)
     layers, kv_heads = LAYERS, KV_HEADS
     full = rows[("full", None)]
-    assert full["kv_tokens"] == layers * batch * kv_heads * (context + STEPS)
+    assert full["kv_tokens"] == layers * batch * kv_heads * (context + DECODED)
     assert rows[("masked-ada-snapkv", SMALL)]["kv_tokens"] == full["kv_tokens"]
     assert rows[("masked-ada-snapkv", SMALL)]["kv_bytes"] > full["kv_bytes"]   # plus the mask
     # One-shot: the budget per head on average, then one token per decode step.
     for method in ("snapkv", "ada-snapkv"):
-        assert rows[(method, SMALL)]["kv_tokens"] == layers * batch * kv_heads * (SMALL + STEPS), method
+        assert rows[(method, SMALL)]["kv_tokens"] == layers * batch * kv_heads * (SMALL + DECODED), method
         assert rows[(method, SMALL)]["kv_bytes"] < full["kv_bytes"], method
     # Per-step eviction holds the cache at its budget, and its bytes do not grow with the context
     # (the store's capacity is budget + prefill block + headroom: at this tiny head_dim of 16 the
@@ -126,7 +132,7 @@ def test_kvpress_keeps_our_budget(run, context, batch):
     if not doc["kvpress"]:
         pytest.skip('kvpress does not import in this python (pip install ".[bench]", transformers<5.3)')
     rows = rows_of(doc, context, batch)
-    kept = LAYERS * batch * KV_HEADS * (SMALL + STEPS)
+    kept = LAYERS * batch * KV_HEADS * (SMALL + DECODED)
     snap, kvp, ada = rows[("snapkv", SMALL)], rows[("kvpress-snapkv", SMALL)], rows[("kvpress-ada-snapkv", SMALL)]
     assert kvp["kv_tokens"] == snap["kv_tokens"] == kept
     assert kvp["kv_bytes"] == kept * 2 * HEAD_DIM * 4                  # K and V, fp32

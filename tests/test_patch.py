@@ -377,3 +377,64 @@ def test_attention_takes_dropout_by_position_as_sdpa_does():
         want = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, None, 0.0, scaling=0.3)[0]
         got = attention(module, q, k, v, None, 0.0, scaling=0.3)[0]
         torch.testing.assert_close(got, want)
+
+
+
+def decode_logits(model, cache, fed):
+    """Tokens fed one at a time without a mask (no padding: HF then gives the attention no
+    mask, the decode's usual case): logits [B, steps, V]."""
+    with torch.no_grad():
+        return torch.stack([model(fed[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                            for t in range(fed.shape[1])], dim=1)
+
+
+@pytest.mark.parametrize("allocation", [Uniform(), AdaKV()], ids=["snapkv", "ada-snapkv"])
+def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
+    """After a one-shot prompt, a decode step asks the kernel for no statistics and scores,
+    views, allocates budgets or evicts nothing (Ada-KV's per-head budgets cost nothing once
+    the prompt is compressed); its logits and cache are exactly those of the general path."""
+    from kvcache_ext import _C, eviction
+    model = tiny_model("llama", heads=6, kv_heads=2)
+    ids, _ = inputs(batch=2, length=40)
+    fed = fed_tokens(2, 6)
+    policy = Policy(SnapKV(window=4), budget=12, allocation=allocation)
+    with kvcache_ext.patch(model, policy) as handle:
+        general, fast = handle.new_cache(), handle.new_cache()
+        with torch.no_grad():
+            for cache in (general, fast):
+                model(ids, past_key_values=cache, use_cache=True)
+        with monkeypatch.context() as m:
+            m.setattr(eviction, "appends_only", lambda *args: False)
+            want = decode_logits(model, general, fed)
+        calls = []
+        kernel = _C.ragged_attention
+        monkeypatch.setattr(_C, "ragged_attention", lambda *args: calls.append(args[4:]) or kernel(*args))
+        for name in ("cache_view", "evict", "attend_block", "new_token_validity"):
+            monkeypatch.setattr(eviction, name, lambda *a, _name=name, **k: pytest.fail(f"decode called {_name}"))
+        monkeypatch.setattr(type(policy.allocation), "head_budgets",
+                            lambda *a: pytest.fail("decode allocated budgets"))
+        got = decode_logits(model, fast, fed)
+    assert torch.equal(got, want)
+    assert calls == [(False, False, False, False)] * 6 * 2             # steps x layers
+    for a, b in zip(general.layers, fast.layers):
+        assert (a.state.seen, a.state.decode_steps) == (b.state.seen, b.state.decode_steps)
+        assert torch.equal(a.state.last_pos, b.state.last_pos)
+        da, db = a.state.kv.store.to_dense(), b.state.kv.store.to_dense()
+        for field in ("k", "v", "pos", "mask", "lens"):
+            assert torch.equal(getattr(da, field), getattr(db, field)), field
+
+def test_a_padded_decode_step_reads_the_mask_once_for_every_layer(monkeypatch):
+    """With padding HF gives every layer the same mask: which new tokens are real is read from
+    it (a host sync) once per step, not once per layer."""
+    from kvcache_ext import eviction
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=30, pad=[0, 7])
+    policy = Policy(H2O(), budget=10, schedule=EveryStep())
+    with kvcache_ext.patch(model, policy) as handle:
+        want = teacher_forced(model, handle.new_cache(), ids, mask, steps=4)
+        reads = []
+        read = eviction.new_token_validity
+        monkeypatch.setattr(eviction, "new_token_validity", lambda *a: reads.append(a[2]) or read(*a))
+        got = teacher_forced(model, handle.new_cache(), ids, mask, steps=4)
+    assert torch.equal(got, want)
+    assert reads.count(1) == 4 and len(reads) == 4 + 3     # per decode step; per layer at the prompt
