@@ -70,11 +70,14 @@ def sources(pattern):
 
 
 def extension():
-    cxx_flags = ["-O3"]
+    # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled here; without
+    # the flag every parallel_for of our kernels runs on one thread (torch links libgomp itself).
+    cxx_flags = ["-O3", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if not build_cuda():
         print("kvcache_ext: building the CPU kernels only")
         return CppExtension("kvcache_ext._C", sources("*.cpp"), include_dirs=[os.path.join(ROOT, "csrc")],
-                            extra_compile_args={"cxx": cxx_flags})
+                            extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
     archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     defines = ["-DKVCACHE_EXT_WITH_CUDA"] + (["-DKVCACHE_EXT_WITH_PTX"] if "PTX" in archs else [])
     print(f"kvcache_ext: building CPU and CUDA kernels (CUDA {torch.version.cuda}, "
@@ -83,7 +86,7 @@ def extension():
     return CUDAExtension(
         "kvcache_ext._C", sources("*.cpp") + sources("*.cu"),
         include_dirs=[os.path.join(ROOT, "csrc")] + cuda_library_includes(),
-        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags})
+        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags}, extra_link_args=link_flags)
 
 
 setup(

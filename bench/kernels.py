@@ -15,8 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from common import copy_bandwidth, device_name, time_op, write_results  # noqa: E402
+from common import build_description, copy_bandwidth, device_name, time_op, write_results  # noqa: E402
 
 D = 128
 DTYPE = torch.float16
@@ -96,6 +97,7 @@ def main(argv=None):
     gpu = device.startswith("cuda")
     scale = 1 if not args.quick else 1 / 16
     copy_gbps = copy_bandwidth(device, int((1 << 30 if gpu else 256 << 20) * scale))
+    print(f"kvcache_ext: {build_description()}")
     print(f"device: {device_name(device)}; copy bandwidth {copy_gbps:.1f} GB/s (read + write)")
     # Compaction moves >= 64 MiB on CPU and >= 256 MiB on GPU (the targets).
     L = int((32768 if gpu else 8192) * scale)
@@ -115,7 +117,7 @@ def main(argv=None):
               f"({row['baseline']})")
     if not args.quick:
         path = write_results("kernels", device, rows, {"copy_GBps": copy_gbps,
-                                                       "build": kvcache_ext.build_info()})
+                                                       "build": build_description()})
         print(f"wrote {path}")
 
 
