@@ -33,7 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from common import build_description, copy_bandwidth, device_name, sync, time_op, write_results  # noqa: E402
+from common import (build_description, copy_bandwidth, device_name, sync, time_interleaved,  # noqa: E402
+                    time_op, write_results)  # noqa: E402
 
 D = 128
 G = 4          # query heads per KV head
@@ -275,20 +276,23 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
     diff = max_diff(out, ref) if ref is not None else None
     gqa_out = or_none(base.gqa, device)
     diff_gqa = max_diff(gqa_out, ref) if gqa_out is not None and ref is not None else None
+    packed_fits = ref is not None
     del out, ref, gqa_out
     sync(device)
 
-    t_ours = time_op(ours, device, repeats=repeats, warmup=2)
-    t_stats = time_op(ours_stats, device, repeats=repeats, warmup=2)
+    # Ours with and without statistics and SDPA on the packed cache in turns: their ratios
+    # are the targets. SDPA-gqa (which may not fit, see Baselines) apart.
+    fns = {"ours": ours, "stats": ours_stats, **({"packed": base.packed} if packed_fits else {})}
+    t = time_interleaved(fns, device, repeats=repeats, warmup=2)
+    t_ours, t_stats, t_packed = t["ours"], t["stats"], t.get("packed")
     t_gqa = or_none(lambda: time_op(base.gqa, device, repeats=repeats, warmup=2), device)
-    t_packed = or_none(lambda: time_op(base.packed, device, repeats=repeats, warmup=2), device)
     shrunk = {}
     if store.capacity > tokens:
         # The skewed store keeps the pages its compaction freed; the statistics are zero-filled
         # over the whole capacity. The same timings once shrink_to_fit() has released them:
         store.shrink_to_fit()
-        t_s = time_op(ours, device, repeats=repeats, warmup=2)
-        t_s_stats = time_op(ours_stats, device, repeats=repeats, warmup=2)
+        t = time_interleaved({"ours": ours, "stats": ours_stats}, device, repeats=repeats, warmup=2)
+        t_s, t_s_stats = t["ours"], t["stats"]
         shrunk = {"shrunk_seconds": t_s, "shrunk_stats_seconds": t_s_stats,
                   "shrunk_stats_overhead": t_s_stats / t_s}
     row = {
@@ -433,9 +437,14 @@ def main(argv=None):
     if bad:
         print(f"WARNING: {len(bad)} case(s) differ from SDPA by more than the tolerance "
               f"(1e-3 in float32, 3e-2 in bf16): {[(r['case'], r['lengths'], r['dtype']) for r in bad]}")
-    over = [r for r in rows if r["stats_overhead"] > STATS_TARGET]
-    print(f"stats-on / stats-off: target <= {STATS_TARGET}; over it: "
-          f"{[(r['case'], r['lengths'], r['dtype'], round(r['stats_overhead'], 2)) for r in over] or 'none'}")
+    # The target applies to the store as the engine holds it after a prompt: no free pages (it
+    # repacks once). Statistics are in slot layout, so a store that kept its freed pages also
+    # zeroes theirs on every call: that ratio is printed in the table ("stats/off"), not checked.
+    def held_overhead(r):
+        return r.get("shrunk_stats_overhead", r["stats_overhead"])
+    over = [r for r in rows if held_overhead(r) > STATS_TARGET]
+    print(f"stats-on / stats-off (without free pages): target <= {STATS_TARGET}; over it: "
+          f"{[(r['case'], r['lengths'], r['dtype'], round(held_overhead(r), 2)) for r in over] or 'none'}")
     missed = [(r["case"], r["lengths"], r["dtype"], r["batch"], r["kv_heads"], r["n"],
                round(r["sdpa_packed_over_ours"], 2)) for r in rows
               if (r["case"], r["lengths"]) in SPEED_TARGETS and r["sdpa_packed_over_ours"] is not None

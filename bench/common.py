@@ -42,6 +42,21 @@ def time_op(fn, device: str, *, setup=None, repeats: int = 7, warmup: int = 2) -
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict, device: str, *, repeats: int = 7, warmup: int = 2) -> dict:
+    """Median seconds of each fn in ``fns`` ({name: fn}), the calls taken in turns (a, b, c,
+    a, b, c, ...) so that a slow stretch of the machine weighs on every ratio's both sides."""
+    times = {name: [] for name in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
     """The machine's copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()

@@ -139,3 +139,37 @@ def test_narrow_integer_budgets_work(device):
         assert torch.equal(kvcache_ext.segmented_topk(scores, pos, start, lens, k), want), dtype
         keep, counts = kvcache_ext.grouped_topk(scores, pos, start, lens, 2, torch.tensor([3], dtype=dtype, device=device))
         assert counts.tolist() == [2, 1] and keep.tolist() == [False, True, True, False, True]
+
+
+@pytest.mark.parametrize("scores_kind", ["continuous", "tied", "one_value", "tiny_spread"])
+def test_long_segments_select_like_the_reference(device, scores_kind):
+    """Segments of thousands of slots: the CPU radix selection goes through several digits
+    (continuous scores), ends on equal keys (one value, repeated positions), or must tell
+    apart scores that differ only in their last bits (tiny spread)."""
+    gen = torch.Generator().manual_seed(7)
+    S, group = 6, 3
+    lens = torch.tensor([5000, 1, 0, 3000, 4097, 65], dtype=torch.int32)
+    caps = lens + 2
+    start = torch.cumsum(caps, 0) - caps
+    capacity = int(caps.sum())
+    if scores_kind == "continuous":
+        scores = torch.rand(capacity, generator=gen) ** 4  # many exponents
+    elif scores_kind == "tied":
+        scores = torch.randint(0, 5, (capacity,), generator=gen).float()
+    elif scores_kind == "one_value":
+        scores = torch.full((capacity,), 0.25)
+    else:
+        scores = 1.0 + torch.randint(0, 8, (capacity,), generator=gen).float() * 2**-23
+    pos = torch.randint(0, 700, (capacity,), generator=gen, dtype=torch.int32)
+    sc, ps = padded(scores, start, lens)[0], padded(pos, start, lens)[0]
+    args = [t.to(device) for t in (scores, pos, start, lens)]
+    for k in ([0, 1, 0, 1, 2048, 64], [4999, 1, 3, 1500, 4096, 65], [100, 0, 0, 2999, 1, 30]):
+        k = torch.tensor(k)
+        keep = kvcache_ext.segmented_topk(*args, k.to(device)).cpu()
+        got, mask = padded(keep, start, lens)
+        assert torch.equal(got & mask, reference.segmented_topk(sc, ps, lens, k)), k
+        kg = k.view(-1, group).sum(1) + 7
+        keep, counts = kvcache_ext.grouped_topk(*args, group, kg.to(device))
+        want, want_counts = reference.grouped_topk(sc, ps, lens, group, kg)
+        got, mask = padded(keep.cpu(), start, lens)
+        assert torch.equal(got & mask, want) and torch.equal(counts.cpu(), want_counts), kg

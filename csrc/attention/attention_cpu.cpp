@@ -11,13 +11,14 @@
 // - matrix units (block prefill) take a whole segment and at most kGemmMaxRows rows, whose
 //   logits and output are two BLAS products over the segment's K and V widened to float.
 // Statistics need the final probabilities. A tile unit keeps its exponentials, the merge
-// leaves each unit's factor to the final softmax, and a last pass per (segment, chunk) adds
+// leaves each unit's factor to the final softmax, and a last pass per (segment, chunk) writes
 // them into the chunk's slots. A matrix unit sees its whole segment, so it adds its own; the
 // query blocks of one segment then run on one thread, as they add into the same slots.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -130,71 +131,161 @@ void run_parallel(int64_t count, bool parallel, const F& f) {
   });
 }
 
-// Adds the final probabilities of query blocks [block_begin, block_end) over the tokens
-// [l0, l0 + cl) of segment s into the statistics of their slots. probs(block) gives the
-// block's exponentials ([rows, cl]) and factors ([rows]) to final probabilities. The caller
-// owns these slots: nothing else writes them meanwhile. Column buffers keep the loops over
-// tokens contiguous.
+// Zeros the statistics of every slot that holds no live token: the rows of a segment's
+// pages past its length and the pages no segment uses. add_statistics writes the live ones,
+// so the statistics arrive uninitialised (attention_kernels.h) and no slot is written twice.
+void zero_dead_slots(const Problem& p, Result& r) {
+  const store::PagedView& view = p.view;
+  const int64_t P = view.page_size(), pages = p.capacity / P;
+  if (pages == 0) return;
+  std::vector<int64_t> live(pages, 0);  // live rows at the start of each page
+  for (int64_t s = 0; s < p.segments; ++s) {
+    const int64_t len = (*p.len_host)[s];
+    for (int64_t j = 0; j * P < len; ++j) {
+      live[view.table[s * view.width + j]] = std::min(P, len - j * P);
+    }
+  }
+  auto zero = [&](int64_t begin, int64_t end) {  // slots [begin, end)
+    for (at::Tensor* t : {&r.mass, &r.last, &r.sum_sq, &r.count}) {
+      if (!t->defined()) continue;
+      const int64_t per_slot = t->numel() / p.capacity * t->element_size();
+      std::memset(static_cast<char*>(t->data_ptr()) + begin * per_slot, 0, (end - begin) * per_slot);
+    }
+  };
+  std::vector<std::pair<int64_t, int64_t>> dead;  // ranges of dead slots, in order
+  for (int64_t page = 0; page < pages; ++page) {
+    const int64_t first_dead = page * P + live[page], page_end = (page + 1) * P;
+    if (first_dead == page_end) continue;
+    if (!dead.empty() && dead.back().second == first_dead) {
+      dead.back().second = page_end;
+    } else {
+      dead.emplace_back(first_dead, page_end);
+    }
+  }
+  // A store that kept the pages its evictions freed has several times more dead slots than
+  // live ones: zero them on every core, a stretch of slots each.
+  at::parallel_for(0, p.capacity, int64_t{1} << 16, [&](int64_t lo, int64_t hi) {
+    auto range = std::lower_bound(dead.begin(), dead.end(), lo,
+                                  [](const auto& d, int64_t slot) { return d.second <= slot; });
+    for (; range != dead.end() && range->first < hi; ++range) {
+      zero(std::max(range->first, lo), std::min(range->second, hi));
+    }
+  });
+}
+
+// last[t, g] = row(g)[l + t] * factor(g) for the tokens t < run: the G rows of the last
+// query interleaved into the [slots, G] layout. With G fixed at compile time the compiler
+// turns a token's G products into one vector store (a loop over g per token does not).
+template <int kG, typename Row, typename Factor>
+void interleave_last(float* out, const Row& row, const Factor& factor, int64_t l, int64_t run) {
+  float f[kG];
+  const float* x[kG];
+  for (int g = 0; g < kG; ++g) {
+    f[g] = factor(g);
+    x[g] = row(g) + l;
+  }
+  for (int64_t t = 0; t < run; ++t)
+    for (int g = 0; g < kG; ++g) out[t * kG + g] = x[g][t] * f[g];
+}
+
+// Writes (assign) or adds the final probabilities of query blocks [block_begin, block_end)
+// over the tokens [l0, l0 + cl) of segment s into the statistics of their slots.
+// probs(block) gives the block's exponentials ([rows, cl]) and factors ([rows]) to final
+// probabilities. The caller owns these slots: nothing else writes them meanwhile. Column
+// buffers keep the loops over tokens contiguous.
 template <typename F>
 void add_statistics(const Problem& p, const Plan& plan, Result& r, int64_t s, int64_t l0,
-                    int64_t cl, int64_t block_begin, int64_t block_end, const F& probs) {
+                    int64_t cl, int64_t block_begin, int64_t block_end, bool assign,
+                    const F& probs) {
   const int64_t G = plan.groups, n = plan.n;
   const store::PagedView& view = p.view;
+  float* mass_out = r.mass.defined() ? r.mass.data_ptr<float>() : nullptr;
+  float* last_out = r.last.defined() ? r.last.data_ptr<float>() : nullptr;
+  float* sum_sq_out = r.sum_sq.defined() ? r.sum_sq.data_ptr<float>() : nullptr;
+  int32_t* count_out = r.count.defined() ? r.count.data_ptr<int32_t>() : nullptr;
+  const int32_t* q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() + (s / plan.heads) * n
+                                           : nullptr;
+  // Columns over the chunk's tokens, accumulated over its queries.
   thread_local std::vector<float> mass, sum_sq, group;
   thread_local std::vector<int32_t> count, pos;
-  thread_local std::vector<int64_t> slot;
   mass.assign(cl, 0.f);
   sum_sq.assign(cl, 0.f);
   group.resize(cl);
   count.assign(cl, 0);
-  pos.resize(cl);
-  slot.resize(cl);
-  for_each_page_run<int32_t>(view, store::kPos, s, l0, l0 + cl,
-                             [&](int64_t l, int64_t run, const int32_t* pp, const int32_t*) {
-                               const int64_t first = view.slot(s, l);
-                               for (int64_t t = 0; t < run; ++t) {
-                                 pos[l - l0 + t] = pp[t];
-                                 slot[l - l0 + t] = first + t;
-                               }
-                             });
-  const int32_t* q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() + (s / plan.heads) * n
-                                           : nullptr;
-  float* last = r.last.defined() ? r.last.data_ptr<float>() : nullptr;
+  if (count_out && q_pos) {
+    pos.resize(cl);
+    for_each_page_run<int32_t>(view, store::kPos, s, l0, l0 + cl,
+                               [&](int64_t l, int64_t run, const int32_t* pp, const int32_t*) {
+                                 std::copy(pp, pp + run, pos.data() + (l - l0));
+                               });
+  }
   const float inv_g = 1.f / static_cast<float>(G);
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t i0 = block * plan.per_block, ib = plan.block_queries(block);
     const auto [x_block, factor] = probs(block);
     for (int64_t i = i0; i < i0 + ib; ++i) {
-      std::fill(group.begin(), group.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t j = g * ib + (i - i0);
-        const float f = factor[j];
-        const float* x = x_block + j * cl;
-        for (int64_t l = 0; l < cl; ++l) group[l] += x[l] * f;
-        if (last && i == n - 1) {
-          for (int64_t l = 0; l < cl; ++l) last[slot[l] * G + g] = x[l] * f;
+      // Row j = g * ib + (i - i0) holds query i of head g.
+      auto row = [&](int64_t g) { return x_block + (g * ib + (i - i0)) * cl; };
+      auto row_factor = [&](int64_t g) { return factor[g * ib + (i - i0)]; };
+      if (mass_out || sum_sq_out) {
+        const float* x = row(0);
+        const float f = row_factor(0);
+        for (int64_t l = 0; l < cl; ++l) group[l] = x[l] * f;
+        for (int64_t g = 1; g < G; ++g) {
+          const float* xg = row(g);
+          const float fg = row_factor(g);
+          for (int64_t l = 0; l < cl; ++l) group[l] += xg[l] * fg;
+        }
+        for (int64_t l = 0; l < cl; ++l) {
+          mass[l] += group[l];
+          const float mean = group[l] * inv_g;
+          sum_sq[l] += mean * mean;
         }
       }
-      for (int64_t l = 0; l < cl; ++l) {
-        mass[l] += group[l];
-        const float mean = group[l] * inv_g;
-        sum_sq[l] += mean * mean;
+      if (last_out && i == n - 1) {  // written once: only one block holds the last query
+        for_each_page_run<int32_t>(view, store::kPos, s, l0, l0 + cl,
+                                   [&](int64_t l, int64_t run, const int32_t*, const int32_t*) {
+                                     float* out = last_out + view.slot(s, l) * G;
+                                     if (G == 4) {  // the common case
+                                       interleave_last<4>(out, row, row_factor, l - l0, run);
+                                       return;
+                                     }
+                                     for (int64_t g = 0; g < G; ++g) {
+                                       const float* x = row(g) + (l - l0);
+                                       const float f = row_factor(g);
+                                       for (int64_t t = 0; t < run; ++t) out[t * G + g] = x[t] * f;
+                                     }
+                                   });
       }
-      if (q_pos) {
+      if (count_out && q_pos) {
         for (int64_t l = 0; l < cl; ++l) count[l] += pos[l] <= q_pos[i] ? 1 : 0;
-      } else {
-        for (int64_t l = 0; l < cl; ++l) count[l] += 1;
       }
     }
   }
-  float* mass_out = r.mass.defined() ? r.mass.data_ptr<float>() : nullptr;
-  float* sum_sq_out = r.sum_sq.defined() ? r.sum_sq.data_ptr<float>() : nullptr;
-  int32_t* count_out = r.count.defined() ? r.count.data_ptr<int32_t>() : nullptr;
-  for (int64_t l = 0; l < cl; ++l) {
-    if (mass_out) mass_out[slot[l]] += mass[l];
-    if (sum_sq_out) sum_sq_out[slot[l]] += sum_sq[l];
-    if (count_out) count_out[slot[l]] += count[l];
+  if (count_out && !q_pos) {  // every query sees every live slot
+    int32_t queries = 0;
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      queries += static_cast<int32_t>(plan.block_queries(block));
+    }
+    std::fill(count.begin(), count.end(), queries);
   }
+  // Consecutive tokens of a page have consecutive slots: write a page run at a time.
+  for_each_page_run<int32_t>(view, store::kPos, s, l0, l0 + cl,
+                             [&](int64_t l, int64_t run, const int32_t*, const int32_t*) {
+                               const int64_t first = view.slot(s, l);
+                               auto put = [&](auto* out, const auto& column) {
+                                 if (out == nullptr) return;
+                                 const auto* in = column.data() + (l - l0);
+                                 if (assign) {
+                                   std::copy(in, in + run, out + first);
+                                 } else {
+                                   for (int64_t t = 0; t < run; ++t) out[first + t] += in[t];
+                                 }
+                               };
+                               put(mass_out, mass);
+                               put(sum_sq_out, sum_sq);
+                               put(count_out, count);
+                             });
 }
 
 // Unit u: the queries of its block against the tokens of its chunk. Leaves the unit's
@@ -278,7 +369,7 @@ void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result
     thread_local std::vector<float> factor;
     factor.resize(rows);
     for (int64_t j = 0; j < rows; ++j) factor[j] = sum[j] > 0.f ? 1.f / sum[j] : 0.f;
-    add_statistics(p, plan, r, s, l0, cl, block, block + 1,
+    add_statistics(p, plan, r, s, l0, cl, block, block + 1, /*assign=*/block == 0,
                    [&](int64_t) { return std::pair<const float*, const float*>(logits, factor.data()); });
   }
 }
@@ -334,24 +425,60 @@ void attend_all(const Problem& p, Result& r) {
   // A matrix unit keeps no exponentials; probs is then only a flag that statistics are on.
   float* probs_p = !stats ? nullptr : plan.gemm ? base : probs.data_ptr<float>();
   const Workspace ws{base, base + U * R, base + 2 * U * R, probs_p};
-  if (stats && plan.gemm) {  // a segment's blocks add into the same slots: one thread each
-    run_parallel(plan.chunks(), parallel, [&](int64_t c) {
-      for (int64_t b = 0; b < plan.blocks; ++b) attend_unit<T>(p, plan, ws, r, c * plan.blocks + b);
-    });
-  } else {
-    run_parallel(U, parallel, [&](int64_t u) { attend_unit<T>(p, plan, ws, r, u); });
-  }
+  if (stats) zero_dead_slots(p, r);
   T* out = r.out.data_ptr<T>();
-  run_parallel(p.segments * plan.blocks, parallel,
-               [&](int64_t w) { merge_block<T>(plan, ws, out, w); });
-  if (stats && !plan.gemm) {
-    run_parallel(plan.chunks(), parallel, [&](int64_t c) {
-      const auto [s, l0, cl] = chunk_range(p, plan, c);
-      add_statistics(p, plan, r, s, l0, cl, 0, plan.blocks, [&](int64_t block) {
-        const int64_t u = c * plan.blocks + block;
-        return std::pair<const float*, const float*>(ws.probs + u * R * kChunk, ws.m + u * R);
-      });
+
+  // Segment s's units are [unit_begin(s), unit_begin(s + 1)).
+  auto unit_begin = [&](int64_t s) { return plan.chunk_first[s] * plan.blocks; };
+  auto chunk_statistics = [&](int64_t c) {
+    const auto [s, l0, cl] = chunk_range(p, plan, c);
+    add_statistics(p, plan, r, s, l0, cl, 0, plan.blocks, /*assign=*/true, [&](int64_t block) {
+      const int64_t u = c * plan.blocks + block;
+      return std::pair<const float*, const float*>(ws.probs + u * R * kChunk, ws.m + u * R);
     });
+  };
+  auto finish_segment = [&](int64_t s) {  // merge, then a tile unit's statistics
+    for (int64_t b = 0; b < plan.blocks; ++b) merge_block<T>(plan, ws, out, s * plan.blocks + b);
+    if (!stats || plan.gemm) return;
+    for (int64_t c = plan.chunk_first[s]; c < plan.chunk_first[s + 1]; ++c) chunk_statistics(c);
+  };
+  // A thread that ran every unit of a segment finishes the segment right after its last
+  // unit, while the segment's exponentials are still in its cache (the statistics cost 12 %
+  // more in a separate pass); segments split between threads wait for the passes below.
+  std::vector<uint8_t> finished(p.segments, 0);
+  // With statistics a matrix unit adds into its segment's slots: a segment's blocks then
+  // run on one thread, as one task.
+  const int64_t per_task = stats && plan.gemm ? plan.blocks : 1;
+  auto run_tasks = [&](int64_t task_begin, int64_t task_end) {
+    const int64_t first = task_begin * per_task;
+    for (int64_t u = first; u < task_end * per_task; ++u) {
+      attend_unit<T>(p, plan, ws, r, u);
+      const int64_t s = plan.chunk_segment[u / plan.blocks];
+      if (u + 1 == unit_begin(s + 1) && unit_begin(s) >= first) {
+        finish_segment(s);
+        finished[s] = 1;
+      }
+    }
+  };
+  if (parallel) {
+    at::parallel_for(0, U / per_task, 1, run_tasks);
+  } else {
+    run_tasks(0, U / per_task);
+  }
+  std::vector<int64_t> left;  // split between threads, or empty
+  for (int64_t s = 0; s < p.segments; ++s) {
+    if (!finished[s]) left.push_back(s);
+  }
+  run_parallel(static_cast<int64_t>(left.size()) * plan.blocks, parallel, [&](int64_t w) {
+    merge_block<T>(plan, ws, out, left[w / plan.blocks] * plan.blocks + w % plan.blocks);
+  });
+  if (stats && !plan.gemm) {
+    std::vector<int64_t> chunks;
+    for (const int64_t s : left) {
+      for (int64_t c = plan.chunk_first[s]; c < plan.chunk_first[s + 1]; ++c) chunks.push_back(c);
+    }
+    run_parallel(static_cast<int64_t>(chunks.size()), parallel,
+                 [&](int64_t i) { chunk_statistics(chunks[i]); });
   }
 }
 

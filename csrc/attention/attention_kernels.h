@@ -26,8 +26,10 @@ struct Problem {
   float scale;        // softmax scale applied to q . k
 };
 
-// Outputs. `out` is always defined; each statistic is undefined when not requested and
-// otherwise arrives zero-filled (the kernels write the live slots only).
+// Outputs. `out` is always defined; each statistic is undefined when not requested. The
+// CUDA kernel adds into the live slots of zero-filled statistics; the CPU kernel gets them
+// uninitialised and writes every slot (zeros where no live token is), which saves a pass of
+// writes over them.
 struct Result {
   at::Tensor out;     // [B, Hq, n, D] the store's dtype
   // Statistics are in slot layout (store/paged_layout.h).

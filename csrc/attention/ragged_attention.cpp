@@ -54,11 +54,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
   const auto f32 = p.q.options().dtype(at::kFloat);
   attention::Result r;
   r.out = at::empty_like(p.q);
-  if (want_mass) r.mass = at::zeros({capacity}, f32);
-  if (want_last) r.last = at::zeros({capacity, p.groups}, f32);
-  if (want_sum_sq) r.sum_sq = at::zeros({capacity}, f32);
-  if (want_count) r.count = at::zeros({capacity}, f32.dtype(at::kInt));
-  if (r.out.numel() == 0) return {r.out, r.mass, r.last, r.sum_sq, r.count};
+  // Zero-filled for the CUDA kernel, which adds into them; the CPU kernel writes every slot.
+  auto statistic = [&](at::IntArrayRef shape, at::ScalarType dtype) {
+    return device.is_cuda() ? at::zeros(shape, f32.dtype(dtype)) : at::empty(shape, f32.dtype(dtype));
+  };
+  if (want_mass) r.mass = statistic({capacity}, at::kFloat);
+  if (want_last) r.last = statistic({capacity, p.groups}, at::kFloat);
+  if (want_sum_sq) r.sum_sq = statistic({capacity}, at::kFloat);
+  if (want_count) r.count = statistic({capacity}, at::kInt);
+  if (r.out.numel() == 0) {  // no kernel runs: the statistics are all zeros
+    for (at::Tensor* t : {&r.mass, &r.last, &r.sum_sq, &r.count}) {
+      if (t->defined()) t->zero_();
+    }
+    return {r.out, r.mass, r.last, r.sum_sq, r.count};
+  }
   KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
   return {r.out, r.mass, r.last, r.sum_sq, r.count};
 }

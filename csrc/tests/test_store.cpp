@@ -1025,7 +1025,9 @@ STORE_SCENARIO(EvictWithTopk) {
         SCOPED_TRACE(::testing::Message() << "RaggedKVStore::select, scores source " << i);
         const auto [keep, counts] = st.select(sources[i], kvtest::from_vec(budget, at::kLong), grouped);
         EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), want));
-        if (grouped) EXPECT_EQ(kvtest::to_vec<int32_t>(counts), want_counts);
+        if (grouped) {
+          EXPECT_EQ(kvtest::to_vec<int32_t>(counts), want_counts);
+        }
       }
     }
     if (::testing::Test::HasFailure()) return;
