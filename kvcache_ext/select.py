@@ -1,4 +1,4 @@
-"""Segmented top-k over the store's slot layout (CUB radix sort on GPU, partial sort on CPU)."""
+"""Segmented top-k over the store's slot layout (CUB radix sort on GPU, radix selection on CPU)."""
 from __future__ import annotations
 
 import torch
