@@ -288,8 +288,8 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
     t_gqa = or_none(lambda: time_op(base.gqa, device, repeats=repeats, warmup=2), device)
     shrunk = {}
     if store.capacity > tokens:
-        # The skewed store keeps the pages its compaction freed; the statistics are zero-filled
-        # over the whole capacity. The same timings once shrink_to_fit() has released them:
+        # The skewed store keeps the pages its compaction freed, whose slots' statistics are
+        # zeroed on every call. The same timings once shrink_to_fit() has released them:
         store.shrink_to_fit()
         t = time_interleaved({"ours": ours, "stats": ours_stats}, device, repeats=repeats, warmup=2)
         t_s, t_s_stats = t["ours"], t["stats"]

@@ -11,9 +11,11 @@
 // - matrix units (block prefill) take a whole segment and at most kGemmMaxRows rows, whose
 //   logits and output are two BLAS products over the segment's K and V widened to float.
 // Statistics need the final probabilities. A tile unit keeps its exponentials, the merge
-// leaves each unit's factor to the final softmax, and a last pass per (segment, chunk) writes
-// them into the chunk's slots. A matrix unit sees its whole segment, so it adds its own; the
-// query blocks of one segment then run on one thread, as they add into the same slots.
+// leaves each unit's factor to the final softmax, and the chunk's slots then get their
+// statistics written once (by the thread that ran the whole segment, or in a last pass). A
+// matrix unit sees its whole segment, so it writes its own; the query blocks of one segment
+// then run on one thread, as they add into the same slots. Slots without a live token get
+// zeros, so the statistics need no zero-fill first.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -443,8 +445,9 @@ void attend_all(const Problem& p, Result& r) {
     for (int64_t c = plan.chunk_first[s]; c < plan.chunk_first[s + 1]; ++c) chunk_statistics(c);
   };
   // A thread that ran every unit of a segment finishes the segment right after its last
-  // unit, while the segment's exponentials are still in its cache (the statistics cost 12 %
-  // more in a separate pass); segments split between threads wait for the passes below.
+  // unit, so that its exponentials are read back soon after they were written; segments
+  // split between threads wait for the passes below. (On the 2-core test machine this
+  // measured within noise of finishing every segment in separate passes.)
   std::vector<uint8_t> finished(p.segments, 0);
   // With statistics a matrix unit adds into its segment's slots: a segment's blocks then
   // run on one thread, as one task.
