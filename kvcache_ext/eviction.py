@@ -10,6 +10,7 @@ import torch
 
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.reconstruction import attend_context, hold_context
 from kvcache_ext.storage import LayerStorage
 
 MAX_BLOCK = 256   # the attention kernel's largest query block
@@ -32,6 +33,7 @@ class LayerState:
         self.budget = None          # [B] this layer's per-head budget (prefill, block eviction)
         self.decode_budget = None   # [B] per-head budget of decode-time eviction
         self.decode_steps = 0
+        self.context = None         # a prompt held for reconstruction passes (reconstruction.py)
         if self.layer_idx == 0:
             self.shared.clear()
 
@@ -64,6 +66,8 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
                   position_ids, **kwargs):
     """Attention of one layer over its evicting cache. Returns [B, n, Hq, D] like HF's functions."""
     B, _, n, _ = q.shape
+    if state.context is not None:   # a reconstruction pass over a held prompt
+        return attend_context(state, q, k, v, new_positions(position_ids, state.seen, n, B, q.device))
     window = kwargs.get("sliding_window")
     if window is not None and state.seen + n > window:
         raise NotImplementedError(
@@ -122,6 +126,10 @@ def store_dense_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
     """What a one-shot prefill leaves in a layer's cache once the model's dense attention has
     run on the prompt: the compressed prompt, without the prefill's slack. The one path for a
     dense prefill: the patched model and the evaluation's shared prefill both take it."""
+    if state.policy.scorer.reconstructs:
+        note_prompt(state, pos, valid)
+        hold_context(state, k, v, pos, valid, scale)   # scored and compressed after the passes
+        return
     compress_prompt(state, q, k, v, pos, valid, scale)
     release_prefill_slack(state)
 
@@ -179,14 +187,25 @@ def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int,
 
 def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
     """One-shot prefill: score the dense prompt, keep each head's budget, store only that."""
-    p, kv = state.policy, state.kv
-    B, H, n, _ = k.shape
-    state.ensure_budget(valid.sum(dim=1))
-    state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
+    note_prompt(state, pos, valid)
     view = PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
                       layer_idx=state.layer_idx, num_layers=state.num_layers,
                       budget=state.budget, shared=state.shared)
-    scores, channels = p.scorer.prompt_scores(view)
+    scores, channels = state.policy.scorer.prompt_scores(view)
+    keep_prompt(state, k, v, pos, valid, scores, channels)
+
+
+def note_prompt(state: LayerState, pos, valid) -> None:
+    """A fresh prompt's budgets and newest positions."""
+    state.ensure_budget(valid.sum(dim=1))
+    state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
+
+
+def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels) -> None:
+    """Stores each head's budget of a prompt by ``scores`` [B, H, n] (protection and the
+    allocation applied), with the scorer's ``channels`` when the schedule evicts again."""
+    p, kv = state.policy, state.kv
+    B, H, n, _ = k.shape
     pos_h = pos[:, None, :].expand(B, H, n)
     mask = valid[:, None, :].expand(B, H, n)
     protected = p.protection.mask(pos_h, state.last_pos) & mask

@@ -18,6 +18,7 @@ from kvcache_ext.cache import RaggedCache, take_pending
 from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
 from kvcache_ext.policies.policy import Policy
+from kvcache_ext.reconstruction import awaiting, reconstruct
 
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # The model's own dense attention runs the prefill; each gets its own registered name so that
@@ -66,10 +67,32 @@ def _register() -> None:
 class PatchHandle:
     """What ``patch`` returns; also a context manager that unpatches on exit."""
 
-    def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16):
+    def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16, tokenizer=None):
         self.model, self.policy, self.original_attn = model, policy, original_attn
-        self.page_size = page_size
+        self.page_size, self.tokenizer = page_size, tokenizer
         self._last_cache = None
+
+    def tokens(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens); ``"chat"``: what follows a user turn in
+        the tokenizer's chat template up to the assistant's answer (a newline without one)."""
+        tok = self.tokenizer
+        if text == "chat":
+            text = "\n"
+            if getattr(tok, "chat_template", None):
+                mark = "\x00kvcache_ext\x00"
+                turn = tok.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                               tokenize=False)
+                text = turn.split(mark, 1)[1]
+        return tok.encode(text, add_special_tokens=False)
+
+    def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, forward=None):
+        """Runs the reconstruction passes of a scorer that needs them (KVzip) on a cache that
+        holds the dense prompt ``input_ids``, and compresses it; returns the scores per layer
+        (None when the cache awaits nothing). The patched model calls this after a prompt."""
+        if not awaiting(cache):
+            return None
+        forward = forward or getattr(self.model, "_kvcache_ext_forward", self.model.forward)
+        return reconstruct(forward, cache, input_ids, attention_mask, self.tokens)
 
     @property
     def num_layers(self) -> int:
@@ -99,17 +122,21 @@ class PatchHandle:
             unpatch(self.model)
 
 
-def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
+def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> PatchHandle:
     """Makes ``model`` (an HF Llama, Mistral, Qwen2 or Qwen3 causal LM) evict with ``policy``.
 
     ``model.generate`` then runs with a fresh ``RaggedCache`` per call; ``model(...)`` does
     too when given ``past_key_values=handle.new_cache()``. Without such a cache the model
     runs its own attention. Patching a patched model replaces its policy. ``page_size``:
-    tokens per page of the caches' stores (see ``RaggedCache``).
+    tokens per page of the caches' stores (see ``RaggedCache``). ``tokenizer``: the model's,
+    for a scorer that prompts the model itself (KVzip's instructions given as text).
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
     check_page_size(page_size)
+    if getattr(policy.scorer, "reconstructs", False) and policy.scorer.needs_tokenizer and tokenizer is None:
+        raise ValueError(f"{type(policy.scorer).__name__} prompts the model with text instructions: pass the "
+                         "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids")
     config = getattr(model, "config", None)
     model_type = getattr(config.get_text_config() if config is not None else None, "model_type", None)
     if model_type not in SUPPORTED_MODELS:
@@ -122,7 +149,7 @@ def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
     _register()
     original = config._attn_implementation
     dense = original if original in DENSE else "sdpa"
-    handle = PatchHandle(model, policy, original, page_size)
+    handle = PatchHandle(model, policy, original, page_size, tokenizer)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
 
     prepare = model._prepare_cache_for_generation   # bound method of the class
@@ -138,8 +165,26 @@ def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
         return prepare(generation_config, model_kwargs, *args, **kwargs)
 
     model._prepare_cache_for_generation = _prepare_cache_for_generation
+    if policy.scorer.reconstructs:
+        _score_prompts_after_forward(model, handle, key)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _score_prompts_after_forward(model, handle: PatchHandle, key: str) -> None:
+    """Wraps ``model.forward`` so that a prompt held for reconstruction passes is scored and
+    compressed as soon as the forward that prefilled it returns (inside ``generate`` too)."""
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        cache = kwargs.get(key, kwargs.get("past_key_values"))   # the older name still works
+        if isinstance(cache, RaggedCache) and awaiting(cache):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            handle.score_prompt(cache, ids, kwargs.get("attention_mask"), forward=original)
+        return out
+
+    model._kvcache_ext_forward, model.forward = original, forward
 
 
 def unpatch(model) -> None:
@@ -149,6 +194,8 @@ def unpatch(model) -> None:
         raise ValueError("this model is not patched by kvcache_ext")
     model.set_attn_implementation(handle.original_attn)
     del model._prepare_cache_for_generation
+    if "_kvcache_ext_forward" in vars(model):
+        del model.forward, model._kvcache_ext_forward
     delattr(model, _HANDLE_ATTR)
 
 

@@ -93,10 +93,11 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert make_policy("full", 64) is None
     for name in POLICY_NAMES[1:]:
         assert make_policy(name, 64).budget == 64
-        if not name.startswith("kvec"):   # K-VEC is one-shot only, and says so
+        if not name.startswith(("kvec", "kvzip", "ada-kvzip")):   # K-VEC and KVzip are one-shot only, and say so
             assert make_policy(name, 64, Schedule(prefill_block=16, decode_every=1)).schedule.prefill_block == 16
-    with pytest.raises(ValueError, match="one-shot"):
-        make_policy("kvec", 64, Schedule(prefill_block=16))
+    for name in ("kvec", "kvzip", "ada-kvzip", "kvzip-global"):
+        with pytest.raises(ValueError, match="one-shot"):
+            make_policy(name, 64, Schedule(prefill_block=16))
     assert isinstance(make_policy("ada-snapkv", 64).allocation, AdaKV)
     assert make_policy("h2o", 64).scorer.recent == 32          # the H2O paper's half-recent split
     # CAOTE under the baselines' protocol, and Eq. 7 literally under its own name.

@@ -12,6 +12,8 @@ from kvcache_ext.policies import (
     H2O,
     KVEC,
     TOVA,
+    KVzip,
+    AcrossLayers,
     AdaKV,
     AhaKV,
     Policy,
@@ -59,6 +61,15 @@ _RECIPES = {
     "roco": (lambda b: RoCo(), None),
     "scissorhands": (lambda b: ScissorHands(), None),
     "kvec": (lambda b: KVEC(), None),
+    # Query-agnostic: KVzip's context reconstruction (its code's scoring softmax, and the
+    # model's own probabilities over the whole context), uniform and head-wise (Ada-KV).
+    "kvzip": (lambda b: KVzip(), None),
+    "ada-kvzip": (lambda b: KVzip(), lambda: AdaKV()),
+    "kvzip-context": (lambda b: KVzip(softmax="context"), None),
+    "ada-kvzip-context": (lambda b: KVzip(softmax="context"), lambda: AdaKV()),
+    # KVzip's own selection: one top-k over every head of every layer.
+    "kvzip-global": (lambda b: KVzip(), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-global-context": (lambda b: KVzip(softmax="context"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.
     "snapkv-nopool": (lambda b: SnapKV(kernel=1), None),
     "ahakv-nopool": (lambda b: AhaKV(score_pool=None), None),

@@ -49,7 +49,7 @@ def format_table(rows: list[dict]) -> str:
         sub = [r for r in rows if r["task"] == task and r["mode"] == mode]
         budgets = sorted({r["budget"] for r in sub if r["budget"] is not None})
         lines += [f"{task} ({mode}): {label}; in brackets, KV bytes held / full cache", "",
-                  "| policy | " + " | ".join(f"B={b}" for b in budgets) + " |",
+                  "| policy | " + " | ".join(_budget_label(b) for b in budgets) + " |",
                   "| --- |" + " --- |" * len(budgets)]
         for policy in dict.fromkeys(r["policy"] for r in sub):
             cells = {r["budget"]: r for r in sub if r["policy"] == policy}
@@ -60,6 +60,10 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"| {policy} | " + " | ".join(text) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _budget_label(budget) -> str:
+    return f"keep {budget:g}" if isinstance(budget, float) else f"B={budget}"
 
 
 def _cell(task: str, row: dict) -> str:
@@ -98,8 +102,9 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
                 ax.plot([b for b, _ in pts], [m for _, m in pts], label=policy, **style[policy])
         ax.set_xscale("log", base=2)
         budgets = sorted({r["budget"] for r in sub if r["budget"]})
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget (tokens per KV head)")
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        fractions = all(isinstance(b, float) for b in budgets)
+        ax.set_xlabel("fraction of the prompt kept" if fractions else "budget (tokens per KV head)")
         ax.set_ylabel(label)
         if task in ("ppl", "fidelity"):
             ax.set_yscale("log")

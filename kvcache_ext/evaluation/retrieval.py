@@ -11,6 +11,8 @@ With a one-shot schedule every policy shares one dense prefill per prompt
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,7 +24,7 @@ from kvcache_ext.evaluation.decoding import (
     greedy_continue,
 )
 from kvcache_ext.evaluation.named_policies import policy_runs
-from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
 from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt
 
 MODES = ("aware", "agnostic")
@@ -34,7 +36,7 @@ class RetrievalRecord:
     task: str
     mode: str
     policy: str
-    budget: int | None
+    budget: int | float | None     # tokens per KV head, or (a float) the fraction of the compressed part kept
     length: int
     depth: float
     seed: int
@@ -44,6 +46,8 @@ class RetrievalRecord:
     kv_bytes: int
     full_bytes: int
     decode_s_per_token: float
+    budget_tokens: int | None = None   # tokens per KV head this run kept (= budget unless a fraction)
+    prefill_s: float | None = None     # the prompt's prefill, reconstruction passes included
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,9 +64,16 @@ def split_prompt(prompt, mode: str):
 
 
 @torch.no_grad()
-def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list[int],
+def budget_tokens(budget: int | float, length: int) -> int:
+    """Tokens per KV head of a budget given in tokens (int) or as the fraction of a prompt of
+    ``length`` tokens that is kept (float, rounded up)."""
+    return budget if isinstance(budget, int) else max(1, math.ceil(budget * length))
+
+
+def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list,
                schedule=None, max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
-    """Every (policy, budget) on one prompt in one mode. ``on_run()`` is called after each run."""
+    """Every (policy, budget) on one prompt in one mode. ``on_run()`` is called after each run.
+    A float budget keeps that fraction of the part compressed (the context in agnostic mode)."""
     device = next(model.parameters()).device
     context, question = split_prompt(prompt, mode)
     context = context.to(device)
@@ -76,15 +87,17 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             return recorded_logits[:, -1]
         return model(question, past_key_values=cache, use_cache=True).logits[:, -1]
 
-    def record(name, budget, new, decode_s, held):
+    def record(name, budget, new, decode_s, held, tokens=None, prefill_s=None):
         text = tokenizer.decode(new, skip_special_tokens=True)
         return RetrievalRecord(task, mode, name, budget, prompt.length, prompt.depth, prompt.seed,
                                prompt.answer, text, check_answer(text, prompt.answer), held, full_bytes,
-                               decode_s)
+                               decode_s, tokens, prefill_s)
 
     # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
     out = []
-    for name, budget, policy in [("full", None, None)] + policy_runs(policies, budgets, schedule):
+    labels = [None] + [b for name in policies if name != "full" for b in budgets]
+    runs = policy_runs(policies, [budget_tokens(b, context.shape[1]) for b in budgets], schedule)
+    for label, (name, budget, policy) in zip(labels, [("full", None, None)] + runs):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
         if policy is None:
@@ -94,19 +107,22 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             full_bytes = cache_bytes(cache)
             if "full" not in policies:
                 continue
-            out.append(record(name, None, new, decode_s, full_bytes))
+            out.append(record(name, None, new, decode_s, full_bytes, prefill_s=recorded.seconds))
         else:
-            with kvcache_ext.patch(model, policy) as handle:
+            with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
                 if policy.schedule.prefill_block is None:
                     cache = compressed_cache(policy, recorded)
+                    prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
                     logits = last_logits(cache, recorded.logits)
                 else:
                     cache = handle.new_cache()
+                    start = time.perf_counter()
                     logits = model(context, past_key_values=cache, use_cache=True).logits[:, -1]
+                    prefill_s = time.perf_counter() - start
                     if question is not None:
                         logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
                 new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
-                out.append(record(name, budget, new, decode_s, cache_bytes(cache)))
+                out.append(record(name, label, new, decode_s, cache_bytes(cache), budget, prefill_s))
         if on_run is not None:
             on_run()
     return out

@@ -19,6 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICIES,
                    help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES})")
     p.add_argument("--budget", default="64,128,256,512", help="tokens per KV head, comma-separated")
+    p.add_argument("--keep", default=None,
+                   help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1] "
+                   "(passkey, needle; in agnostic mode, of the context compressed)")
     p.add_argument("--lengths", default="1024,2048",
                    help="prompt (passkey, needle), text (ppl) or context (fidelity) lengths in tokens")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (passkey, needle)")
@@ -50,6 +53,16 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
+def _fractions(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated fractions, got {text!r}") from None
+    if not values or not all(0.0 < v <= 1.0 for v in values):
+        raise ValueError(f"{what} must be fractions in (0, 1], got {text!r}")
+    return values
+
+
 def _git_commit() -> str | None:
     """The commit of the kvcache_ext that runs (None when it is not a git checkout)."""
     import os
@@ -73,13 +86,20 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
     from kvcache_ext.tasks.prose import prose_ids
 
     policies = parse_policies(args.policy)
-    budgets = _ints(args.budget, "--budget")
+    budgets = _ints(args.budget, "--budget") if args.keep is None else _fractions(args.keep, "--keep")
+    if args.keep is not None and args.task not in ("passkey", "needle"):
+        raise ValueError(f"--keep applies to passkey and needle; for {args.task} give --budget")
     lengths = _ints(args.lengths, "--lengths")
     block = args.prefill_block
     if args.task == "ppl" and block is None:
         block = 128
     schedule = Schedule(prefill_block=block, decode_every=args.decode_every)
-    policy_runs(policies, budgets, schedule)   # refuse a bad combination now, not after an hour of runs
+    # Refuse a bad combination now, not after an hour of runs (a fraction as of a 1K-token prompt).
+    runs = policy_runs(policies, [b if isinstance(b, int) else max(1, round(b * 1024)) for b in budgets], schedule)
+    if args.task not in ("passkey", "needle"):
+        prompted = sorted({name for name, _, policy in runs if policy.scorer.reconstructs})
+        if prompted:
+            raise ValueError(f"{', '.join(prompted)} reconstruct a prompt (KVzip): they run on passkey and needle")
     device = next(model.parameters()).device
     progress = not args.no_progress
     if args.task in ("passkey", "needle"):

@@ -10,7 +10,8 @@ this gives the same tokens and logits as running the patched model on the prompt
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +20,7 @@ from kvcache_ext.cache import RaggedCache
 from kvcache_ext.eviction import store_dense_prompt
 from kvcache_ext.policies import Policy, Scorer
 from kvcache_ext.policies.views import PromptView
+from kvcache_ext.reconstruction import awaiting, finish
 
 
 class _Recorder(Scorer):
@@ -39,6 +41,10 @@ class _Recorder(Scorer):
 class RecordedPrefill:
     views: list            # per layer, the dense PromptView (q, k, v after RoPE, positions)
     logits: torch.Tensor   # [B, n, V] logits of the prompt
+    seconds: float = 0.0   # the prefill's wall time
+    # Scores of reconstruction passes (KVzip), per scorer: computed once per prompt and reused
+    # at every budget, with the passes' wall time.
+    reconstructed: dict = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -48,9 +54,11 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         raise ValueError("record_prefill patches the model itself: unpatch it first")
     recorder = _Recorder()
     with kvcache_ext.patch(model, Policy(recorder, budget=input_ids.shape[1])) as handle:
+        start = time.perf_counter()
         out = model(input_ids, attention_mask=attention_mask, past_key_values=handle.new_cache(),
                     use_cache=True)
-    return RecordedPrefill(views=recorder.views, logits=out.logits)
+        seconds = time.perf_counter() - start
+    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds)
 
 
 def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
@@ -65,3 +73,20 @@ def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
         state.seen += view.k.shape[2]
         store_dense_prompt(state, view.q, view.k, view.v, view.pos, view.valid, view.scale)
     return cache
+
+
+def score_by_reconstruction(handle, cache: RaggedCache, recorded: RecordedPrefill, input_ids,
+                            attention_mask=None) -> float:
+    """Finishes a ``compressed_cache`` whose scorer reconstructs the prompt (KVzip): runs the
+    passes through the patched model (``handle``) the first time this scorer meets this
+    recording, reuses their scores after. Returns the passes' wall time (0 when none ran)."""
+    if not awaiting(cache):
+        return 0.0
+    key = repr(cache.policy.scorer)
+    if key not in recorded.reconstructed:
+        start = time.perf_counter()
+        scores = handle.score_prompt(cache, input_ids, attention_mask)
+        recorded.reconstructed[key] = (scores, time.perf_counter() - start)
+    else:
+        finish(cache, recorded.reconstructed[key][0])
+    return recorded.reconstructed[key][1]

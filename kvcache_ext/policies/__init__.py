@@ -8,12 +8,14 @@ Any scorer combines with any allocation::
     Policy(SnapKV(), budget=256, allocation=AdaKV(layers=Pyramid()))  # Ada-Pyramid
     Policy(H2O(), budget=256, schedule=EveryStep())                # H2O held at its budget
 """
+from kvcache_ext.policies.across_layers import AcrossLayers
 from kvcache_ext.policies.adakv import AdaKV
 from kvcache_ext.policies.ahakv import AhaKV
 from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.kvec import KVEC
+from kvcache_ext.policies.kvzip import KVzip
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.pooled import Pooled
 from kvcache_ext.policies.pooling import Pooling
@@ -32,7 +34,7 @@ from kvcache_ext.policies.views import CacheView, PromptView
 
 __all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
-           "AhaKV", "KVEC", "CAOTE", "FastCAOTE", "caote_policy",
-           "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV",
+           "AhaKV", "KVEC", "KVzip", "CAOTE", "FastCAOTE", "caote_policy",
+           "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
            "PromptView", "CacheView"]

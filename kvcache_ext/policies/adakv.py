@@ -24,7 +24,8 @@ class AdaKV(Allocation):
     tokens (SnapKV's window) stay out of steps 1-2 and are added to every head, as in the
     authors' code. Rounding (not in the paper): floor, then one more token to the heads with
     the largest remainders until the sum is exact; a head never gets more than it holds.
-    ``layers``: the layer schedule, ``Uniform()`` (Ada-SnapKV) or ``Pyramid()`` (Ada-Pyramid).
+    ``layers``: the layer schedule, ``Uniform()`` (Ada-SnapKV), ``Pyramid()`` (Ada-Pyramid) or
+    ``AcrossLayers()`` (by every layer's scores; KVzip).
     """
 
     alpha: float = 0.5
@@ -34,7 +35,7 @@ class AdaKV(Allocation):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"AdaKV alpha must be in [0, 1], got {self.alpha}")
         if isinstance(self.layers, AdaKV):
-            raise ValueError("AdaKV(layers=...) takes a layer schedule (Uniform or Pyramid)")
+            raise ValueError("AdaKV(layers=...) takes a layer schedule (Uniform, Pyramid or AcrossLayers)")
 
     def layer_budget(self, budget, layer_idx, num_layers, prompt_len, reserved):
         return self.layers.layer_budget(budget, layer_idx, num_layers, prompt_len, reserved)

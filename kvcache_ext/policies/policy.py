@@ -52,6 +52,11 @@ class Policy:
         if target is not None and target <= self.protection.size:
             raise ValueError(f"decode_target {target} must exceed the {self.protection.size} protected tokens")
         self.scorer.check_policy(self)
+        layers = getattr(self.allocation, "layers", self.allocation)
+        if getattr(layers, "whole_model", False) and not self.scorer.reconstructs:
+            raise ValueError(f"{type(layers).__name__} splits the budget by every layer's scores at once, which "
+                             f"only a scorer that reconstructs the prompt (KVzip) has; {type(self.scorer).__name__} "
+                             "scores one layer at a time")
 
     def budget_for(self, prompt_len: torch.Tensor) -> torch.Tensor:
         """[B] tokens per KV head for prompts of prompt_len [B] tokens."""

@@ -28,6 +28,7 @@ class Scorer:
     needs_queries: bool = False              # views carry the latest call's queries (view.q)
     output_after_eviction: bool = False      # a block's output over the kept tokens only (CAOTE Eq. 7)
     updates_from_view: bool = False          # ``update_view`` runs after every attention over the cache
+    reconstructs: bool = False               # prompt scores from reconstruction passes (reconstruction.py)
 
     def default_protection(self) -> Protection:
         return Protection()

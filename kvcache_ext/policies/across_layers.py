@@ -1,0 +1,43 @@
+"""Layer budgets that follow the best scores over all layers (KVzip's non-uniform layer ratios)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcache_ext.policies.allocation import Allocation
+
+
+@dataclass
+class AcrossLayers(Allocation):
+    """Each layer's budget is its share of the best scores of all layers together: the
+    L * H * B best scores of a row over every layer and KV head (B the per-head budget),
+    protected tokens first, and layer l gets those that are its own, averaged over its heads
+    (rounded to the nearest token). KVzip selects this way ("layerwise=False" in its code);
+    its scores are attention probabilities, comparable across layers.
+
+    It needs every layer's scores at once, which only a scorer that scores a prompt after the
+    whole model ran has (``reconstructs``, KVzip); ``Policy`` refuses it otherwise. Use it as
+    ``AdaKV(alpha=1.0, layers=AcrossLayers())`` for KVzip's own selection (one top-k over all
+    heads and layers), or alone for equal heads within a layer.
+    """
+
+    whole_model = True   # layer budgets from every layer's scores (reconstruction.finish)
+
+    def layer_budgets(self, budget: torch.Tensor, scores: list[torch.Tensor]) -> list[torch.Tensor]:
+        """budget [B] tokens per head; scores per layer [B, H, n] (-inf: not held, +inf:
+        protected) -> per layer [B] tokens per head."""
+        flat = torch.cat([s.flatten(1) for s in scores], dim=1)                # [B, L*H*n]
+        heads = sum(s.shape[1] for s in scores)
+        total = (budget * heads).clamp(max=flat.shape[1])                       # [B]
+        order = torch.argsort(flat, dim=1, descending=True, stable=True)
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen.scatter_(1, order, torch.arange(flat.shape[1], device=flat.device) < total[:, None])
+        chosen &= flat > float("-inf")
+        out, at = [], 0
+        for s in scores:
+            size = s[0].numel()
+            count = chosen[:, at:at + size].sum(dim=1)
+            out.append(torch.div(count + s.shape[1] // 2, s.shape[1], rounding_mode="floor"))
+            at += size
+        return out

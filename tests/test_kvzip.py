@@ -1,0 +1,171 @@
+"""KVzip: query-agnostic scores from context reconstruction passes (kvcache_ext.reconstruction).
+
+- the ragged path equals the reference path (logits and tokens kept) for every allocation,
+  one and several passes, both scoring softmaxes, a left-padded batch of 2, GQA;
+- the scores equal an independent implementation: the unpatched model run on the context
+  followed by the pass's tokens, its eager attention probabilities (renormalised over the
+  keys of KVzip's code for ``softmax="chunk"``), the largest over queries and heads;
+- across-layer budgets are one top-k over every head of every layer;
+- generate, unpatch and the errors a user can meet.
+"""
+import json
+
+import pytest
+import torch
+
+import kvcache_ext
+from kvcache_ext import cli
+from kvcache_ext.policies import (H2O, AcrossLayers, AdaKV, BlockwisePrefill, EveryStep, KVzip, OneShot,
+                                  Policy, Pyramid, Uniform)
+from test_patch import assert_paths_agree, inputs
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Token ids for the instructions: the tiny models have no tokenizer.
+IDS = dict(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,))
+
+
+def kvzip(**kw):
+    return KVzip(**{**IDS, **kw})
+
+
+@pytest.mark.parametrize("allocation", [Uniform(), AdaKV(), Pyramid(beta=4),
+                                        AdaKV(alpha=1.0, layers=AcrossLayers()), AcrossLayers()],
+                         ids=repr)
+@pytest.mark.parametrize("chunk,softmax", [(64, "chunk"), (16, "chunk"), (16, "context"), (7, "chunk")])
+def test_ragged_path_equals_reference_path(allocation, chunk, softmax):
+    ragged, _ = assert_paths_agree(Policy(kvzip(chunk=chunk, softmax=softmax), budget=20,
+                                          allocation=allocation))
+    # What is held is the budget, spread over the layers when they share it.
+    kept = sum(int(t.sum()) for t in ragged.kept_tokens())
+    assert abs(kept - 3 * 2 * 2 * (20 + 8)) <= 3 * 2 * 2
+
+
+def _independent_scores(model, ids, passes, softmax, sinks):
+    """Per layer [H, n]: the unpatched model's eager attention of each pass over the context."""
+    n = ids.shape[1]
+    cfg = model.config
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    scores = None
+    model.set_attn_implementation("eager")
+    try:
+        for inputs_, _, lo, hi in passes:
+            with torch.no_grad():
+                att = model(torch.cat([ids, inputs_], dim=1), output_attentions=True).attentions
+            per_layer = []
+            for a in att:
+                a = a[0, :, n:, :].double()                             # [Hq, r, n + r]
+                if softmax == "chunk":
+                    keep = torch.zeros(a.shape[-1], dtype=torch.bool)
+                    keep[:sinks], keep[lo:hi], keep[n:] = True, True, True
+                    a = a * keep / (a * keep).sum(dim=-1, keepdim=True)
+                    cols = torch.zeros(n, dtype=torch.bool)
+                    cols[lo:hi] = True
+                else:
+                    cols = torch.ones(n, dtype=torch.bool)
+                s = a[..., :n].amax(dim=1).view(-1, G, n).amax(dim=1) * cols
+                per_layer.append(s)
+            scores = per_layer if scores is None else [torch.maximum(x, y) for x, y in zip(scores, per_layer)]
+    finally:
+        model.set_attn_implementation("sdpa")
+    return scores
+
+
+@pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
+def test_scores_equal_an_independent_implementation(chunk, softmax):
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, _ = inputs(batch=1, length=40, seed=4)
+    scorer = kvzip(chunk=chunk, softmax=softmax)
+    policy = Policy(scorer, budget=10)
+    with kvcache_ext.patch(model, policy) as handle:
+        cache = handle.new_cache()
+        model(ids, past_key_values=cache, use_cache=True)   # the forward's end runs the passes
+        passes = scorer.passes(ids, torch.ones_like(ids, dtype=torch.bool), handle.tokens)
+        assert len(passes) == -(-40 // chunk)
+    # The scores of a cache are not kept; compute them again through the same entry point.
+    from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+    recorded = record_prefill(model, ids)
+    with kvcache_ext.patch(model, policy) as handle:
+        got = handle.score_prompt(compressed_cache(policy, recorded), ids)
+    expected = _independent_scores(model, ids, passes, softmax, scorer.sinks)
+    for layer, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g[0].double(), e, atol=1e-5, rtol=1e-4, msg=f"layer {layer}")
+
+
+def test_passes_chunk_the_context_with_the_instructions():
+    scorer = kvzip(chunk=4, overlap=2)
+    ids = torch.tensor([[0, 0, 21, 22, 23, 24, 25, 26]])
+    valid = ids != 0
+    passes = scorer.passes(ids, valid, lambda text: pytest.fail("no text to tokenize"))
+    assert [(lo, hi) for _, _, lo, hi in passes] == [(0, 4), (4, 8)]
+    first, second = passes[0][0][0].tolist(), passes[1][0][0].tolist()
+    assert first == [5, 6, 7, 10, 21, 22]                          # padding is not repeated
+    assert second == [8, 9, 21, 22, 10, 23, 24, 25, 26]            # the last 2 tokens before it
+    assert passes[0][1].all() and passes[1][1].all()
+
+
+def test_across_layers_is_one_topk_over_every_head_and_layer():
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.rand(2, 3, 50, generator=g) for _ in range(4)]
+    scores[1][:, :, :5] = float("inf")                  # protected: ranked first
+    scores[2][1, :, 40:] = float("-inf")                # not held
+    budget = torch.tensor([10, 7])
+    got = AcrossLayers().layer_budgets(budget, scores)
+    flat = torch.cat([s.flatten(1) for s in scores], dim=1)
+    for b in range(2):
+        top = torch.topk(flat[b], int(budget[b]) * 12).indices
+        counts = torch.bincount(top // 150, minlength=4)
+        assert [int(x[b]) for x in got] == [int((c + 1) // 3) for c in counts]
+
+
+def test_generate_compresses_once_and_unpatch_restores_forward():
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=50, pad=(0, 6))
+    forward = model.forward
+    with kvcache_ext.patch(model, Policy(kvzip(chunk=20), budget=12)) as handle:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                             return_dict_in_generate=True)
+        cache = out.past_key_values
+        assert out.sequences.shape == (2, 55)
+        # Every head holds its 12 tokens and the 4 decoded since (the 5th was not fed back).
+        assert all(bool((t == 16).all()) for t in cache.kept_tokens())
+    assert model.forward == forward and "forward" not in vars(model)
+
+
+def test_errors_name_what_is_wrong():
+    with pytest.raises(ValueError, match="one-shot"):
+        Policy(kvzip(), budget=16, schedule=BlockwisePrefill(16))
+    with pytest.raises(ValueError, match="one-shot"):
+        Policy(kvzip(), budget=16, schedule=EveryStep())
+    with pytest.raises(ValueError, match="AcrossLayers"):
+        Policy(H2O(), budget=16, allocation=AdaKV(layers=AcrossLayers()))
+    with pytest.raises(ValueError, match="chunk"):
+        KVzip(chunk=0)
+    with pytest.raises(ValueError, match="softmax"):
+        KVzip(softmax="window")
+    with pytest.raises(ValueError, match="prompt"):
+        KVzip(prompt=[1, 2])
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="tokenizer"):
+        kvcache_ext.patch(model, Policy(KVzip(), budget=16, schedule=OneShot()))
+    assert not kvcache_ext.is_patched(model)
+
+
+def test_eval_keep_fractions_agnostic_on_the_default_model(default_model, monkeypatch, tmp_path, capsys):
+    """CI's agnostic smoke test: --keep, KVzip's passes through the harness, on a short prompt."""
+    monkeypatch.setattr("kvcache_ext.models.load_model", lambda *a, **k: default_model)
+    out = tmp_path / "keep.json"
+    code = cli.main(["eval", "--task", "passkey", "--policy", "full,kvzip-global,snapkv", "--keep", "0.25,0.5",
+                     "--lengths", "400", "--depths", "0.5", "--mode", "agnostic", "--json", str(out),
+                     "--no-progress"])
+    assert code == 0
+    assert "keep 0.25" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    rows = {(r["policy"], r["budget"]): r for r in doc["rows"]}
+    assert set(rows) == {("full", None)} | {(p, k) for p in ("kvzip-global", "snapkv") for k in (0.25, 0.5)}
+    for (policy, keep), row in rows.items():
+        if policy != "full":
+            assert abs(row["kv_fraction"] - keep) < 0.1, row
+    records = [r for r in doc["records"] if r["policy"] == "kvzip-global"]
+    assert all(r["prefill_s"] > 0 and r["budget_tokens"] >= 0.25 * 300 for r in records)
