@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcache_ext.evaluation.run import add_arguments
     evaluate = sub.add_parser("eval", help="one task over policies x budgets: JSON, table, plot",
                               description="Retrieval (passkey, needle) in query-aware and "
-                              "query-agnostic prompt modes, perplexity under block-wise eviction "
+                              "query-agnostic prompt modes, several questions over one compressed "
+                              "context (multi), perplexity under block-wise eviction "
                               "(ppl), or KL and top-1 agreement against the full cache (fidelity).")
     add_arguments(evaluate)
     return parser

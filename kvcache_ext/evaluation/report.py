@@ -7,6 +7,7 @@ from collections import defaultdict
 METRICS = {   # task -> (metric of a row, its label, higher is better)
     "passkey": ("accuracy", "accuracy", True),
     "needle": ("accuracy", "accuracy", True),
+    "multi": ("accuracy", "accuracy over the questions", True),
     "ppl": ("ppl", "perplexity", False),
     "fidelity": ("kl", "KL(full || policy), nats/token", False),
 }
@@ -22,7 +23,7 @@ def summarize(records: list[dict]) -> list[dict]:
     for (task, mode, policy, budget), rs in groups.items():
         row = {"task": task, "mode": mode, "policy": policy, "budget": budget, "n": len(rs),
                "kv_fraction": sum(r["kv_bytes"] for r in rs) / max(sum(r["full_bytes"] for r in rs), 1)}
-        if task in ("passkey", "needle"):
+        if task in ("passkey", "needle", "multi"):
             row["correct"] = sum(r["correct"] for r in rs)
             row["accuracy"] = row["correct"] / len(rs)
         elif task == "ppl":
@@ -68,7 +69,7 @@ def _budget_label(budget) -> str:
 
 def _cell(task: str, row: dict) -> str:
     kv = f" ({row['kv_fraction']:.2f})"
-    if task in ("passkey", "needle"):
+    if task in ("passkey", "needle", "multi"):
         return f"{row['correct']}/{row['n']}" + kv
     if task == "ppl":
         return f"{row['ppl']:.2f}" + kv

@@ -10,7 +10,7 @@ import time
 import torch
 
 DEFAULT_POLICIES = "full,streamingllm,h2o,tova,snapkv,ada-snapkv"
-TASKS = ("passkey", "needle", "ppl", "fidelity")
+TASKS = ("passkey", "needle", "multi", "ppl", "fidelity")
 
 
 def add_arguments(p) -> None:
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", default="64,128,256,512", help="tokens per KV head, comma-separated")
     p.add_argument("--keep", default=None,
                    help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1] "
-                   "(passkey, needle; in agnostic mode, of the context compressed)")
+                   "(passkey, needle, multi; in agnostic mode, of the context compressed)")
     p.add_argument("--lengths", default="1024,2048",
                    help="prompt (passkey, needle), text (ppl) or context (fidelity) lengths in tokens")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (passkey, needle)")
@@ -79,6 +79,7 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
     from tqdm.auto import tqdm
 
     from kvcache_ext.evaluation import fidelity, perplexity
+    from kvcache_ext.evaluation.conversation import run_multi_question
     from kvcache_ext.evaluation.named_policies import parse_policies, policy_runs
     from kvcache_ext.evaluation.report import summarize
     from kvcache_ext.evaluation.retrieval import MODES, run_retrieval
@@ -87,8 +88,8 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
 
     policies = parse_policies(args.policy)
     budgets = _ints(args.budget, "--budget") if args.keep is None else _fractions(args.keep, "--keep")
-    if args.keep is not None and args.task not in ("passkey", "needle"):
-        raise ValueError(f"--keep applies to passkey and needle; for {args.task} give --budget")
+    if args.keep is not None and args.task not in ("passkey", "needle", "multi"):
+        raise ValueError(f"--keep applies to passkey, needle and multi; for {args.task} give --budget")
     lengths = _ints(args.lengths, "--lengths")
     block = args.prefill_block
     if args.task == "ppl" and block is None:
@@ -96,10 +97,11 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
     schedule = Schedule(prefill_block=block, decode_every=args.decode_every)
     # Refuse a bad combination now, not after an hour of runs (a fraction as of a 1K-token prompt).
     runs = policy_runs(policies, [b if isinstance(b, int) else max(1, round(b * 1024)) for b in budgets], schedule)
-    if args.task not in ("passkey", "needle"):
+    if args.task not in ("passkey", "needle", "multi"):
         prompted = sorted({name for name, _, policy in runs if policy.scorer.reconstructs})
         if prompted:
-            raise ValueError(f"{', '.join(prompted)} reconstruct a prompt (KVzip): they run on passkey and needle")
+            raise ValueError(f"{', '.join(prompted)} reconstruct a prompt (KVzip): they run on passkey, needle "
+                             "and multi")
     device = next(model.parameters()).device
     progress = not args.no_progress
     if args.task in ("passkey", "needle"):
@@ -110,6 +112,12 @@ def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
         depths = [float(x) for x in args.depths.split(",") if x.strip()]
         records = run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, depths, modes,
                                 args.seeds, schedule, args.max_new_tokens, progress)
+    elif args.task == "multi":
+        per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
+        bar = tqdm(total=len(lengths) * args.seeds * per_text, desc="eval multi", unit="run", disable=not progress)
+        records = run_multi_question(model, tokenizer, policies, budgets, lengths, args.seeds, schedule,
+                                     args.max_new_tokens, on_run=lambda: bar.update(1))
+        bar.close()
     else:
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
         bar = tqdm(total=len(lengths) * args.seeds * per_text, desc=f"eval {args.task}", unit="run",

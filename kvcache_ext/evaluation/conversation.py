@@ -1,0 +1,76 @@
+"""The multi-question task: one context compressed once, then questions as turns of one chat.
+
+Each policy's cache is built from one shared dense prefill of the context (as for passkey and
+needle in agnostic mode, ``shared_prefill``); the questions are then fed one after another over
+that same cache, each followed by the model's greedy answer, which stays in the cache for the
+next turn. One record per question.
+"""
+from __future__ import annotations
+
+import torch
+
+import kvcache_ext
+from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from, greedy_continue
+from kvcache_ext.evaluation.named_policies import policy_runs
+from kvcache_ext.evaluation.retrieval import RetrievalRecord, budget_tokens
+from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
+from kvcache_ext.tasks import check_answer
+from kvcache_ext.tasks.multi_question import make_multi_question_prompt
+
+
+def ask_in_turns(model, cache, prompt, eos: int | None, max_new_tokens: int):
+    """Feeds every question turn over ``cache``, each after the previous answer; returns the
+    answers' token ids and decode seconds per token, per question."""
+    device = next(model.parameters()).device
+    answers, unfed = [], None
+    for turn in prompt.turns:
+        ids = turn[None].to(device)
+        if unfed is not None and unfed != eos:   # the answer's last token was not fed back yet
+            ids = torch.cat([torch.tensor([[unfed]], device=device), ids], dim=1)
+        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
+        answers.append((new, decode_s))
+        unfed = new[-1]
+    return answers
+
+
+@torch.no_grad()
+def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int = 1, schedule=None,
+                       max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
+    """Every (policy, budget) on every prompt; a float budget keeps that fraction of the context.
+    Block-wise schedules are refused (the shared prefill is one-shot)."""
+    if schedule is not None and schedule.prefill_block is not None:
+        raise ValueError("the multi-question task compresses the context once (one-shot schedule)")
+    device = next(model.parameters()).device
+    records, seed = [], 0
+    for n in lengths:
+        for _ in range(seeds):
+            prompt = make_multi_question_prompt(tokenizer, n, seed=seed)
+            seed += 1
+            context = prompt.context[None].to(device)
+            recorded = record_prefill(model, context)
+            labels = [None] + [b for name in policies if name != "full" for b in budgets]
+            runs = [("full", None, None)] + policy_runs(
+                policies, [budget_tokens(b, context.shape[1]) for b in budgets], schedule)
+            full_bytes = None
+            for label, (name, tokens, policy) in zip(labels, runs):
+                if policy is None:
+                    cache, prefill_s = full_cache_from(model, recorded), recorded.seconds
+                    answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
+                    full_bytes = cache_bytes(cache)
+                else:
+                    with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
+                        cache = compressed_cache(policy, recorded)
+                        prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
+                        answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
+                if name == "full" and "full" not in policies:
+                    continue
+                held = cache_bytes(cache)
+                for (new, decode_s), answer, depth in zip(answers, prompt.answers, prompt.depths):
+                    text = tokenizer.decode(new, skip_special_tokens=True)
+                    records.append(RetrievalRecord(
+                        "multi", "agnostic", name, label, prompt.length, depth, prompt.seed,
+                        answer, text, check_answer(text, answer), held, full_bytes, decode_s, tokens, prefill_s))
+                if on_run is not None:
+                    on_run()
+    return records
