@@ -94,13 +94,15 @@ class RaggedCache(Cache):
 
     storage = RaggedLayerKV
 
-    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16):
+    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, rotary=None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
         self.policy, self.page_size = policy, check_page_size(page_size)
         shared = {}   # cross-layer state of the policy (e.g. K-VEC's coverage counts)
         super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), shared))
                                  for i in range(num_layers)])
+        for layer in self.layers:   # ``rotary``: the model's RoPE, for scorers that need it (ExpectedAttention)
+            layer.state.rotary = rotary
 
     def storage_factory(self):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""

@@ -24,6 +24,7 @@ class LayerState:
         self.layer_idx, self.num_layers = layer_idx, num_layers
         self.policy, self.storage = policy, storage
         self.shared = {} if shared is None else shared   # one dict per cache: cross-layer state
+        self.rotary = None   # the model's rotary embedding (scorers that model future queries)
         self.reset()
 
     def reset(self) -> None:
@@ -190,7 +191,7 @@ def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
     note_prompt(state, pos, valid)
     view = PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
                       layer_idx=state.layer_idx, num_layers=state.num_layers,
-                      budget=state.budget, shared=state.shared)
+                      budget=state.budget, shared=state.shared, rotary=state.rotary)
     scores, channels = state.policy.scorer.prompt_scores(view)
     keep_prompt(state, k, v, pos, valid, scores, channels)
 
@@ -278,7 +279,7 @@ def cache_view(state: LayerState, stats: dict, stat_queries: int, target: torch.
                      last_pos=state.last_pos, layer_idx=state.layer_idx, num_layers=state.num_layers,
                      groups=state.groups, stats=parts["stats"], stat_queries=stat_queries,
                      k=parts.get("k"), v=parts.get("v"), budget=target, shared=state.shared,
-                     q=q, q_pos=q_pos, scale=scale)
+                     q=q, q_pos=q_pos, scale=scale, rotary=state.rotary)
 
 
 def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, stats: dict, stat_queries: int,

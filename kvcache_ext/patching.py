@@ -70,6 +70,7 @@ class PatchHandle:
     def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16, tokenizer=None):
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size, self.tokenizer = page_size, tokenizer
+        self.rotary = getattr(getattr(model, "model", None), "rotary_emb", None)   # HF's RoPE module
         self._last_cache = None
 
     def tokens(self, text: str) -> list[int]:
@@ -103,8 +104,8 @@ class PatchHandle:
         dense masked cache (``kvcache_ext.reference.masked_cache.MaskedCache``)."""
         if reference:
             from kvcache_ext.reference.masked_cache import MaskedCache
-            return MaskedCache(self.policy, self.num_layers)
-        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size)
+            return MaskedCache(self.policy, self.num_layers, rotary=self.rotary)
+        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, rotary=self.rotary)
 
     @property
     def last_cache(self) -> RaggedCache | None:

@@ -16,6 +16,7 @@ from kvcache_ext.policies import (
     AcrossLayers,
     AdaKV,
     AhaKV,
+    ExpectedAttention,
     Policy,
     Pooled,
     Pyramid,
@@ -67,6 +68,8 @@ _RECIPES = {
     "ada-kvzip": (lambda b: KVzip(), lambda: AdaKV()),
     "kvzip-context": (lambda b: KVzip(softmax="context"), None),
     "ada-kvzip-context": (lambda b: KVzip(softmax="context"), lambda: AdaKV()),
+    "expected-attention": (lambda b: ExpectedAttention(), None),
+    "ada-expected-attention": (lambda b: ExpectedAttention(), lambda: AdaKV()),
     # KVzip's own selection: one top-k over every head of every layer.
     "kvzip-global": (lambda b: KVzip(), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     "kvzip-global-context": (lambda b: KVzip(softmax="context"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),

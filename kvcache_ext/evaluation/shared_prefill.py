@@ -42,6 +42,7 @@ class RecordedPrefill:
     views: list            # per layer, the dense PromptView (q, k, v after RoPE, positions)
     logits: torch.Tensor   # [B, n, V] logits of the prompt
     seconds: float = 0.0   # the prefill's wall time
+    rotary: object = None  # the model's rotary embedding (for the caches built from this)
     # Scores of reconstruction passes (KVzip), per scorer: computed once per prompt and reused
     # at every budget, with the passes' wall time.
     reconstructed: dict = field(default_factory=dict)
@@ -58,14 +59,14 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         out = model(input_ids, attention_mask=attention_mask, past_key_values=handle.new_cache(),
                     use_cache=True)
         seconds = time.perf_counter() - start
-    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds)
+    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, rotary=handle.rotary)
 
 
 def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
     """The RaggedCache that a model patched with ``policy`` holds after the recorded prefill."""
     if policy.schedule.prefill_block is not None:
         raise ValueError("a block-wise prefill depends on the policy: it cannot share a recording")
-    cache = RaggedCache(policy, len(recorded.views))
+    cache = RaggedCache(policy, len(recorded.views), rotary=recorded.rotary)
     for layer, view in zip(cache.layers, recorded.views):
         state = layer.state
         layer.lazy_initialization(view.k, view.v)

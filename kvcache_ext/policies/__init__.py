@@ -13,6 +13,7 @@ from kvcache_ext.policies.adakv import AdaKV
 from kvcache_ext.policies.ahakv import AhaKV
 from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy
+from kvcache_ext.policies.expected_attention import ExpectedAttention
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.kvec import KVEC
 from kvcache_ext.policies.kvzip import KVzip
@@ -34,7 +35,7 @@ from kvcache_ext.policies.views import CacheView, PromptView
 
 __all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
-           "AhaKV", "KVEC", "KVzip", "CAOTE", "FastCAOTE", "caote_policy",
+           "AhaKV", "KVEC", "KVzip", "ExpectedAttention", "CAOTE", "FastCAOTE", "caote_policy",
            "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
            "PromptView", "CacheView"]

@@ -67,6 +67,7 @@ class PromptView:
     budget: torch.Tensor | None = None   # [B] this layer's per-head budget (average over heads)
     shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
     chunk: int = 256         # query rows per block of ``probs``: bounds its [c, n] memory
+    rotary: object = None    # the model's rotary embedding (HF's ``rotary_emb``), when patched
 
     @property
     def groups(self) -> int:
@@ -145,6 +146,7 @@ class CacheView:
     q: torch.Tensor | None = None        # [B, Hq, n, D] the latest call's queries (needs_queries)
     q_pos: torch.Tensor | None = None    # [B, n] their positions (-1: padding), None for one decode query
     scale: float | None = None           # the model's softmax scale
+    rotary: object = None                # the model's rotary embedding, when patched
 
     def query_probs(self, q: torch.Tensor, q_pos: torch.Tensor | None, scale=None) -> torch.Tensor:
         """Softmax ``[B, Hq, r, L]`` of any queries ``q [B, Hq, r, D]`` at positions ``q_pos
