@@ -12,8 +12,9 @@
 #             binary (CMake, same arch), side by side; skipped when .gpucarry/build holds a
 #             build of the same sources for the same torch and Python (what an earlier call
 #             brought back: see --pack and bench/README.md "GPU check")
-#   test      pytest on the kernel tests (store, selection, attention, the gtest cases, patched
-#             tiny models on CUDA), CUDA and CPU cases
+#   test      pytest on the kernel tests (store, selection, attention, the custom ops' opcheck
+#             and the review's paths, the gtest cases, patched tiny models on CUDA): the cases
+#             named cuda or build
 #   sanitize  compute-sanitizer memcheck, then racecheck and synccheck, on the gtest CUDA cases
 #   bench     bench/kernels.py and bench/attention.py on cuda
 #   ncu       bench/nsight/profile.sh --set detailed (attention and compaction kernels)
@@ -184,7 +185,8 @@ assert info['cuda'], 'built without CUDA'"
 stage_test() {
   KVCACHE_EXT_GTEST_BIN="$gtest_bin" "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs \
     tests/test_build.py tests/test_store.py tests/test_select.py tests/test_attention.py \
-    tests/test_cpp_kernels.py tests/test_cuda_model.py -k "cuda or build" ${pytest_args}
+    tests/test_ops.py tests/test_review.py tests/test_cpp_kernels.py tests/test_cuda_model.py \
+    -k "cuda or build" ${pytest_args}
 }
 
 stage_sanitize() {
@@ -224,8 +226,9 @@ for s in "${stage_list[@]}"; do
                "cmake -S . -B build/gtest -G Ninja -DKVCACHE_EXT_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=<arch>" \
                "&& cmake --build build/gtest (or reuse .gpucarry/build when its key matches)" ;;
       test) run_stage test "KVCACHE_EXT_GTEST_BIN=$gtest_bin $PYTHON -m pytest tests/test_build.py" \
-              "tests/test_store.py tests/test_select.py tests/test_attention.py tests/test_cpp_kernels.py" \
-              "tests/test_cuda_model.py $pytest_args" ;;
+              "tests/test_store.py tests/test_select.py tests/test_attention.py tests/test_ops.py" \
+              "tests/test_review.py tests/test_cpp_kernels.py tests/test_cuda_model.py -k 'cuda or build'" \
+              "$pytest_args" ;;
       sanitize) run_stage sanitize "compute-sanitizer --tool memcheck|racecheck|synccheck $gtest_bin --gtest_filter=*Cuda*" ;;
       bench) run_stage bench "$PYTHON bench/kernels.py --device cuda; $PYTHON bench/attention.py --device cuda" ;;
       ncu) run_stage ncu "bench/nsight/profile.sh --set detailed" ;;

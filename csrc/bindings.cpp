@@ -5,6 +5,7 @@
 
 #include "attention/attention_cpu_tiles.h"
 #include "attention/ragged_attention.h"
+#include "ops.h"
 #include "select/topk.h"
 #include "store/ragged_store.h"
 
@@ -54,6 +55,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("replace", &RaggedKVStore::replace, py::arg("slot"), py::arg("k"), py::arg("v"),
            py::arg("pos"), py::arg("check_bounds") = true)
       .def("compact", &RaggedKVStore::compact, py::arg("keep"))
+      // The host halves of append and compact around their ops (ops.h), and the state the
+      // Python store passes to the ops.
+      .def("prepare_append", &RaggedKVStore::prepare_append, py::arg("k"), py::arg("v"),
+           py::arg("pos"), py::arg("valid") = py::none())
+      .def("finish_compact", &RaggedKVStore::finish_compact)
+      .def("state", [](const RaggedKVStore& s) {
+        return py::make_tuple(s.pool(), s.page_table_device(), s.len_device());
+      })
+      .def("attention_plan", &RaggedKVStore::attention_plan, py::arg("rows"))
       .def("select", &RaggedKVStore::select, py::arg("scores"), py::arg("k"), py::arg("grouped"))
       .def("reserve", &RaggedKVStore::reserve, py::arg("extra"))
       .def("repack", &RaggedKVStore::repack, py::arg("extra"))
@@ -82,12 +92,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("page_size", &RaggedKVStore::page_size)
       .def_property_readonly("like", &RaggedKVStore::like);
   m.def("segmented_topk", &kvcache_ext::segmented_topk, py::arg("scores"), py::arg("pos"),
-        py::arg("start"), py::arg("len"), py::arg("k"));
+        py::arg("start"), py::arg("len"), py::arg("k"), py::arg("check_values") = true);
   m.def("grouped_topk", &kvcache_ext::grouped_topk, py::arg("scores"), py::arg("pos"),
-        py::arg("start"), py::arg("len"), py::arg("group_size"), py::arg("k"));
+        py::arg("start"), py::arg("len"), py::arg("group_size"), py::arg("k"),
+        py::arg("check_values") = true);
   m.def("ragged_attention", &kvcache_ext::ragged_attention, py::arg("q"), py::arg("store"),
         py::arg("scale"), py::arg("q_pos") = py::none(), py::arg("mass") = false,
         py::arg("last") = false, py::arg("sum_sq") = false, py::arg("count") = false);
+  // The host step of the attention (ops.h): the work partition for the attention_run op.
+  m.def("attention_plan", &kvcache_ext::ops::attention_plan, py::arg("lens"), py::arg("rows"),
+        py::arg("device"));
   // The vector ISA of the CPU attention (README "CPU kernels"); tests switch it to run each.
   m.def("cpu_isa", &kvcache_ext::attention::cpu_isa);
   m.def("set_cpu_isa", &kvcache_ext::attention::set_cpu_isa, py::arg("isa"));

@@ -7,10 +7,20 @@ from typing import Iterable
 
 import torch
 
-from kvcache_ext import _C
+from kvcache_ext.ops import ops
 from kvcache_ext.store import RaggedKVStore
 
 STAT_NAMES = ("mass", "last", "sum_sq", "count")
+# head_dim of the CUDA attention kernel (one instantiation each; the CPU kernels take any).
+CUDA_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+
+
+def check_head_dim(head_dim: int, device) -> None:
+    """Refuses, with the sizes there are, a head_dim the attention kernel of ``device`` lacks."""
+    if torch.device(device).type == "cuda" and head_dim not in CUDA_HEAD_DIMS:
+        sizes = ", ".join(map(str, CUDA_HEAD_DIMS[:-1])) + f" and {CUDA_HEAD_DIMS[-1]}"
+        raise ValueError(f"the CUDA attention kernel has no head_dim {head_dim} (it supports {sizes}); "
+                         f"run this model on the CPU, or ask for the size")
 
 
 @dataclass
@@ -37,7 +47,7 @@ class AttentionStats:
 
 def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None = None, *,
                      q_pos: torch.Tensor | None = None,
-                     stats: bool | Iterable[str] = False
+                     stats: bool | Iterable[str] = False, plan: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, AttentionStats | None]:
     """softmax(q k^T * scale) v over every live slot of the store, per (batch item, KV head).
 
@@ -50,6 +60,12 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
 
     ``stats``: False (none, no extra work), True (all) or names from ``STAT_NAMES``.
     Returns ``(out [B, Hq, n, D], AttentionStats or None)``.
+
+    Two steps, as FlashInfer splits them: ``store.attention_plan`` (host: the work partition
+    from the store's host lengths, no device sync) and the ``attention_run`` op (device: the
+    kernels, which ``torch.compile`` traces and a CUDA graph can capture). ``plan``, when
+    given, is a plan of this store's current lengths made for q's rows (reuse one across
+    calls that do not change the store, e.g. the layers of a step with equal lengths).
     """
     if not isinstance(store, RaggedKVStore):
         raise TypeError(f"store must be a kvcache_ext.RaggedKVStore, got {type(store).__name__}")
@@ -60,10 +76,17 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
         scale = 1.0 / math.sqrt(store.head_dim)
     if q_pos is not None and not isinstance(q_pos, torch.Tensor):
         q_pos = torch.as_tensor(q_pos)
-    out, *fields = _C.ragged_attention(q, store._store, float(scale), q_pos, *flags)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    if plan is None:
+        plan = store.attention_plan(q.shape[1] // store.heads * q.shape[2] if q.dim() == 4 else 1)
+    pool, table, lens = store._pool, store._table, store._len
+    out, *fields = ops.attention_run(q, pool, table, lens, plan, q_pos, float(scale), store.heads,
+                                     store._page_size, store._head_dim, store._channels,
+                                     store._dtype, *flags)
     if flags is _NO_STATS:
         return out, None
-    return out, AttentionStats(*fields)
+    return out, AttentionStats(*(f if want else None for f, want in zip(fields, flags)))
 
 
 _NO_STATS = (False,) * len(STAT_NAMES)

@@ -14,6 +14,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvcache_ext.attention import check_head_dim
 from kvcache_ext.cache import RaggedCache, take_pending
 from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
@@ -145,6 +146,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
                          f"got {model_type!r} ({type(model).__name__})")
     if not hasattr(model, "generate") or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"kvcache_ext.patch needs an HF PreTrainedModel, got {type(model).__name__}")
+    _check_cuda_head_dim(model)
     if getattr(model, _HANDLE_ATTR, None) is not None:
         unpatch(model)
     _register()
@@ -186,6 +188,17 @@ def _score_prompts_after_forward(model, handle: PatchHandle, key: str) -> None:
         return out
 
     model._kvcache_ext_forward, model.forward = original, forward
+
+
+def _check_cuda_head_dim(model) -> None:
+    """A model on CUDA must have a head_dim the CUDA attention kernel has: refused here rather
+    than at its first decoding step."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    check_head_dim(head_dim, param.device)
 
 
 def unpatch(model) -> None:

@@ -1,7 +1,10 @@
 """RaggedKVStore: the KV cache of one attention layer as one ragged segment per (batch item, KV head).
 
-The compiled store (kvcache_ext._C.RaggedKVStore) does the work; this class adds defaults,
-the padded views used by policies and tests, and selection on the store's own layout.
+The state of the store (its pool of pages, page table and lengths) is held here and passed to
+the kernels, which are torch custom ops (``kvcache_ext.ops``); the compiled
+``kvcache_ext._C.RaggedKVStore`` is the host-side page allocator that makes and grows that
+state (free pages, slabs, the host copy of the lengths). This class adds defaults, the padded
+views used by policies and tests, and selection on the store's own layout.
 """
 from __future__ import annotations
 
@@ -10,7 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext import _C
+from kvcache_ext.ops import ops
 from kvcache_ext.select import grouped_topk, segmented_topk
+
+
+def _host(fn):
+    """A host step (a call into the compiled page allocator, or a copy it makes): run by
+    torch.compile as a graph break, not traced (dynamo cannot trace into pybind11)."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 @dataclass
@@ -45,6 +55,25 @@ class RaggedKVStore:
                              "build of torch and nvcc available (see README.md)")
         like = torch.empty(0, dtype=dtype, device=device)
         self._store = _C.RaggedKVStore(batch, heads, head_dim, score_channels, like, page_size)
+        # What every op call passes besides the state (read once: each is a pybind call).
+        # Fixed for the store's life: read here once (each is a pybind call otherwise, which
+        # torch.compile cannot trace through).
+        self._page_size, self._head_dim, self._channels = page_size, head_dim, score_channels
+        self._batch, self._heads = batch, heads
+        self._dtype, self._device = dtype, self._store.like.device
+        self._refresh()
+
+    @_host
+    def _refresh(self) -> None:
+        """Takes the state from the page allocator after it changed it (new pages, repack)."""
+        self._pool, self._table, self._len = self._store.state()
+
+    def state(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(pool, page_table, len)``: the store's own tensors, for the ``torch.ops.kvcache_ext``
+        ops (see ``kvcache_ext.ops``). Not copies: pass them to the ops only (the accessors
+        ``k``, ``len``, ``page_table``, ... give copies to read). Valid until the next call
+        that allocates pages or repacks."""
+        return list(self._pool), self._table, self._len
 
     # --- operations -----------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -55,30 +84,42 @@ class RaggedKVStore:
         (left padding is never stored). A full segment takes a free page, or one allocated
         with the other segments' missing pages in one slab; no stored token moves.
         """
-        self._store.append(k, v, pos if isinstance(pos, torch.Tensor) else torch.as_tensor(pos), valid)
+        pos = pos if isinstance(pos, torch.Tensor) else torch.as_tensor(pos)
+        # Host half (checks, pages for the new tokens, host lengths), then the op.
+        pos32, rank, counts = self._store.prepare_append(k, v, pos, valid)
+        self._refresh()
+        ops.store_append(self._pool, self._table, self._len, k, v, pos32, rank, counts,
+                         self._page_size, self._channels)
 
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]
         at position pos [B]; its scores restart at zero. ``check_bounds`` costs a host sync on CUDA."""
-        self._store.replace(slot, k, v, torch.as_tensor(pos), check_bounds)
+        ops.store_replace(self._pool, self._table, self._len, slot, k, v, torch.as_tensor(pos),
+                          self._page_size, self._head_dim, self._channels, self._dtype, check_bounds)
 
     def compact(self, keep: torch.Tensor) -> None:
-        """Keeps, in order, the live slots whose flag in ``keep`` ([capacity] bool) is set."""
-        self._store.compact(keep)
+        """Keeps, in order, the live slots whose flag in ``keep`` ([capacity] bool) is set.
+        On CUDA this reads the new lengths back: the one host sync of an eviction."""
+        ops.store_compact(self._pool, self._table, self._len, keep, self._page_size,
+                          self._head_dim, self._channels, self._dtype)
+        self._store.finish_compact()
 
     def reserve(self, extra: int) -> None:
         """Gives every segment pages for ``extra`` more tokens (new pages only where missing)."""
         self._store.reserve(extra)
+        self._refresh()
 
     def repack(self, extra: int = 0) -> None:
         """Moves the live tokens into one new allocation with pages for ``extra`` more tokens
         per segment, and releases every other page (the only operation that moves them all)."""
         self._store.repack(extra)
+        self._refresh()
 
     def shrink_to_fit(self) -> None:
         """Releases every page that holds no live token (``repack(0)``)."""
         self._store.shrink_to_fit()
+        self._refresh()
 
     def set_scores(self, scores: torch.Tensor) -> None:
         """Writes the score channels of every slot from a [capacity, C] float32 tensor."""
@@ -94,35 +135,53 @@ class RaggedKVStore:
         first.
         """
         per = (self.batch,) if grouped else (self.batch, self.heads)
+        if not isinstance(k, torch.Tensor):
+            k = torch.as_tensor(k)
+        if k.device.type == "cpu" and k.numel() and bool((k < 0).any()):  # free on the host
+            raise ValueError(f"k (the budget) must be >= 0, got {k.tolist()}")
         if self.device.type == "cpu":
             # The store selects through its own pages: no packing, no copy of the scores.
             if scores is not None:
                 scores = scores.float().contiguous()  # no copy when it is already so
-            keep, counts = self._store.select(scores, torch.as_tensor(k).expand(per).reshape(-1),
-                                              grouped)
+            keep, counts = ops.store_topk(self._pool, self._table, self._len, scores,
+                                          k.expand(per).reshape(-1),
+                                          self.heads if grouped else 1, self._page_size,
+                                          self._head_dim, self._channels, self._dtype)
             return (keep, counts.view(self.batch, self.heads)) if grouped else keep
-        # CUDA: the top-k kernels (CUB radix sort) take contiguous segments, so the live tokens
-        # are packed in segment order, selected, and the keep flags put back in slot layout.
+        # CUDA: the top-k kernels (CUB radix sort) take contiguous segments: the scores padded
+        # to the longest segment ([S, L], segment s at s * L) are selected, and the keep flags
+        # scattered back to slot layout. No host sync: no nonzero, no value checks of the
+        # store's own segments (a negative budget on the device keeps nothing).
         if scores is None:
             if self.score_channels == 0:
                 raise ValueError("this store has no score channels: pass scores=")
             scores = self.scores[:, 0]
-        index, mask = self.slot_index()
-        live = mask.view(-1).nonzero().squeeze(1)      # padded positions of the live tokens
-        slots = index.view(-1)[live]
-        packed = scores.reshape(-1)[live] if scores.dim() == 3 else scores[slots]
-        lens = mask.sum(-1).view(-1)
-        start, lens = torch.cumsum(lens, 0) - lens, lens.to(torch.int32)
-        pos = self.pos[slots]
-        keep = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        index, mask = self.slot_index()                  # [B, H, L]
+        L = index.shape[-1]
+        padded = scores[..., :L] if scores.dim() == 3 else scores[index]
+        padded = padded.float().reshape(-1).contiguous()
+        pos = self.pos[index].reshape(-1).contiguous()
+        S = self.batch * self.heads
+        start = torch.arange(S, device=self.device, dtype=torch.int64) * L
+        lens = self._len
+        k = k.to(self.device)
+        # Non-live entries go to a spare slot past the end, dropped after the scatter.
+        target = index.reshape(-1).masked_fill(~mask.reshape(-1), self.capacity)
+        keep = torch.zeros(self.capacity + 1, dtype=torch.bool, device=self.device)
         if not grouped:
-            k = torch.as_tensor(k).expand(self.batch, self.heads).reshape(-1)
-            keep[slots] = segmented_topk(packed.float().contiguous(), pos, start, lens, k)
-            return keep
-        k = torch.as_tensor(k).expand(self.batch).reshape(-1)
-        kept, counts = grouped_topk(packed.float().contiguous(), pos, start, lens, self.heads, k)
-        keep[slots] = kept
-        return keep, counts.view(self.batch, self.heads)
+            k = k.expand(self.batch, self.heads).reshape(-1)
+            kept = ops.segmented_topk(padded, pos, start, lens, k, False)
+            return keep.scatter_(0, target, kept)[:self.capacity]
+        k = k.expand(self.batch).reshape(-1)
+        kept, counts = ops.grouped_topk(padded, pos, start, lens, self.heads, k, False)
+        return keep.scatter_(0, target, kept)[:self.capacity], counts.view(self.batch, self.heads)
+
+    @_host
+    def attention_plan(self, rows: int = 1) -> torch.Tensor:
+        """The host step of the attention (``kvcache_ext.ops``): the work partition over the
+        current lengths for ``rows`` query rows per segment (G * n), on the store's device.
+        Valid until the next append or compaction."""
+        return self._store.attention_plan(int(rows))
 
     # --- layout helpers ---------------------------------------------------------------------
     def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +191,9 @@ class RaggedKVStore:
         offsets = torch.arange(max_len, device=self.device)
         mask = offsets < lens[:, None]
         size = self.page_size
-        table = self._store.page_table.long()               # [S, width], -1: no page
+        # The device's table: entries past a segment's pages may be stale there, and are
+        # masked (reading it costs no host-to-device copy, unlike the page_table copy).
+        table = self._table.long()                          # [S, width]
         page = table.gather(1, (offsets // size).expand(table.shape[0], -1)) if max_len else \
             table[:, :0]
         index = (page * size + offsets % size).masked_fill(~mask, 0)
@@ -148,9 +209,12 @@ class RaggedKVStore:
     def from_padded(self, padded: torch.Tensor, fill=0) -> torch.Tensor:
         """A [B, H, L, ...] tensor (L = max len) in slot layout [capacity, ...]."""
         index, mask = self.slot_index()
-        out = padded.new_full((self.capacity,) + tuple(padded.shape[3:]), fill)
-        out[index[mask]] = padded[mask]
-        return out
+        rest = tuple(padded.shape[3:])
+        out = padded.new_full((self.capacity + 1,) + rest, fill)
+        # Entries past a segment's length go to a spare row past the end (no host sync).
+        target = index.reshape(-1).masked_fill(~mask.reshape(-1), self.capacity)
+        out.index_copy_(0, target, padded[:, :, :index.shape[-1]].reshape((target.numel(),) + rest))
+        return out[:self.capacity]
 
     def to_dense(self) -> DenseView:
         """The live contents padded to the longest segment, for debugging and tests."""
@@ -162,21 +226,25 @@ class RaggedKVStore:
     # --- state ------------------------------------------------------------------------------
     # k, v, pos and scores are copies in slot layout: writing to them does not change the store.
     @property
+    @_host
     def k(self) -> torch.Tensor:
         """[capacity, D] K of every slot (a copy; slots without a live token are undefined)."""
         return self._store.k
 
     @property
+    @_host
     def v(self) -> torch.Tensor:
         """[capacity, D] V of every slot (a copy)."""
         return self._store.v
 
     @property
+    @_host
     def pos(self) -> torch.Tensor:
         """[capacity] int32 position of every slot (a copy)."""
         return self._store.pos
 
     @property
+    @_host
     def scores(self) -> torch.Tensor:
         """[capacity, C] float32 score channels of every slot (a copy; see ``set_scores``)."""
         return self._store.scores
@@ -184,9 +252,10 @@ class RaggedKVStore:
     @property
     def len(self) -> torch.Tensor:
         """[S] int32 live tokens of each segment, on the store's device (a copy)."""
-        return self._store.len
+        return self._len.clone()
 
     @property
+    @_host
     def page_table(self) -> torch.Tensor:
         """[S, width] int32 pages of each segment in token order, -1 past its last (a copy)."""
         return self._store.page_table
@@ -194,7 +263,7 @@ class RaggedKVStore:
     @property
     def page_size(self) -> int:
         """Tokens per page: the unit by which a segment grows."""
-        return self._store.page_size
+        return self._page_size
 
     @property
     def num_pages(self) -> int:
@@ -244,27 +313,27 @@ class RaggedKVStore:
 
     @property
     def batch(self) -> int:
-        return self._store.batch
+        return self._batch
 
     @property
     def heads(self) -> int:
-        return self._store.heads
+        return self._heads
 
     @property
     def head_dim(self) -> int:
-        return self._store.head_dim
+        return self._head_dim
 
     @property
     def score_channels(self) -> int:
-        return self._store.score_channels
+        return self._channels
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._store.like.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self._store.like.device
+        return self._device
 
     def __repr__(self) -> str:
         return (f"RaggedKVStore(batch={self.batch}, heads={self.heads}, head_dim={self.head_dim}, "

@@ -20,6 +20,8 @@ def test_dry_run_walks_every_stage():
     assert "--contexts 8192 --batches 1" in out.stdout
     assert "compute-sanitizer" in out.stdout and "bench/nsight/profile.sh" in out.stdout
     assert "dry run: would write" in out.stdout
+    # The test stage runs the custom ops' opcheck and the review's tests on CUDA too.
+    assert "tests/test_ops.py" in out.stdout and "tests/test_review.py" in out.stdout
 
 
 def test_default_stages_leave_out_e2e():

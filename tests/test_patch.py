@@ -393,7 +393,7 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
     """After a one-shot prompt, a decode step asks the kernel for no statistics and scores,
     views, allocates budgets or evicts nothing (Ada-KV's per-head budgets cost nothing once
     the prompt is compressed); its logits and cache are exactly those of the general path."""
-    from kvcache_ext import _C, eviction
+    from kvcache_ext import eviction
     model = tiny_model("llama", heads=6, kv_heads=2)
     ids, _ = inputs(batch=2, length=40)
     fed = fed_tokens(2, 6)
@@ -407,8 +407,14 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
             m.setattr(eviction, "appends_only", lambda *args: False)
             want = decode_logits(model, general, fed)
         calls = []
-        kernel = _C.ragged_attention
-        monkeypatch.setattr(_C, "ragged_attention", lambda *args: calls.append(args[4:]) or kernel(*args))
+        from kvcache_ext import attention as attention_module
+        kernels = attention_module.ops
+
+        class Recording:   # the attention_run op, recording its statistics flags
+            def attention_run(self, *args):
+                calls.append(args[-4:])
+                return kernels.attention_run(*args)
+        monkeypatch.setattr(attention_module, "ops", Recording())
         for name in ("cache_view", "evict", "attend_block", "new_token_validity"):
             monkeypatch.setattr(eviction, name, lambda *a, _name=name, **k: pytest.fail(f"decode called {_name}"))
         monkeypatch.setattr(type(policy.allocation), "head_budgets",

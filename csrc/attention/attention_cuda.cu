@@ -21,8 +21,9 @@
 //    recomputing them instead would read K a second time. Block prefill with statistics
 //    runs in passes over chunks of queries so that this buffer stays under 256 MiB.
 //
-// The plan of splits is built on the host and copied up on every call, so a call cannot be
-// captured in a CUDA graph.
+// The plan of splits (attention_plan, ops.h) is built on the host from the store's host copy
+// of the lengths and copied up without a sync, once per step and layer; the run (the
+// attention_run op) then takes it as a tensor, which keeps the run capturable in a CUDA graph.
 //
 // Logits are kept in base 2 (q is pre-scaled by scale * log2(e)), so exp2f does the softmax.
 #include <ATen/Dispatch.h>
@@ -56,6 +57,10 @@ constexpr float kNegInf = -INFINITY;
 // ---------------------------------------------------------------------------------------
 // 16-byte words to floats
 
+// The 16-bit halves of a 32-bit word, low first (the element at the lower address).
+__device__ inline uint16_t low_half(uint32_t x) { return static_cast<uint16_t>(x & 0xffffu); }
+__device__ inline uint16_t high_half(uint32_t x) { return static_cast<uint16_t>(x >> 16); }
+
 template <typename T>
 __device__ inline void word_to_float(const uint4& w, float* out);
 
@@ -67,40 +72,52 @@ __device__ inline void word_to_float<float>(const uint4& w, float* out) {
   out[3] = __uint_as_float(w.w);
 }
 
-template <>
-__device__ inline void word_to_float<at::Half>(const uint4& w, float* out) {
-  const __half2* h = reinterpret_cast<const __half2*>(&w);
+// fp16 and bf16: the word's 16-bit elements are taken as integers and converted by c10's
+// types (from_bits), not by reading the word through a pointer of another type.
+template <typename T>
+__device__ inline void halves_to_float(const uint4& w, float* out) {
+  const uint32_t parts[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(h[j]);
-    out[2 * j] = f.x;
-    out[2 * j + 1] = f.y;
+    out[2 * j] = static_cast<float>(T(low_half(parts[j]), T::from_bits()));
+    out[2 * j + 1] = static_cast<float>(T(high_half(parts[j]), T::from_bits()));
   }
+}
+
+template <>
+__device__ inline void word_to_float<at::Half>(const uint4& w, float* out) {
+  halves_to_float<at::Half>(w, out);
 }
 
 template <>
 __device__ inline void word_to_float<at::BFloat16>(const uint4& w, float* out) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(h[j]);
-    out[2 * j] = f.x;
-    out[2 * j + 1] = f.y;
-  }
+  halves_to_float<at::BFloat16>(w, out);
 }
 
-// How a warp covers a row of D elements of T: LPS lanes per slot, EPL elements per lane
-// (16 or 32 bytes), SPW slots per warp side by side.
+constexpr int pow2_at_least(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// How a warp covers a row of D elements of T: LPS lanes per slot (a power of two, for the
+// xor reductions), kWords 16-byte words per lane, SPW slots per warp side by side. When the
+// row's words are not a power of two (D = 80, 96, 112, 192 in fp16/bf16; 80, 96, 112, 192
+// in fp32) the row is padded to LPS * kWords words: lanes at or past kActive hold no part of
+// it (they load nothing and compute with zeros).
 template <typename T, int D>
 struct RowLayout {
   static constexpr int kRowWords = D * static_cast<int>(sizeof(T)) / 16;
-  static constexpr int LPS = kRowWords < 32 ? kRowWords : 32;
-  static constexpr int EPL = D / LPS;
-  static constexpr int kWords = EPL * static_cast<int>(sizeof(T)) / 16;
+  static constexpr int LPS = pow2_at_least(kRowWords) < 32 ? pow2_at_least(kRowWords) : 32;
+  static constexpr int kWords = (kRowWords + LPS - 1) / LPS;
   static constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
+  static constexpr int EPL = kWords * kPerWord;  // elements per lane
+  static constexpr int kActive = kRowWords / kWords;  // lanes holding a part of the row
+  static constexpr int kPadD = LPS * EPL;         // D rounded up to the lanes' cover
   static constexpr int SPW = 32 / LPS;
   static constexpr int kGroups = kWarps * SPW;  // slot groups per block
-  static_assert(D % LPS == 0 && kWords >= 1 && kWords * kPerWord == EPL, "unsupported head_dim");
+  static_assert(kRowWords * 16 == D * static_cast<int>(sizeof(T)) && kRowWords % kWords == 0,
+                "unsupported head_dim");
   static_assert((LPS & (LPS - 1)) == 0, "the xor reductions need a power-of-two LPS");
 };
 
@@ -134,6 +151,7 @@ struct Params {
   const T* q;             // [B, Hq, n, D]
   store::PagedView view;  // K, V and pos of every live token
   const int32_t* q_pos;   // [B, n] or null
+  const int32_t* len;     // [S] live tokens: a split ends there at the latest
   const Split* splits;    // [W]
   const int32_t* seg_first_split;  // [S + 1]: splits of segment s are [first[s], first[s+1])
   // Queries [i0, i0 + n) of the n_total in q are attended in this pass (see run()); the
@@ -193,13 +211,14 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   using L = RowLayout<T, D>;
   __shared__ float tile_p[RB][kTile];         // logits, then probabilities, of a tile
   __shared__ float row_m[RB], row_l[RB], row_alpha[RB];
-  __shared__ float reduce[L::kGroups][RB][D];  // partial outputs of the slot groups
+  __shared__ float reduce[L::kGroups][RB][L::kPadD];  // partial outputs of the slot groups
   __shared__ int32_t chunk_page[kTile];        // the pages of a tile (TileRows)
   __shared__ const char* chunk_base[kTile];
 
   const int64_t w = blockIdx.x / p.row_tiles;
-  const Split split = p.splits[w];
+  Split split = p.splits[w];
   const int s = split.segment;
+  split.end = min(split.end, p.len[s]);  // a plan never reaches past the live tokens
   const int b = s / p.heads;
   const int row0 = static_cast<int>(blockIdx.x % p.row_tiles) * RB;
   const int nrows = min(RB, p.rows - row0);
@@ -208,8 +227,9 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp * L::SPW + lane / L::LPS;  // slot group of this lane
   const int lane_in_group = lane % L::LPS;
+  const bool active = lane_in_group < L::kActive;  // holds a part of the row (RowLayout)
 
-  // This lane's slice of every query row, pre-scaled.
+  // This lane's slice of every query row, pre-scaled (zeros on a lane past the row).
   float q[RB][L::EPL];
   int32_t q_pos[RB];
 #pragma unroll
@@ -217,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
     const int row = row0 + min(r, nrows - 1);  // rows past the end repeat the last one
     const T* src = p.q + p.q_row(s, row) * D + lane_in_group * L::EPL;
 #pragma unroll
-    for (int e = 0; e < L::EPL; ++e) q[r][e] = static_cast<float>(src[e]) * p.scale_log2;
+    for (int e = 0; e < L::EPL; ++e) q[r][e] = active ? static_cast<float>(src[e]) * p.scale_log2 : 0.f;
     q_pos[r] = p.q_pos ? p.query_pos(b, row) : INT32_MAX;
   }
   float acc[RB][L::EPL];
@@ -260,13 +280,13 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups + lane / L::LPS;
-        if (j < tile_len) load_slice<T, D>(tile.k(j), lane_in_group, words[u]);
+        if (j < tile_len && active) load_slice<T, D>(tile.k(j), lane_in_group, words[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups + lane / L::LPS;
         float kf[L::EPL];
-        if (j < tile_len) {
+        if (j < tile_len && active) {
           slice_to_float<T, D>(words[u], kf);
         } else {
 #pragma unroll
@@ -284,20 +304,21 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
         }
         if (j < tile_len && lane_in_group == 0) {
           const int32_t slot_pos = p.q_pos ? tile.pos(j) : 0;
-          const int64_t slot = p.logits ? tile.slot(j) : 0;
 #pragma unroll
-          for (int r = 0; r < RB; ++r) {
-            const float logit = slot_pos <= q_pos[r] ? dot[r] : kNegInf;
-            tile_p[r][j] = logit;
-            if (p.logits && r < nrows) p.logits[(row0 + r) * p.capacity + slot] = logit;
-          }
+          for (int r = 0; r < RB; ++r) tile_p[r][j] = slot_pos <= q_pos[r] ? dot[r] : kNegInf;
         }
       }
     }
     __syncthreads();
 
-    // Online softmax update, one warp per row.
+    // Online softmax update, one warp per row. With statistics the warp first stores the
+    // row's raw logits, lane j to token j: consecutive tokens of a page are consecutive
+    // slots, so the stores coalesce.
     for (int r = warp; r < RB; r += kWarps) {
+      if (p.logits && r < nrows) {
+        float* logits_row = p.logits + (row0 + r) * p.capacity;
+        for (int j = lane; j < tile_len; j += 32) logits_row[tile.slot(j)] = tile_p[r][j];
+      }
       float tile_max = kNegInf;
       for (int j = lane; j < tile_len; j += 32) tile_max = fmaxf(tile_max, tile_p[r][j]);
 #pragma unroll
@@ -336,12 +357,12 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups;
-        if (j < tile_len) load_slice<T, D>(tile.v(j), lane_in_group, words[u]);
+        if (j < tile_len && active) load_slice<T, D>(tile.v(j), lane_in_group, words[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups;
-        if (j >= tile_len) continue;
+        if (j >= tile_len || !active) continue;  // no shuffles here: lanes may leave
         float vf[L::EPL];
         slice_to_float<T, D>(words[u], vf);
 #pragma unroll
@@ -430,8 +451,9 @@ struct StatsOut {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) slot_stats(Params<T> p, StatsOut st) {
-  const Split split = p.splits[blockIdx.x];
+  Split split = p.splits[blockIdx.x];
   const int s = split.segment;
+  split.end = min(split.end, p.len[s]);
   const int b = s / p.heads;
   const float* m = st.final_m + static_cast<int64_t>(s) * p.rows;
   const float* inv_l = st.final_inv_l + static_cast<int64_t>(s) * p.rows;
@@ -493,6 +515,26 @@ void plan_splits(const std::vector<int32_t>& len, int64_t row_tiles, std::vector
   first[len.size()] = static_cast<int32_t>(splits.size());
 }
 
+// The plan of attention_plan (ops.h) on the device: [3 W] splits, then [S + 1] first split
+// of every segment; one host-to-device copy from pinned memory, no sync.
+at::Tensor make_plan(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const int rb = rows_per_block(rows);
+  const int64_t row_tiles = (rows + rb - 1) / rb;
+  std::vector<Split> splits;
+  std::vector<int32_t> first;
+  plan_splits(len, row_tiles, splits, first);
+  const int64_t W = static_cast<int64_t>(splits.size()), S = static_cast<int64_t>(len.size());
+  static_assert(sizeof(Split) == 3 * sizeof(int32_t), "Split is three int32");
+  at::Tensor plan_host =
+      at::empty({3 * W + S + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  int32_t* ph = plan_host.data_ptr<int32_t>();
+  if (W > 0) std::memcpy(ph, splits.data(), W * sizeof(Split));
+  std::memcpy(ph + 3 * W, first.data(), (S + 1) * sizeof(int32_t));
+  // The caching host allocator keeps the pinned buffer until the copy has run.
+  return plan_host.to(device, at::kInt, /*non_blocking=*/true);
+}
+
 template <typename T, int D>
 void launch_attend(int rb, const Params<T>& prm, int64_t blocks, cudaStream_t stream) {
   const auto grid = static_cast<unsigned int>(blocks);
@@ -513,7 +555,8 @@ void run(const Problem& p, Result& r) {
   const int64_t B = p.q.size(0), n_total = p.q.size(2);
   const int64_t S = p.segments;
   const int64_t capacity = p.capacity;
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(p.len_host->size()) == S);
+  TORCH_INTERNAL_ASSERT(p.plan.defined() ||
+                        (p.len_host && static_cast<int64_t>(p.len_host->size()) == S));
   // 16-byte loads of K and V rows: D * sizeof(T) is a multiple of 16 (RowLayout), and
   // every row of a part starts at page base + offset + row * row bytes, where page bases
   // are 16-byte aligned (slab allocations of records that are multiples of 16 bytes).
@@ -533,27 +576,23 @@ void run(const Problem& p, Result& r) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto f32 = p.q.options().dtype(at::kFloat);
 
+  // The plan (attention_plan), made here when the caller brought none. Every pass over a
+  // chunk of queries uses it: its splits are sized for the chunk's rows.
+  const at::Tensor plan = p.plan.defined() ? p.plan : make_plan(*p.len_host, max_rows, p.q.device());
+  TORCH_CHECK_VALUE(plan.numel() >= S + 1 && (plan.numel() - S - 1) % 3 == 0,
+                    "the attention plan does not fit ", S, " segments: make it with attention_plan");
+  const int64_t W = (plan.numel() - S - 1) / 3;
+
   for (int64_t i0 = 0; i0 < n_total; i0 += chunk) {
     const int64_t n = std::min(chunk, n_total - i0);
     const int64_t rows = p.groups * n;
     const int rb = rows_per_block(rows);
     const int64_t row_tiles = (rows + rb - 1) / rb;
-
-    std::vector<Split> splits;
-    std::vector<int32_t> first;
-    plan_splits(*p.len_host, row_tiles, splits, first);
-    const int64_t W = static_cast<int64_t>(splits.size());
+    // Grid x of attend_split and combine_splits; slot_stats has W blocks.
     TORCH_CHECK_VALUE(W * row_tiles <= INT32_MAX, "attention grid too large: ", W, " splits x ",
                       row_tiles, " row tiles");
-
-    // One host-to-device copy of the plan, from pinned memory (no sync).
-    static_assert(sizeof(Split) == 3 * sizeof(int32_t), "Split is three int32");
-    at::Tensor plan_host =
-        at::empty({3 * W + S + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-    int32_t* ph = plan_host.data_ptr<int32_t>();
-    if (W > 0) std::memcpy(ph, splits.data(), W * sizeof(Split));
-    std::memcpy(ph + 3 * W, first.data(), (S + 1) * sizeof(int32_t));
-    const at::Tensor plan = plan_host.to(p.q.device(), at::kInt, /*non_blocking=*/true);
+    TORCH_CHECK_VALUE((S * rows + kWarps - 1) / kWarps <= INT32_MAX,
+                      "attention grid too large: ", S, " segments x ", rows, " rows");
 
     at::Tensor logits = stats && W > 0 ? at::empty({rows, capacity}, f32) : at::Tensor();
     at::Tensor part_m = at::empty({W, rows}, f32), part_l = at::empty({W, rows}, f32);
@@ -565,6 +604,7 @@ void run(const Problem& p, Result& r) {
     prm.q = p.q.data_ptr<T>();
     prm.view = p.view;
     prm.q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() : nullptr;
+    prm.len = p.len.data_ptr<int32_t>();
     prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
     prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
     prm.heads = static_cast<int32_t>(S / B);
@@ -606,15 +646,24 @@ template <typename T>
 void run_head_dim(const Problem& p, Result& r) {
   switch (p.q.size(3)) {
     case 64: run<T, 64>(p, r); break;
+    case 80: run<T, 80>(p, r); break;
+    case 96: run<T, 96>(p, r); break;
+    case 112: run<T, 112>(p, r); break;
     case 128: run<T, 128>(p, r); break;
+    case 192: run<T, 192>(p, r); break;
     case 256: run<T, 256>(p, r); break;
     default:
-      TORCH_CHECK_VALUE(false, "the CUDA attention kernel supports head_dim 64, 128 and 256, got ",
-                        p.q.size(3), "; run this model's attention on the CPU or ask for the size");
+      TORCH_CHECK_VALUE(false, "the CUDA attention kernel supports head_dim 64, 80, 96, 112, 128, ",
+                        "192 and 256, got ", p.q.size(3),
+                        "; run this model's attention on the CPU or ask for the size");
   }
 }
 
 }  // namespace
+
+at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
+  return make_plan(len, std::max<int64_t>(rows, 1), device);
+}
 
 void ragged_attention_cuda(const Problem& p, Result& r) {
   const c10::cuda::CUDAGuard guard(p.q.device());

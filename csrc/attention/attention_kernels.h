@@ -24,6 +24,7 @@ struct Problem {
                       // Undefined: every live slot is visible to every query.
   int64_t groups;     // G = Hq / H
   float scale;        // softmax scale applied to q . k
+  at::Tensor plan;    // CUDA: the plan of attention_plan (ops.h); undefined: made from len_host
 };
 
 // Outputs. `out` is always defined; each statistic is undefined when not requested. The
@@ -42,6 +43,9 @@ struct Result {
 void ragged_attention_cpu(const Problem& p, Result& r);
 #ifdef KVCACHE_EXT_WITH_CUDA
 void ragged_attention_cuda(const Problem& p, Result& r);
+// The CUDA work partition of ops::attention_plan for segments of lengths len and `rows`
+// query rows per segment: [3 W] splits then [S + 1] first split per segment, on the device.
+at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device);
 #endif
 
 }  // namespace kvcache_ext::attention

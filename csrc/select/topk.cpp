@@ -11,7 +11,7 @@ namespace {
 // Checks the slot-layout inputs shared by both selections; returns k as int32 on the device.
 at::Tensor check_selection_inputs(const at::Tensor& scores, const at::Tensor& pos,
                                   const at::Tensor& start, const at::Tensor& len,
-                                  const at::Tensor& k, int64_t num_k) {
+                                  const at::Tensor& k, int64_t num_k, bool check_values) {
   check_defined(scores, "scores");
   const auto device = scores.device();
   check_device_supported(device);
@@ -43,23 +43,26 @@ at::Tensor check_selection_inputs(const at::Tensor& scores, const at::Tensor& po
   // (INT32_MAX is out of range of a narrower k's own dtype: int8, uint8, int16 budgets).
   const at::Tensor k32 = as_int32(k.to(at::kLong).clamp_max(INT32_MAX), device, "k");
   check_shape(k32, {num_k}, "k");
-  if (S == 0) return k32;
-  // One host sync for every value check: selection runs at eviction time, not per token.
+  if (S == 0 || !check_values) return k32;
+  // One host sync for every value check (the layout's and the budget's, read back together):
+  // selection runs at eviction time, not per token.
   const at::Tensor end = start + len;
   at::Tensor bad = len.lt(0).any().logical_or(start.lt(0).any()).logical_or(end.gt(capacity).any());
   if (S > 1) bad = bad.logical_or(start.slice(0, 1).lt(end.slice(0, 0, S - 1)).any());
-  TORCH_CHECK_VALUE(!bad.item<bool>(),
+  const at::Tensor flags = at::stack({bad, k32.lt(0).any()}).to(at::kCPU);
+  const bool* f = flags.data_ptr<bool>();
+  TORCH_CHECK_VALUE(!f[0],
                     "segments must lie in order inside the slot buffers: 0 <= start[s], "
                     "start[s] + len[s] <= start[s + 1], start[S-1] + len[S-1] <= capacity, len >= 0");
-  TORCH_CHECK_VALUE(!k32.lt(0).any().item<bool>(), "k (the budget) must be >= 0 everywhere");
+  TORCH_CHECK_VALUE(!f[1], "k (the budget) must be >= 0 everywhere");
   return k32;
 }
 
 }  // namespace
 
 at::Tensor segmented_topk(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
-                          const at::Tensor& len, const at::Tensor& k) {
-  const at::Tensor k32 = check_selection_inputs(scores, pos, start, len, k, start.size(0));
+                          const at::Tensor& len, const at::Tensor& k, bool check_values) {
+  const at::Tensor k32 = check_selection_inputs(scores, pos, start, len, k, start.size(0), check_values);
   at::Tensor keep = at::zeros_like(scores, scores.options().dtype(at::kBool));
   if (start.size(0) > 0 && scores.size(0) > 0) {
     KVCACHE_DEVICE_DISPATCH(scores.device(), select::segmented_topk, scores, pos, start, len, k32,
@@ -70,14 +73,15 @@ at::Tensor segmented_topk(const at::Tensor& scores, const at::Tensor& pos, const
 
 std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, const at::Tensor& pos,
                                                 const at::Tensor& start, const at::Tensor& len,
-                                                int64_t group_size, const at::Tensor& k) {
+                                                int64_t group_size, const at::Tensor& k,
+                                                bool check_values) {
   check_defined(start, "start");
   TORCH_CHECK_VALUE(group_size >= 1, "group_size must be >= 1, got ", group_size);
   TORCH_CHECK_VALUE(start.dim() == 1 && start.size(0) % group_size == 0,
                     "the number of segments (", start.sizes(), ") must be a multiple of group_size (",
                     group_size, ")");
   const int64_t groups = start.size(0) / group_size;
-  const at::Tensor k32 = check_selection_inputs(scores, pos, start, len, k, groups);
+  const at::Tensor k32 = check_selection_inputs(scores, pos, start, len, k, groups, check_values);
   at::Tensor keep = at::zeros_like(scores, scores.options().dtype(at::kBool));
   at::Tensor counts = at::zeros_like(len);
   if (groups > 0 && scores.size(0) > 0) {

@@ -13,15 +13,19 @@ struct PagedView;  // store/paged_layout.h
 // Keeps the k[s] best live slots of every segment s (all of them when k[s] >= len[s]).
 // scores [capacity] float32, pos [capacity] int32, start [S] int64, len [S] int32,
 // k [S] integer. Returns keep [capacity] bool (false outside live slots).
+// check_values: the checks that read values (segments in order inside the buffers, k >= 0),
+// one host sync on CUDA together; false for callers that made the layout themselves (the
+// store's select), which then costs no sync (a negative k keeps nothing).
 at::Tensor segmented_topk(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
-                          const at::Tensor& len, const at::Tensor& k);
+                          const at::Tensor& len, const at::Tensor& k, bool check_values = true);
 
 // Ada-KV's allocation step: segments [g * group_size, (g + 1) * group_size) form group g,
 // and the k[g] best live slots of the whole group are kept, wherever they fall.
 // Returns keep [capacity] bool and the number kept per segment, counts [S] int32.
 std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, const at::Tensor& pos,
                                                 const at::Tensor& start, const at::Tensor& len,
-                                                int64_t group_size, const at::Tensor& k);
+                                                int64_t group_size, const at::Tensor& k,
+                                                bool check_values = true);
 
 namespace select {
 // Kernels; inputs already checked. k is int32 [S] (segmented) or [G] (grouped).

@@ -1,10 +1,12 @@
 #include "store/ragged_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "common/checks.h"
 #include "common/device_dispatch.h"
+#include "ops.h"
 #include "select/topk.h"
 #include "store/store_kernels.h"
 
@@ -12,6 +14,18 @@ namespace kvcache_ext {
 
 namespace {
 constexpr int64_t kMaxPageSize = 1024;
+
+// A host vector as a tensor on `device`. To CUDA through pinned memory without waiting: the
+// store's bookkeeping uploads (new page addresses, the page table, a repack's page lists)
+// then cost no host sync (the caching host allocator holds the pinned buffer until the copy
+// has run, and the copy is ordered before later work on the stream).
+template <typename T>
+at::Tensor to_device(const std::vector<T>& host, at::ScalarType dtype, const c10::Device& device) {
+  const auto options = at::TensorOptions().dtype(dtype).pinned_memory(device.is_cuda());
+  at::Tensor t = at::empty({static_cast<int64_t>(host.size())}, options);
+  if (!host.empty()) std::memcpy(t.data_ptr(), host.data(), host.size() * sizeof(T));
+  return device.is_cuda() ? t.to(device, dtype, /*non_blocking=*/true) : t;
+}
 }  // namespace
 
 RaggedKVStore::RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim,
@@ -63,6 +77,12 @@ store::PagedView RaggedKVStore::view() const {
 
 at::Tensor RaggedKVStore::page_table() const {
   return at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
+}
+
+at::Tensor RaggedKVStore::attention_plan(int64_t rows) const {
+  const at::Tensor lens = at::from_blob(const_cast<int32_t*>(len_h_.data()),
+                                        {static_cast<int64_t>(len_h_.size())}, at::kInt);
+  return ops::attention_plan(lens, rows, device());
 }
 
 at::Tensor RaggedKVStore::part_of(const at::Tensor& slab, int part) const {
@@ -117,6 +137,13 @@ void RaggedKVStore::check_tokens(const at::Tensor& t, int64_t n, const char* nam
 
 void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                            const c10::optional<at::Tensor>& valid) {
+  const auto [pos32, rank, counts] = prepare_append(k, v, pos, valid);
+  ops::store_append(slabs_, table_, len_, k, v, pos32, rank, counts, page_size_, score_channels_);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+    const c10::optional<at::Tensor>& valid) {
   check_defined(k, "k");
   TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [batch, heads, n, head_dim], got ", k.sizes());
   const int64_t n = k.size(2);
@@ -149,15 +176,14 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
     const at::Tensor counts_h = counts.to(at::kCPU, at::kLong);  // host sync: prefill only
     std::copy_n(counts_h.data_ptr<int64_t>(), S, incoming.begin());
   }
-  if (n == 0) return;
+  if (n == 0) return {pos32, rank, counts};
   std::vector<int64_t> need(S);
   for (int64_t s = 0; s < S; ++s) need[s] = len_h_[s] + incoming[s];
   ensure_pages(need);
-  KVCACHE_DEVICE_DISPATCH(device(), store::append, view(), len_, k.view({S, n, head_dim_}),
-                          v.view({S, n, head_dim_}), pos32, rank);
-  // Both copies of the lengths advance without a host-device transfer.
-  if (counts.defined()) len_.add_(counts); else len_.add_(n);
+  // The device lengths advance in the store_append op (len += counts): both copies of the
+  // lengths move without a host-device transfer.
   for (int64_t s = 0; s < S; ++s) len_h_[s] = static_cast<int32_t>(need[s]);
+  return {pos32, rank, counts};
 }
 
 void RaggedKVStore::replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
@@ -193,6 +219,11 @@ void RaggedKVStore::compact(const at::Tensor& keep) {
   check_contiguous(keep, "keep");
   if (capacity() == 0) return;
   KVCACHE_DEVICE_DISPATCH(device(), store::compact, view(), len_, keep);
+  finish_compact();
+}
+
+void RaggedKVStore::finish_compact() {
+  if (capacity() == 0) return;
   const at::Tensor lens = len_.to(at::kCPU);  // host sync: the new lengths depend on keep
   std::copy_n(lens.data_ptr<int32_t>(), num_segments(), len_h_.begin());
   // Pages past a segment's last token are free again (host bookkeeping only: the kernels
@@ -307,7 +338,7 @@ int32_t RaggedKVStore::allocate_slab(int64_t pages) {
 
 void RaggedKVStore::upload_page_base() {
   // Only when pages are allocated: decoding allocates once per page_size steps at most.
-  page_base_ = at::tensor(page_base_h_, at::kLong).to(device());
+  page_base_ = to_device(page_base_h_, at::kLong, device());
 }
 
 void RaggedKVStore::upload_table() {
@@ -316,7 +347,7 @@ void RaggedKVStore::upload_table() {
     current = table_h_[i] < 0 || table_h_[i] == table_uploaded_[i];
   if (current) return;  // e.g. per-step eviction: each head takes back the page it freed
   table_uploaded_ = table_h_;
-  table_ = at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
+  table_ = to_device(table_h_, at::kInt, device()).view({num_segments(), width_});
 }
 
 void RaggedKVStore::repack(int64_t extra) {
@@ -352,11 +383,10 @@ void RaggedKVStore::repack(int64_t extra) {
   }
   TORCH_CHECK_VALUE(total <= (INT32_MAX >> shift_), "the store cannot hold more than 2^31 - 1 slots");
   at::Tensor slab = at::empty({total, record_.bytes}, kv_options_.dtype(at::kByte));
-  const auto index = at::TensorOptions().dtype(at::kLong);
   for (size_t i = 0; i < slabs_.size(); ++i) {
     if (from[i].empty()) continue;
-    const at::Tensor src = at::tensor(from[i], index).to(device());
-    const at::Tensor dst = at::tensor(to[i], index).to(device());
+    const at::Tensor src = to_device(from[i], at::kLong, device());
+    const at::Tensor dst = to_device(to[i], at::kLong, device());
     slab.index_copy_(0, dst, slabs_[i].index_select(0, src));
   }
   slabs_.clear();

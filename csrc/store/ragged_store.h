@@ -22,6 +22,13 @@ class RaggedKVStore {
   // valid ([B, n] or [B, H, n] bool), only the valid tokens are stored, in order.
   void append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
               const c10::optional<at::Tensor>& valid);
+  // append's host half: checks, gives the segments pages for the tokens to store and
+  // advances the host lengths. Returns what the store_append op (ops.h) takes besides the
+  // state: pos as int32, and rank [S, n] / counts [S] int32 (undefined when every token
+  // is stored). append = prepare_append + the op.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_append(
+      const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+      const c10::optional<at::Tensor>& valid);
   // Overwrites token slot[b, h] (an index in [0, len)) of every segment with the token
   // k, v [B, H, 1, D] at position pos [B]. check_bounds costs one host sync on CUDA.
   void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
@@ -29,6 +36,9 @@ class RaggedKVStore {
   // Keeps the live tokens whose flag in keep ([capacity] bool, slot layout) is set, in
   // order. Pages left empty go back to the store's free pages.
   void compact(const at::Tensor& keep);
+  // compact's host half, after the store_compact op: reads the new lengths (the one host
+  // sync of an eviction) and frees the pages left empty.
+  void finish_compact();
   // The k best live tokens (selection_key.h's order), CPU stores only: keep [capacity] bool
   // in slot layout and counts [S] int32 kept per segment. scores: none (channel 0 of the
   // store's scores), [capacity] (slot layout) or [B, H, L >= longest segment] (padded),
@@ -54,6 +64,15 @@ class RaggedKVStore {
   at::Tensor page_table() const;                     // [S, width] int32 copy, -1: no page
   const std::vector<int32_t>& len_host() const { return len_h_; }
   std::vector<int32_t> pages_host() const { return pages_h_; }  // pages per segment
+
+  // The state the ops take (ops.h): the slabs of pages, the page table and the lengths, on
+  // the store's device. The Python store holds them between calls; they change (other
+  // tensors) when pages are allocated or the store is repacked, and are mutated by the ops.
+  const std::vector<at::Tensor>& pool() const { return slabs_; }
+  const at::Tensor& page_table_device() const { return table_; }
+  // The work partition of an attention call over the current lengths (ops::attention_plan)
+  // for `rows` query rows per segment.
+  at::Tensor attention_plan(int64_t rows) const;
 
   // What kernels read: device pointers into the store. Valid until the next call that
   // changes the store.

@@ -1,0 +1,478 @@
+// The kernels as torch custom ops: TORCH_LIBRARY(kvcache_ext) and the functions the ops run
+// (see ops.h). The fake implementations, for torch.compile, are in kvcache_ext/ops.py.
+#include "ops.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "attention/attention_kernels.h"
+#include "common/checks.h"
+#include "common/device_dispatch.h"
+#include "select/topk.h"
+#include "store/store_kernels.h"
+
+namespace kvcache_ext::ops {
+
+namespace {
+
+constexpr int64_t kMaxPageSize = 1024;
+
+// ---------------------------------------------------------------------------------------
+// Page addresses. The kernels find page p at page_base[p]; page_base is a function of the
+// pool alone (each slab's address and page count, and the record size), so it is cached
+// under exactly that key: an op called again on the same pool (every decode step) finds it
+// without a host-to-device copy, and an op handed other tensors than the store's own (the
+// copies that functionalization makes under torch.compile, say) gets their addresses, never
+// stale ones. A key whose addresses were freed and reused by an equal pool maps to equal
+// addresses, so no entry is ever wrong.
+
+struct PoolKey {
+  c10::Device device;
+  int64_t record_bytes;
+  std::vector<std::pair<uintptr_t, int64_t>> slabs;  // address, pages
+  bool operator==(const PoolKey& o) const {
+    return device == o.device && record_bytes == o.record_bytes && slabs == o.slabs;
+  }
+};
+
+struct PoolKeyHash {
+  size_t operator()(const PoolKey& k) const {
+    size_t h = std::hash<c10::Device>()(k.device) ^ std::hash<int64_t>()(k.record_bytes);
+    for (const auto& [address, pages] : k.slabs) {
+      h = h * 1000003u ^ std::hash<uintptr_t>()(address) ^ (std::hash<int64_t>()(pages) << 1);
+    }
+    return h;
+  }
+};
+
+at::Tensor page_base_of(at::TensorList pool, int64_t record_bytes, const c10::Device& device) {
+  PoolKey key{device, record_bytes, {}};
+  key.slabs.reserve(pool.size());
+  int64_t pages = 0;
+  for (const at::Tensor& slab : pool) {
+    key.slabs.emplace_back(reinterpret_cast<uintptr_t>(slab.data_ptr()), slab.size(0));
+    pages += slab.size(0);
+  }
+  static std::mutex mutex;
+  // Never destroyed: CUDA tensors must not be freed after the CUDA runtime is torn down.
+  static auto* cache = new std::unordered_map<PoolKey, at::Tensor, PoolKeyHash>();
+  static int64_t cached_pages = 0;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache->find(key);
+    if (it != cache->end()) return it->second;
+  }
+  const auto host = at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda());
+  at::Tensor bases = at::empty({pages}, host);
+  int64_t* out = bases.data_ptr<int64_t>();
+  for (const auto& [address, slab_pages] : key.slabs) {
+    for (int64_t p = 0; p < slab_pages; ++p) *out++ = static_cast<int64_t>(address) + p * record_bytes;
+  }
+  // From pinned memory: no sync (the caching host allocator keeps the buffer until the copy ran).
+  if (device.is_cuda()) bases = bases.to(device, at::kLong, /*non_blocking=*/true);
+  const std::lock_guard<std::mutex> lock(mutex);
+  // A growing cache makes a new pool (one more slab) every page of tokens: old keys are
+  // dropped wholesale once the cache holds many pages' addresses.
+  if (cache->size() >= 1024 || cached_pages + pages > (int64_t{1} << 23)) {
+    cache->clear();
+    cached_pages = 0;
+  }
+  if (cache->emplace(std::move(key), bases).second) cached_pages += pages;
+  return bases;
+}
+
+// CPU stores only (on CUDA reading them would cost a sync): every live token, and the
+// `extra[s]` (or extra_all) tokens about to be written after them, lie in pages the segment
+// owns, and those pages exist.
+void check_contents_cpu(const at::Tensor& page_table, const at::Tensor& len, int64_t pages,
+                        int32_t shift, const int32_t* extra, int64_t extra_all) {
+  const int64_t S = page_table.size(0), width = page_table.size(1);
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  const int32_t* lens = len.data_ptr<int32_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t more = extra ? extra[s] : extra_all;
+    TORCH_CHECK_VALUE(lens[s] >= 0 && more >= 0, "len[", s, "] = ", lens[s],
+                      " is not a length (the store's state is corrupt)");
+    const int64_t need = (lens[s] + more + (int64_t{1} << shift) - 1) >> shift;
+    TORCH_CHECK_VALUE(need <= width, "segment ", s, " needs ", need, " pages for ", lens[s] + more,
+                      " tokens but the page table has ", width,
+                      " columns: give the store pages first (RaggedKVStore.reserve)");
+    for (int64_t j = 0; j < need; ++j) {
+      const int32_t page = table[s * width + j];
+      TORCH_CHECK_VALUE(page >= 0 && page < pages, "page_table[", s, ", ", j, "] = ", page,
+                        " is not a page of the pool (", pages, " pages): segment ", s,
+                        " needs pages for ", lens[s] + more, " tokens");
+    }
+  }
+}
+
+int32_t shift_of(int64_t page_size) {
+  TORCH_CHECK_VALUE(page_size >= 1 && page_size <= kMaxPageSize && (page_size & (page_size - 1)) == 0,
+                    "page_size must be a power of two in [1, ", kMaxPageSize, "], got ", page_size);
+  int32_t shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  return shift;
+}
+
+void check_tokens(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  check_defined(t, name);
+  check_dtype(t, like.scalar_type(), name);
+  check_device(t, like.device(), name);
+  check_shape(t, like.sizes(), name);
+  check_contiguous(t, name);
+}
+
+}  // namespace
+
+StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                     int64_t page_size, int64_t head_dim, int64_t score_channels,
+                     at::ScalarType dtype) {
+  const int32_t shift = shift_of(page_size);
+  TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= 65536, "head_dim must be in [1, 65536], got ", head_dim);
+  TORCH_CHECK_VALUE(score_channels >= 0 && score_channels <= 65536,
+                    "score_channels must be in [0, 65536], got ", score_channels);
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "the store holds float32, float16 or bfloat16 K/V, got ", dtype);
+  check_defined(page_table, "page_table");
+  const c10::Device device = page_table.device();
+  check_device_supported(device);
+  check_dtype(page_table, at::kInt, "page_table");
+  TORCH_CHECK_VALUE(page_table.dim() == 2, "page_table must be [segments, width], got shape ",
+                    page_table.sizes());
+  check_contiguous(page_table, "page_table");
+  const int64_t S = page_table.size(0);
+  check_defined(len, "len");
+  check_dtype(len, at::kInt, "len");
+  check_device(len, device, "len");
+  check_shape(len, {S}, "len");
+  check_contiguous(len, "len");
+  const store::PageRecord record =
+      store::page_record(page_size, head_dim, c10::elementSize(dtype), score_channels);
+  int64_t pages = 0;
+  for (size_t i = 0; i < pool.size(); ++i) {
+    const at::Tensor& slab = pool[i];
+    TORCH_CHECK_VALUE(slab.defined() && slab.scalar_type() == at::kByte && slab.dim() == 2 &&
+                          slab.size(1) == record.bytes && slab.is_contiguous(),
+                      "pool[", i, "] must be a contiguous uint8 [pages, ", record.bytes,
+                      "] slab (pages of ", page_size, " tokens of head_dim ", head_dim, ", ", dtype,
+                      ", ", score_channels, " score channels)");
+    check_device(slab, device, "pool");
+    pages += slab.size(0);
+  }
+  TORCH_CHECK_VALUE(pages <= (INT32_MAX >> shift), "the store cannot hold more than 2^31 - 1 slots");
+  StateView st;
+  st.page_base = page_base_of(pool, record.bytes, device);
+  st.view = store::PagedView{st.page_base.data_ptr<int64_t>(), page_table.data_ptr<int32_t>(),
+                             page_table.size(1), shift, record};
+  st.segments = S;
+  st.capacity = pages << shift;
+  if (device.is_cpu()) check_contents_cpu(page_table, len, pages, shift, nullptr, 0);
+  return st;
+}
+
+void store_append(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                  const c10::optional<at::Tensor>& rank_in, const c10::optional<at::Tensor>& counts_in,
+                  int64_t page_size, int64_t score_channels) {
+  check_defined(k, "k");
+  TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [batch, heads, n, head_dim], got ", k.sizes());
+  const StateView st =
+      state_view(pool, page_table, len, page_size, k.size(3), score_channels, k.scalar_type());
+  const c10::Device device = page_table.device();
+  const int64_t B = k.size(0), H = k.size(1), n = k.size(2), D = k.size(3), S = st.segments;
+  check_device(k, device, "k");
+  check_contiguous(k, "k");
+  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
+                    " segments but the page table has ", S);
+  check_tokens(v, k, "v");
+  at::Tensor pos32 = as_int32(pos, device, "pos");
+  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) || pos32.sizes() == at::IntArrayRef({B, n}),
+                    "pos must have shape [batch, n] = [", B, ", ", n, "] or [n], got ", pos32.sizes());
+  pos32 = pos32.expand({B, n}).contiguous();
+  const bool has_rank = rank_in.has_value() && rank_in->defined();
+  const bool has_counts = counts_in.has_value() && counts_in->defined();
+  TORCH_CHECK_VALUE(has_rank == has_counts, "rank and counts are given together or not at all");
+  at::Tensor rank, counts;
+  if (has_rank) {
+    rank = *rank_in;
+    counts = *counts_in;
+    check_dtype(rank, at::kInt, "rank");
+    check_device(rank, device, "rank");
+    check_shape(rank, {S, n}, "rank");
+    check_contiguous(rank, "rank");
+    check_dtype(counts, at::kInt, "counts");
+    check_device(counts, device, "counts");
+    check_shape(counts, {S}, "counts");
+    check_contiguous(counts, "counts");
+  }
+  if (device.is_cpu()) {
+    if (has_rank) {  // ranks lie in [-1, counts): the tokens stored land on the counted slots
+      const int32_t* r = rank.data_ptr<int32_t>();
+      const int32_t* c = counts.data_ptr<int32_t>();
+      for (int64_t s = 0; s < S; ++s) {
+        TORCH_CHECK_VALUE(c[s] >= 0 && c[s] <= n, "counts[", s, "] = ", c[s], " is not in [0, ", n, "]");
+        for (int64_t t = 0; t < n; ++t) {
+          TORCH_CHECK_VALUE(r[s * n + t] >= -1 && r[s * n + t] < c[s], "rank[", s, ", ", t, "] = ",
+                            r[s * n + t], " is not in [-1, counts[", s, "] = ", c[s], ")");
+        }
+      }
+    }
+    check_contents_cpu(page_table, len, st.capacity / page_size, st.view.shift,
+                       has_counts ? counts.data_ptr<int32_t>() : nullptr, n);
+  }
+  if (n == 0 || S == 0) return;
+  KVCACHE_DEVICE_DISPATCH(device, store::append, st.view, len, k.view({S, n, D}),
+                          v.view({S, n, D}), pos32, rank);
+  if (has_counts) len.add_(counts); else len.add_(n);
+}
+
+void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                   const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& pos, int64_t page_size, int64_t head_dim,
+                   int64_t score_channels, at::ScalarType dtype, bool check_bounds) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  check_defined(k, "k");
+  TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the store's dtype ", dtype, ", got ",
+                   k.scalar_type());
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1 && k.size(3) == head_dim,
+                    "k must have shape [batch, heads, 1, head_dim = ", head_dim, "], got ", k.sizes());
+  const c10::Device device = page_table.device();
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(3), S = st.segments;
+  check_device(k, device, "k");
+  check_contiguous(k, "k");
+  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
+                    " segments but the page table has ", S);
+  check_tokens(v, k, "v");
+  check_defined(slot, "slot");
+  TORCH_CHECK_TYPE(is_integer_dtype(slot.scalar_type()), "slot must be an integer tensor, got ",
+                   slot.scalar_type());
+  check_shape(slot, {B, H}, "slot");
+  const at::Tensor slot64 = slot.to(device, at::kLong).reshape({S}).contiguous();
+  at::Tensor pos32 = as_int32(pos, device, "pos");
+  TORCH_CHECK_VALUE(pos32.numel() == B && (pos32.dim() == 1 || pos32.dim() == 2),
+                    "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
+  pos32 = pos32.reshape({B});
+  if (device.is_cpu() || check_bounds) {  // free on CPU; one host sync on CUDA
+    const bool out_of_range = slot64.lt(0).logical_or(slot64.ge(len)).any().item<bool>();
+    TORCH_CHECK_INDEX(!out_of_range, "slot must index a live token of its segment: 0 <= slot[b, h] < ",
+                      "len[b, h] (an empty segment has nothing to replace)");
+  }
+  if (S == 0) return;
+  KVCACHE_DEVICE_DISPATCH(device, store::replace, st.view, slot64, k.view({S, D}), v.view({S, D}),
+                          pos32);
+}
+
+void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                   const at::Tensor& keep, int64_t page_size, int64_t head_dim,
+                   int64_t score_channels, at::ScalarType dtype) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  check_defined(keep, "keep");
+  check_dtype(keep, at::kBool, "keep");
+  check_device(keep, page_table.device(), "keep");
+  TORCH_CHECK_VALUE(keep.dim() == 1 && keep.size(0) == st.capacity, "keep must be a [capacity] = [",
+                    st.capacity, "] bool mask in the store's slot layout, got shape ", keep.sizes());
+  check_contiguous(keep, "keep");
+  if (st.capacity == 0 || st.segments == 0) return;
+  KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
+}
+
+std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
+                                              const at::Tensor& len,
+                                              const c10::optional<at::Tensor>& scores,
+                                              const at::Tensor& k, int64_t group_size,
+                                              int64_t page_size, int64_t head_dim,
+                                              int64_t score_channels, at::ScalarType dtype) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  TORCH_CHECK_VALUE(page_table.device().is_cpu(), "store_topk runs on CPU stores; this one is on ",
+                    page_table.device(), " (on CUDA, pack the segments for segmented_topk)");
+  const int64_t S = st.segments;
+  TORCH_CHECK_VALUE(group_size >= 1 && S % group_size == 0, "group_size must divide the ", S,
+                    " segments, got ", group_size);
+  const int64_t groups = S / group_size;
+  const int32_t* lens = len.data_ptr<int32_t>();
+  const int64_t longest = S == 0 ? 0 : *std::max_element(lens, lens + S);
+  at::Tensor given;
+  if (scores.has_value() && scores->defined()) {
+    given = *scores;
+    check_dtype(given, at::kFloat, "scores");
+    check_device(given, page_table.device(), "scores");
+    check_contiguous(given, "scores");
+    const bool slot_layout = given.dim() == 1 && given.size(0) == st.capacity;
+    const bool padded = given.dim() == 3 && given.size(0) * given.size(1) == S &&
+                        given.size(2) >= longest;
+    TORCH_CHECK_VALUE(slot_layout || padded, "scores must be [capacity] = [", st.capacity,
+                      "] in slot layout or [batch, heads, L >= ", longest, "] padded, got shape ",
+                      given.sizes());
+  } else {
+    TORCH_CHECK_VALUE(score_channels > 0, "this store has no score channels: pass scores");
+  }
+  check_defined(k, "k");
+  TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k (the budget) must be an integer tensor, got ",
+                   k.scalar_type());
+  check_shape(k, {groups}, "k (the budget)");
+  // Widen before the clamp: INT32_MAX is out of range of an int8/uint8/int16 budget's dtype.
+  const at::Tensor k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK_VALUE(k32.data_ptr<int32_t>()[g] >= 0, "k (the budget) must be >= 0, got k[", g,
+                      "] = ", k32.data_ptr<int32_t>()[g]);
+  }
+  at::Tensor keep = at::zeros({st.capacity}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor counts = at::zeros({S}, at::TensorOptions().dtype(at::kInt));
+  if (longest > 0) select::paged_topk_cpu(st.view, len, given, group_size, k32, keep, counts);
+  return {keep, counts};
+}
+
+at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device) {
+  check_defined(lens, "lens");
+  TORCH_CHECK_VALUE(lens.device().is_cpu() && lens.scalar_type() == at::kInt && lens.dim() == 1,
+                    "lens must be a CPU int32 [segments] tensor (the store's host lengths), got ",
+                    lens.scalar_type(), " ", lens.sizes(), " on ", lens.device());
+  TORCH_CHECK_VALUE(rows >= 0, "rows must be >= 0, got ", rows);
+  check_device_supported(device);
+  const at::Tensor host = lens.contiguous();
+  if (device.is_cpu()) return host.clone();
+#ifdef KVCACHE_EXT_WITH_CUDA
+  const int32_t* p = host.data_ptr<int32_t>();
+  return attention::plan_cuda(std::vector<int32_t>(p, p + host.numel()), rows, device);
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_run(
+    const at::Tensor& q_in, at::TensorList pool, const at::Tensor& page_table,
+    const at::Tensor& len, const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos_in,
+    double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
+    at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  const c10::Device device = page_table.device();
+  const int64_t S = st.segments, H = kv_heads;
+  TORCH_CHECK_VALUE(H >= 1 && S % H == 0, "kv_heads = ", H, " does not divide the ", S,
+                    " segments of the page table");
+  check_defined(q_in, "q");
+  check_device(q_in, device, "q");
+  check_dtype(q_in, dtype, "q (the store's dtype)");
+  TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be [batch, query heads, n, head_dim], got shape ",
+                    q_in.sizes());
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), n = q_in.size(2);
+  TORCH_CHECK_VALUE(B == S / H, "q has batch ", B, " but the store has batch ", S / H);
+  TORCH_CHECK_VALUE(q_in.size(3) == head_dim, "q has head_dim ", q_in.size(3),
+                    " but the store has head_dim ", head_dim);
+  TORCH_CHECK_VALUE(Hq >= H && Hq % H == 0, "q has ", Hq, " query heads, which is not a multiple",
+                    " of the store's ", H, " KV heads");
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK_VALUE(Hq / H * n < INT32_MAX, "too many query rows per KV head");
+  check_defined(plan, "plan");
+  check_dtype(plan, at::kInt, "plan");
+  check_device(plan, device, "plan");
+  check_contiguous(plan, "plan");
+
+  attention::Problem p;
+  p.q = q_in.contiguous();
+  p.view = st.view;
+  p.capacity = st.capacity;
+  p.segments = S;
+  p.len = len;
+  p.groups = Hq / H;
+  p.scale = static_cast<float>(scale);
+  std::vector<int32_t> len_host;
+  if (device.is_cpu()) {  // the CPU plan is the lengths it was made for: they must be these
+    TORCH_CHECK_VALUE(plan.dim() == 1 && plan.size(0) == S &&
+                          std::equal(plan.data_ptr<int32_t>(), plan.data_ptr<int32_t>() + S,
+                                     len.data_ptr<int32_t>()),
+                      "plan was made for other lengths than the store's: make it again with "
+                      "attention_plan after every append or compact");
+    len_host.assign(plan.data_ptr<int32_t>(), plan.data_ptr<int32_t>() + S);
+    p.len_host = &len_host;
+  } else {
+    p.len_host = nullptr;
+    p.plan = plan;
+  }
+  if (q_pos_in.has_value() && q_pos_in->defined()) {
+    at::Tensor q_pos = as_int32(*q_pos_in, device, "q_pos");
+    TORCH_CHECK_VALUE((q_pos.dim() == 1 && q_pos.size(0) == n) ||
+                          (q_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == n),
+                      "q_pos must be [n] or [batch, n] = [", B, ", ", n, "], got shape ",
+                      q_pos.sizes());
+    p.q_pos = q_pos.expand({B, n}).contiguous();
+  }
+  const auto f32 = p.q.options().dtype(at::kFloat);
+  attention::Result r;
+  r.out = at::empty_like(p.q);
+  auto statistic = [&](bool wanted, at::IntArrayRef shape, at::ScalarType dtype) {
+    if (!wanted) return at::Tensor();
+    // Zero-filled for the CUDA kernel, which adds into them; the CPU kernel writes every slot.
+    return device.is_cuda() ? at::zeros(shape, f32.dtype(dtype)) : at::empty(shape, f32.dtype(dtype));
+  };
+  r.mass = statistic(want_mass, {st.capacity}, at::kFloat);
+  r.last = statistic(want_last, {st.capacity, p.groups}, at::kFloat);
+  r.sum_sq = statistic(want_sum_sq, {st.capacity}, at::kFloat);
+  r.count = statistic(want_count, {st.capacity}, at::kInt);
+  if (r.out.numel() == 0) {
+    for (at::Tensor* t : {&r.mass, &r.last, &r.sum_sq, &r.count}) {
+      if (t->defined()) t->zero_();
+    }
+  } else {
+    KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
+  }
+  // A statistic not asked for is an empty tensor (an op returns no None).
+  auto or_empty = [&](const at::Tensor& t, at::ScalarType dtype) {
+    return t.defined() ? t : at::empty({0}, f32.dtype(dtype));
+  };
+  return {r.out, or_empty(r.mass, at::kFloat), or_empty(r.last, at::kFloat),
+          or_empty(r.sum_sq, at::kFloat), or_empty(r.count, at::kInt)};
+}
+
+}  // namespace kvcache_ext::ops
+
+// ---------------------------------------------------------------------------------------
+// Registration. Each function above picks the CPU or CUDA kernel from its tensors' device,
+// so the same function implements an op for both dispatch keys.
+
+TORCH_LIBRARY(kvcache_ext, m) {
+  m.def("store_append(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor k, Tensor v, "
+        "Tensor pos, Tensor? rank, Tensor? counts, int page_size, int score_channels) -> ()");
+  m.def("store_replace(Tensor(a!)[] pool, Tensor page_table, Tensor len, Tensor slot, Tensor k, "
+        "Tensor v, Tensor pos, int page_size, int head_dim, int score_channels, ScalarType dtype, "
+        "bool check_bounds) -> ()");
+  m.def("store_compact(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor keep, "
+        "int page_size, int head_dim, int score_channels, ScalarType dtype) -> ()");
+  m.def("store_topk(Tensor[] pool, Tensor page_table, Tensor len, Tensor? scores, Tensor k, "
+        "int group_size, int page_size, int head_dim, int score_channels, ScalarType dtype) "
+        "-> (Tensor, Tensor)");
+  m.def("segmented_topk(Tensor scores, Tensor pos, Tensor start, Tensor len, Tensor k, "
+        "bool check_values=True) -> Tensor");
+  m.def("grouped_topk(Tensor scores, Tensor pos, Tensor start, Tensor len, int group_size, "
+        "Tensor k, bool check_values=True) -> (Tensor, Tensor)");
+  m.def("attention_run(Tensor q, Tensor[] pool, Tensor page_table, Tensor len, Tensor plan, "
+        "Tensor? q_pos, float scale, int kv_heads, int page_size, int head_dim, int score_channels, "
+        "ScalarType dtype, bool mass, bool last, bool sum_sq, bool count) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
+  m.impl("store_append", &kvcache_ext::ops::store_append);
+  m.impl("store_replace", &kvcache_ext::ops::store_replace);
+  m.impl("store_compact", &kvcache_ext::ops::store_compact);
+  m.impl("store_topk", &kvcache_ext::ops::store_topk);
+  m.impl("segmented_topk", &kvcache_ext::segmented_topk);
+  m.impl("grouped_topk", &kvcache_ext::grouped_topk);
+  m.impl("attention_run", &kvcache_ext::ops::attention_run);
+}
+
+#ifdef KVCACHE_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
+  m.impl("store_append", &kvcache_ext::ops::store_append);
+  m.impl("store_replace", &kvcache_ext::ops::store_replace);
+  m.impl("store_compact", &kvcache_ext::ops::store_compact);
+  m.impl("segmented_topk", &kvcache_ext::segmented_topk);
+  m.impl("grouped_topk", &kvcache_ext::grouped_topk);
+  m.impl("attention_run", &kvcache_ext::ops::attention_run);
+}
+#endif

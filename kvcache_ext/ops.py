@@ -1,0 +1,93 @@
+"""The kernels as torch custom ops (``torch.ops.kvcache_ext.*``), and their fake implementations.
+
+The ops are defined in C++ (``csrc/ops.cpp``, ``TORCH_LIBRARY(kvcache_ext, ...)``) with CPU and
+CUDA implementations; importing this module (``kvcache_ext`` does) registers the fake (meta)
+implementations that ``torch.compile`` and ``torch.library.opcheck`` trace with. Every op takes
+tensors and numbers only. A layer's store is the state
+
+- ``pool``: its slabs of pages, a list of uint8 ``[pages_i, record bytes]`` tensors (mutated by
+  the store ops),
+- ``page_table``: ``[S, width]`` int32, the pages of each segment in token order,
+- ``len``: ``[S]`` int32 live tokens per segment (mutated by append and compact),
+
+which the Python ``RaggedKVStore`` holds and passes to the ops (``RaggedKVStore.state``).
+
+==================  ==========================================================================
+op                  what it does
+==================  ==========================================================================
+``store_append``    writes k, v [B, H, n, D] (and pos) after each segment's tokens; len += n
+``store_replace``   overwrites token slot[b, h] of each segment with one new token
+``store_compact``   stable in-place removal of the slots whose keep flag is False; new len
+``store_topk``      (CPU) keep mask and counts of the k best tokens per segment or group
+``segmented_topk``  keep mask of the k best slots per contiguous segment (CUB on CUDA)
+``grouped_topk``    Ada-KV: the k best over each group of segments, and the counts per segment
+``attention_run``   attention of q over the store with the plan of ``attention_plan``
+==================  ==========================================================================
+
+``attention_plan`` (``kvcache_ext._C.attention_plan`` / ``RaggedKVStore.attention_plan``) is the
+host step of the attention: it reads the lengths on the host and returns the work partition
+(CPU: the lengths; CUDA: the splits, on the device), once per step and layer. It is not an op
+(its output size depends on the lengths), so a compiled region breaks there.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcache_ext import _C  # noqa: F401  (loads the library that defines the ops)
+
+OPS = ("store_append", "store_replace", "store_compact", "store_topk", "segmented_topk",
+       "grouped_topk", "attention_run")
+
+ops = torch.ops.kvcache_ext
+
+
+def _capacity(pool, page_size: int):
+    return sum(slab.shape[0] for slab in pool) * page_size
+
+
+@torch.library.register_fake("kvcache_ext::store_append")
+def _store_append_fake(pool, page_table, len, k, v, pos, rank, counts, page_size, score_channels):
+    return None
+
+
+@torch.library.register_fake("kvcache_ext::store_replace")
+def _store_replace_fake(pool, page_table, len, slot, k, v, pos, page_size, head_dim,
+                        score_channels, dtype, check_bounds):
+    return None
+
+
+@torch.library.register_fake("kvcache_ext::store_compact")
+def _store_compact_fake(pool, page_table, len, keep, page_size, head_dim, score_channels, dtype):
+    return None
+
+
+@torch.library.register_fake("kvcache_ext::store_topk")
+def _store_topk_fake(pool, page_table, len, scores, k, group_size, page_size, head_dim,
+                     score_channels, dtype):
+    capacity = _capacity(pool, page_size)
+    return (page_table.new_empty((capacity,), dtype=torch.bool),
+            page_table.new_empty((page_table.shape[0],), dtype=torch.int32))
+
+
+@torch.library.register_fake("kvcache_ext::segmented_topk")
+def _segmented_topk_fake(scores, pos, start, len, k, check_values=True):
+    return torch.empty_like(scores, dtype=torch.bool)
+
+
+@torch.library.register_fake("kvcache_ext::grouped_topk")
+def _grouped_topk_fake(scores, pos, start, len, group_size, k, check_values=True):
+    return torch.empty_like(scores, dtype=torch.bool), torch.empty_like(len)
+
+
+@torch.library.register_fake("kvcache_ext::attention_run")
+def _attention_run_fake(q, pool, page_table, len, plan, q_pos, scale, kv_heads, page_size, head_dim,
+                        score_channels, dtype, mass, last, sum_sq, count):
+    capacity = _capacity(pool, page_size)
+    groups = q.shape[1] // kv_heads
+
+    def stat(wanted, shape, dtype=torch.float32):
+        return torch.empty(shape if wanted else (0,), dtype=dtype, device=q.device)
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return (out, stat(mass, (capacity,)), stat(last, (capacity, groups)),
+            stat(sum_sq, (capacity,)), stat(count, (capacity,), torch.int32))
