@@ -32,3 +32,15 @@ kvcache-ext eval --task fidelity --policy "$PAPERS,$POOLING,$CAOTE_HEAD" --budge
 kvcache-ext eval --task ppl --prefill-block 128 \
   --policy full,streamingllm,h2o,tova,snapkv,caote-h2o,caote-tova,caote-snapkv,caote-h2o-eq7,ahakv,roco,scissorhands,snapkv-nopool,ahakv-nopool,h2o-pool,tova-pool,roco-pool,caote-h2o-l2,caote-tova-l2,caote-snapkv-l2 \
   --budget 64,128,256,512 --lengths 2048 --json ppl.json --plot ppl.png --no-progress
+
+# Query-agnostic compression (issue 19): the context compressed before the question, at three
+# fractions of each prompt kept; then the multi-question task (one compressed context, three
+# questions as turns of one chat). KVzip and kvpress's KVzipPress side by side, with the
+# prefill cost: bench/agnostic.py (see docs/results.md, "Compress once, ask later").
+AGNOSTIC=full,streamingllm,h2o,tova,snapkv,pyramidkv,ada-snapkv,caote-h2o,ahakv,roco,kvec,expected-attention,ada-expected-attention,kvzip,ada-kvzip,kvzip-global
+kvcache-ext eval --task passkey --policy "$AGNOSTIC" --keep 0.5,0.25,0.1 --lengths 1024,2048 --depths 0.1,0.5,0.9 \
+  --mode agnostic --json agnostic-passkey.json --plot agnostic-passkey.png --no-progress
+kvcache-ext eval --task needle --policy "$AGNOSTIC" --keep 0.5,0.25,0.1 --lengths 1024,2048 --depths 0.1,0.5,0.9 \
+  --mode agnostic --json agnostic-needle.json --plot agnostic-needle.png --no-progress
+kvcache-ext eval --task multi --policy full,snapkv,ada-snapkv,h2o,roco,expected-attention,kvzip-global \
+  --keep 0.5,0.25,0.1 --lengths 1024,2048 --seeds 3 --json multi.json --plot multi.png --no-progress

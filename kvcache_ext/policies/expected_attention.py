@@ -25,7 +25,7 @@ import torch
 
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
-from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.policies.views import CacheView, PromptView, softmax_over_keys
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -111,8 +111,7 @@ class ExpectedAttention(Scorer):
             quad = ((back @ cov) * back).sum(dim=-1)                                   # [B, Hq, L]
             logits = logits + 0.5 * scale * scale * quad
         real = k_real if k_real.dim() == 3 else k_real[:, None].expand(B, H, -1)
-        logits = logits.masked_fill(~real.repeat_interleave(Hq // H, dim=1), float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        probs = softmax_over_keys(logits, real.repeat_interleave(Hq // H, dim=1))
         scores = probs.view(B, H, Hq // H, -1).mean(dim=2)
         if self.vnorm:
             scores = (scores + self.epsilon) * v.float().norm(dim=-1)

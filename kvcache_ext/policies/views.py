@@ -6,7 +6,8 @@ Both are padded per (batch item, KV head) and in position order, whatever the st
 ``attention_probs`` is the one softmax of queries over keys that scorers read: every scorer
 takes its probabilities from ``PromptView.probs`` / ``query_probs`` / ``newest_probs`` or
 ``CacheView.probs`` / ``query_probs``, which all call it (causal by position, blind to
-padding, float32).
+padding, float32). ``softmax_over_keys`` is the softmax itself, for scorers whose logits are not
+a query's (Expected Attention's expected logits).
 """
 from __future__ import annotations
 
@@ -37,9 +38,13 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor | None
     visible = k_real[:, :, None, :].expand(B, H, c, L)                            # [B, H, c, L]
     if q_pos is not None:
         visible = visible & (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (q_pos >= 0)[:, None, :, None]
-    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)   # a query that sees nothing: zeros
-    return probs.reshape(B, Hq, c, L)
+    return softmax_over_keys(logits, visible[:, :, None]).reshape(B, Hq, c, L)
+
+
+def softmax_over_keys(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``logits`` [..., L] over the keys where ``visible`` (broadcast) holds; zeros
+    where it does not, and for a row that sees no key. The one softmax scorers' scores go through."""
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
 
 
 def newest_queries(valid: torch.Tensor, pos: torch.Tensor, r: int):
