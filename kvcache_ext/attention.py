@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from kvcache_ext import _C
+from kvcache_ext.checks import real
 from kvcache_ext.store import RaggedKVStore
 
 STAT_NAMES = ("mass", "last", "sum_sq", "count")
@@ -53,11 +54,15 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
     """
     if not isinstance(store, RaggedKVStore):
         raise TypeError(f"store must be a kvcache_ext.RaggedKVStore, got {type(store).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a tensor [batch, query heads, n, head_dim], got {type(q).__name__}")
     # Every decode step of every layer comes here, mostly without statistics: that case
     # builds nothing.
     flags = _NO_STATS if stats is False or stats is None else _stat_flags(stats)
     if scale is None:
         scale = 1.0 / math.sqrt(store.head_dim)
+    elif type(scale) is not float:   # the common case costs one type test
+        scale = real(scale, "scale", what="a finite number (the factor on q . k)")
     if q_pos is not None and not isinstance(q_pos, torch.Tensor):
         q_pos = torch.as_tensor(q_pos)
     out, *fields = _C.ragged_attention(q, store._store, float(scale), q_pos, *flags)
@@ -80,7 +85,12 @@ def _stat_names(stats) -> frozenset:
         return frozenset(STAT_NAMES)
     if stats is False or stats is None:
         return frozenset()
-    names = frozenset([stats] if isinstance(stats, str) else stats)
+    try:
+        names = frozenset([stats] if isinstance(stats, str) else stats)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"stats must be True, False or names from {STAT_NAMES}, got {stats!r}")
     unknown = names - set(STAT_NAMES)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STAT_NAMES}")

@@ -14,10 +14,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvcache_ext.cache import RaggedCache, take_pending
+from kvcache_ext.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
-from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.policy import ModelShape, Policy
 
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # The model's own dense attention runs the prefill; each gets its own registered name so that
@@ -69,7 +69,9 @@ class PatchHandle:
     def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16):
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size = page_size
+        self.shape = ModelShape.of(model)
         self._last_cache = None
+        self._hooks = []
 
     @property
     def num_layers(self) -> int:
@@ -117,6 +119,8 @@ def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
                          f"got {model_type!r} ({type(model).__name__})")
     if not hasattr(model, "generate") or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"kvcache_ext.patch needs an HF PreTrainedModel, got {type(model).__name__}")
+    # Everything the engine would refuse later is refused now, before the model changes.
+    policy.check(ModelShape.of(model))
     if getattr(model, _HANDLE_ATTR, None) is not None:
         unpatch(model)
     _register()
@@ -124,6 +128,7 @@ def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
     dense = original if original in DENSE else "sdpa"
     handle = PatchHandle(model, policy, original, page_size)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
+    _hook_forwards(handle)
 
     prepare = model._prepare_cache_for_generation   # bound method of the class
     # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
@@ -142,6 +147,34 @@ def patch(model, policy: Policy, *, page_size: int = 16) -> PatchHandle:
     return handle
 
 
+def _hook_forwards(handle: PatchHandle) -> None:
+    """Hooks the model's forward (and its decoder's, which may be called alone): a RaggedCache
+    given to it is checked against the model before anything runs, and the cache's layers know
+    that a patched model is running (a cache that a model without the patch updates raises)."""
+    shape = handle.shape
+
+    def before(module, args, kwargs):
+        enter_patched_forward()        # first: the always-called hook below undoes it on an error
+        for value in list(kwargs.values()) + list(args):
+            if isinstance(value, RaggedCache):
+                value.check_model(shape)
+
+    def after(module, args, kwargs, output):
+        exit_patched_forward()
+
+    modules = [handle.model]
+    get_decoder = getattr(handle.model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:   # noqa: BLE001  (a model without a separate decoder)
+        decoder = None
+    if decoder is not None and decoder is not handle.model:
+        modules.append(decoder)
+    for module in modules:
+        handle._hooks.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handle._hooks.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+
 def unpatch(model) -> None:
     """Restores a patched model exactly: its attention implementation and ``generate``."""
     handle = getattr(model, _HANDLE_ATTR, None)
@@ -149,6 +182,9 @@ def unpatch(model) -> None:
         raise ValueError("this model is not patched by kvcache_ext")
     model.set_attn_implementation(handle.original_attn)
     del model._prepare_cache_for_generation
+    for hook in handle._hooks:
+        hook.remove()
+    handle._hooks.clear()
     delattr(model, _HANDLE_ATTR)
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_ext import _C
-from kvcache_ext.select import grouped_topk, segmented_topk
+from kvcache_ext import _C, checks
+from kvcache_ext.select import budget_tensor, grouped_topk, segmented_topk
 
 
 @dataclass
@@ -39,7 +39,8 @@ class RaggedKVStore:
 
     def __init__(self, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
                  device: torch.device | str = "cpu", score_channels: int = 1, page_size: int = 16):
-        device = torch.device(device)
+        batch, heads, head_dim, score_channels, page_size, dtype, device = checks.store_arguments(
+            batch, heads, head_dim, score_channels, page_size, dtype, device)
         if device.type == "cuda" and not _C.build_info()["cuda"]:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
@@ -55,26 +56,29 @@ class RaggedKVStore:
         (left padding is never stored). A full segment takes a free page, or one allocated
         with the other segments' missing pages in one slab; no stored token moves.
         """
-        self._store.append(k, v, pos if isinstance(pos, torch.Tensor) else torch.as_tensor(pos), valid)
+        self._store.append(checks.tensor(k, "k"), checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
+                           None if valid is None else checks.tensor(valid, "valid"))
 
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]
-        at position pos [B]; its scores restart at zero. ``check_bounds`` costs a host sync on CUDA."""
-        self._store.replace(slot, k, v, torch.as_tensor(pos), check_bounds)
+        at position pos [B]; its scores restart at zero. A slot given on the host (always, on a CPU
+        store) is bounds-checked for free; ``check_bounds`` checks one on a CUDA device (a host sync)."""
+        self._store.replace(checks.as_tensor(slot, "slot"), checks.tensor(k, "k"), checks.tensor(v, "v"),
+                            checks.as_tensor(pos, "pos"), checks.boolean(check_bounds, "check_bounds"))
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keeps, in order, the live slots whose flag in ``keep`` ([capacity] bool) is set."""
-        self._store.compact(keep)
+        self._store.compact(checks.tensor(keep, "keep"))
 
     def reserve(self, extra: int) -> None:
         """Gives every segment pages for ``extra`` more tokens (new pages only where missing)."""
-        self._store.reserve(extra)
+        self._store.reserve(checks.integer(extra, "reserve extra", 0))
 
     def repack(self, extra: int = 0) -> None:
         """Moves the live tokens into one new allocation with pages for ``extra`` more tokens
         per segment, and releases every other page (the only operation that moves them all)."""
-        self._store.repack(extra)
+        self._store.repack(checks.integer(extra, "repack extra", 0))
 
     def shrink_to_fit(self) -> None:
         """Releases every page that holds no live token (``repack(0)``)."""
@@ -82,7 +86,7 @@ class RaggedKVStore:
 
     def set_scores(self, scores: torch.Tensor) -> None:
         """Writes the score channels of every slot from a [capacity, C] float32 tensor."""
-        self._store.set_scores(scores)
+        self._store.set_scores(checks.tensor(scores, "scores"))
 
     def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False):
         """Keep mask ([capacity] bool) of the k best live slots by ``scores`` (default: channel 0).
@@ -93,13 +97,14 @@ class RaggedKVStore:
         heads; returns ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted
         first.
         """
+        if scores is not None and not isinstance(scores, torch.Tensor):
+            raise TypeError(f"scores must be None or a float tensor, got {type(scores).__name__}")
         per = (self.batch,) if grouped else (self.batch, self.heads)
         if self.device.type == "cpu":
             # The store selects through its own pages: no packing, no copy of the scores.
             if scores is not None:
                 scores = scores.float().contiguous()  # no copy when it is already so
-            keep, counts = self._store.select(scores, torch.as_tensor(k).expand(per).reshape(-1),
-                                              grouped)
+            keep, counts = self._store.select(scores, budget_tensor(k, per, self.device), grouped)
             return (keep, counts.view(self.batch, self.heads)) if grouped else keep
         # CUDA: the top-k kernels (CUB radix sort) take contiguous segments, so the live tokens
         # are packed in segment order, selected, and the keep flags put back in slot layout.
@@ -115,11 +120,10 @@ class RaggedKVStore:
         start, lens = torch.cumsum(lens, 0) - lens, lens.to(torch.int32)
         pos = self.pos[slots]
         keep = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        k = budget_tensor(k, per, self.device)
         if not grouped:
-            k = torch.as_tensor(k).expand(self.batch, self.heads).reshape(-1)
             keep[slots] = segmented_topk(packed.float().contiguous(), pos, start, lens, k)
             return keep
-        k = torch.as_tensor(k).expand(self.batch).reshape(-1)
         kept, counts = grouped_topk(packed.float().contiguous(), pos, start, lens, self.heads, k)
         keep[slots] = kept
         return keep, counts.view(self.batch, self.heads)

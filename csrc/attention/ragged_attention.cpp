@@ -3,6 +3,7 @@
 #include "attention/ragged_attention.h"
 
 #include <cmath>
+#include <limits>
 
 #include "attention/attention_kernels.h"
 #include "common/checks.h"
@@ -29,7 +30,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
                     store.head_dim());
   TORCH_CHECK_VALUE(Hq >= H && Hq % H == 0, "q has ", Hq, " query heads, which is not a multiple",
                     " of the store's ", H, " KV heads");
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  // The kernels compute in float32: a double beyond its range would become inf there.
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= std::numeric_limits<float>::max(),
+                    "scale must be finite as a float32 (|scale| <= 3.4e38), got ", scale);
   TORCH_CHECK_VALUE(Hq / H * n < INT32_MAX, "too many query rows per KV head");
 
   attention::Problem p;
@@ -42,7 +45,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
   p.groups = Hq / H;
   p.scale = static_cast<float>(scale);
   if (q_pos_in.has_value() && q_pos_in->defined()) {
-    at::Tensor q_pos = as_int32(*q_pos_in, device, "q_pos");
+    // Negative: a query that sees no slot (padding).
+    at::Tensor q_pos = as_position32(*q_pos_in, device, "q_pos", INT32_MIN);
     TORCH_CHECK_VALUE((q_pos.dim() == 1 && q_pos.size(0) == n) ||
                           (q_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == n),
                       "q_pos must be [n] or [batch, n] = [", B, ", ", n, "], got shape ",

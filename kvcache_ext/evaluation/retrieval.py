@@ -62,7 +62,8 @@ def split_prompt(prompt, mode: str):
 @torch.no_grad()
 def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list[int],
                schedule=None, max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
-    """Every (policy, budget) on one prompt in one mode. ``on_run()`` is called after each run."""
+    """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
+    ends, with its record."""
     device = next(model.parameters()).device
     context, question = split_prompt(prompt, mode)
     context = context.to(device)
@@ -95,6 +96,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             if "full" not in policies:
                 continue
             out.append(record(name, None, new, decode_s, full_bytes))
+            on_run and on_run(out[-1])
         else:
             with kvcache_ext.patch(model, policy) as handle:
                 if policy.schedule.prefill_block is None:
@@ -107,8 +109,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                         logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
                 new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
                 out.append(record(name, budget, new, decode_s, cache_bytes(cache)))
-        if on_run is not None:
-            on_run()
+            on_run and on_run(out[-1])
     return out
 
 
@@ -125,7 +126,9 @@ def make_prompts(tokenizer, task: str, lengths, depths, seeds: int):
 
 
 def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
-                  schedule=None, max_new_tokens: int = 8, progress: bool = True) -> list[RetrievalRecord]:
+                  schedule=None, max_new_tokens: int = 8, progress: bool = True,
+                  on_record=None) -> list[RetrievalRecord]:
+    """Every prompt in every mode; ``on_record(record)`` as each run ends."""
     from tqdm.auto import tqdm
     prompts = make_prompts(tokenizer, task, lengths, depths, seeds)
     per_prompt = ("full" in policies) + sum(len(budgets) for p in policies if p != "full")
@@ -135,6 +138,6 @@ def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depth
     for mode in modes:
         for prompt in prompts:
             records += run_prompt(model, tokenizer, prompt, task, mode, policies, budgets, schedule,
-                                  max_new_tokens, on_run=lambda: bar.update(1))
+                                  max_new_tokens, on_run=lambda r: (bar.update(1), on_record and on_record(r)))
     bar.close()
     return records

@@ -14,7 +14,7 @@ from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.kvec import KVEC
-from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.policies.pooled import Pooled
 from kvcache_ext.policies.pooling import Pooling
 from kvcache_ext.policies.protection import Protection
@@ -30,7 +30,7 @@ from kvcache_ext.policies.tova import TOVA
 from kvcache_ext.policies.uniform import Uniform
 from kvcache_ext.policies.views import CacheView, PromptView
 
-__all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
+__all__ = ["Policy", "ModelShape", "Scorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "CAOTE", "FastCAOTE", "caote_policy",
            "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV",
