@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
 from common import device_name, git_commit, write_results  # noqa: E402
+from kvcache_ext.cache import patched_forward  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,7 +201,7 @@ def replay(model, policy: Policy, calls, reference: bool = False):
         attention = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
         ALL_ATTENTION_FUNCTIONS["sdpa"] = recorded
         cache = handle.new_cache(reference=reference)
-        with torch.no_grad():
+        with torch.no_grad(), patched_forward():     # what the patched model's forward does
             for layer, call in enumerate(calls):
                 k, v = cache.update(call.k, call.v, layer)
                 recorded.call = call

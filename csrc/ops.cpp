@@ -5,6 +5,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -191,7 +193,7 @@ void store_append(at::TensorList pool, const at::Tensor& page_table, const at::T
   TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
                     " segments but the page table has ", S);
   check_tokens(v, k, "v");
-  at::Tensor pos32 = as_int32(pos, device, "pos");
+  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
   TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) || pos32.sizes() == at::IntArrayRef({B, n}),
                     "pos must have shape [batch, n] = [", B, ", ", n, "] or [n], got ", pos32.sizes());
   pos32 = pos32.expand({B, n}).contiguous();
@@ -254,7 +256,7 @@ void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::
                    slot.scalar_type());
   check_shape(slot, {B, H}, "slot");
   const at::Tensor slot64 = slot.to(device, at::kLong).reshape({S}).contiguous();
-  at::Tensor pos32 = as_int32(pos, device, "pos");
+  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
   TORCH_CHECK_VALUE(pos32.numel() == B && (pos32.dim() == 1 || pos32.dim() == 2),
                     "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
   pos32 = pos32.reshape({B});
@@ -366,7 +368,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
                     " but the store has head_dim ", head_dim);
   TORCH_CHECK_VALUE(Hq >= H && Hq % H == 0, "q has ", Hq, " query heads, which is not a multiple",
                     " of the store's ", H, " KV heads");
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  // The kernels compute in float32: a double beyond its range would become inf there.
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= std::numeric_limits<float>::max(),
+                    "scale must be finite as a float32 (|scale| <= 3.4e38), got ", scale);
   TORCH_CHECK_VALUE(Hq / H * n < INT32_MAX, "too many query rows per KV head");
   check_defined(plan, "plan");
   check_dtype(plan, at::kInt, "plan");
@@ -394,14 +398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     p.len_host = nullptr;
     p.plan = plan;
   }
-  if (q_pos_in.has_value() && q_pos_in->defined()) {
-    at::Tensor q_pos = as_int32(*q_pos_in, device, "q_pos");
-    TORCH_CHECK_VALUE((q_pos.dim() == 1 && q_pos.size(0) == n) ||
-                          (q_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == n),
-                      "q_pos must be [n] or [batch, n] = [", B, ", ", n, "], got shape ",
-                      q_pos.sizes());
-    p.q_pos = q_pos.expand({B, n}).contiguous();
-  }
+  if (q_pos_in.has_value() && q_pos_in->defined()) p.q_pos = query_positions(*q_pos_in, device, B, n);
   const auto f32 = p.q.options().dtype(at::kFloat);
   attention::Result r;
   r.out = at::empty_like(p.q);

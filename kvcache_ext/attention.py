@@ -7,6 +7,7 @@ from typing import Iterable
 
 import torch
 
+from kvcache_ext.checks import real
 from kvcache_ext.ops import ops
 from kvcache_ext.store import RaggedKVStore
 
@@ -69,15 +70,17 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
     """
     if not isinstance(store, RaggedKVStore):
         raise TypeError(f"store must be a kvcache_ext.RaggedKVStore, got {type(store).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a tensor [batch, query heads, n, head_dim], got {type(q).__name__}")
     # Every decode step of every layer comes here, mostly without statistics: that case
     # builds nothing.
     flags = _NO_STATS if stats is False or stats is None else _stat_flags(stats)
     if scale is None:
         scale = 1.0 / math.sqrt(store.head_dim)
+    elif type(scale) is not float:   # the common case costs one type test
+        scale = real(scale, "scale", what="a finite number (the factor on q . k)")
     if q_pos is not None and not isinstance(q_pos, torch.Tensor):
         q_pos = torch.as_tensor(q_pos)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a tensor, got {type(q).__name__}")
     if plan is None:
         plan = store.attention_plan(q.shape[1] // store.heads * q.shape[2] if q.dim() == 4 else 1)
     pool, table, lens = store._pool, store._table, store._len
@@ -103,7 +106,12 @@ def _stat_names(stats) -> frozenset:
         return frozenset(STAT_NAMES)
     if stats is False or stats is None:
         return frozenset()
-    names = frozenset([stats] if isinstance(stats, str) else stats)
+    try:
+        names = frozenset([stats] if isinstance(stats, str) else stats)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"stats must be True, False or names from {STAT_NAMES}, got {stats!r}")
     unknown = names - set(STAT_NAMES)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STAT_NAMES}")

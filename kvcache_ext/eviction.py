@@ -39,11 +39,23 @@ class LayerState:
             self.shared.clear()
 
     def ensure_storage(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Makes the storage at the first call; checks later calls' tokens against it (before
+        anything changes: a cache cannot take another model's or another batch's tokens)."""
+        B, H, _, D = k.shape
         if self.kv is None:
-            B, H, _, D = k.shape
             self.groups = q.shape[1] // H
+            self.layout = (H, D, self.groups)
+            self.tokens = (B, k.dtype, k.device)
             self.kv = self.storage(B, H, D, k.dtype, k.device, self.policy.scorer.channels)
             self.last_pos = torch.full((B,), -1, dtype=torch.long, device=k.device)
+        elif (H, D, q.shape[1] // H) != self.layout or (B, k.dtype, k.device) != self.tokens:
+            check_tokens(self, q, k)
+
+    def check_positions(self, n: int) -> None:
+        """Positions go on after eviction; the kernels hold them as int32."""
+        if self.seen + n > 2**31 - 1:
+            raise ValueError(f"layer {self.layer_idx}: the cache has seen {self.seen} tokens; {n} more "
+                             "would take positions past 2^31 - 1, which the store cannot hold")
 
     def ensure_budget(self, prompt_len: torch.Tensor) -> None:
         """Fixes the layer's budgets from the first prompt's length [B]."""
@@ -63,6 +75,22 @@ class LayerState:
         self.budget_host, self.decode_budget_host = self.budget.cpu(), self.decode_budget.cpu()
 
 
+def check_tokens(state: LayerState, q, k) -> None:
+    """Raises ValueError naming what differs between new tokens and the cache's."""
+    B, H, _, D = k.shape
+    have_H, have_D, have_G = state.layout
+    have_B, dtype, device = state.tokens
+    if (H, D, q.shape[1] // H) != state.layout:
+        raise ValueError(f"past_key_values: layer {state.layer_idx} of this cache holds {have_H} KV heads of "
+                         f"dimension {have_D} ({have_G} query heads each); the model gives {H} of dimension "
+                         f"{D} ({q.shape[1] // H} each): a cache serves one model; use a fresh one")
+    if B != have_B:
+        raise ValueError(f"past_key_values: layer {state.layer_idx} of this cache holds a batch of {have_B}; "
+                         f"the input has a batch of {B} (a cache serves one batch; use a fresh one)")
+    raise ValueError(f"past_key_values: layer {state.layer_idx} of this cache holds {dtype} tokens on "
+                     f"{device}; the model gives {k.dtype} on {k.device}: use a fresh cache")
+
+
 def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention_mask, scale,
                   position_ids, **kwargs):
     """Attention of one layer over its evicting cache. Returns [B, n, Hq, D] like HF's functions."""
@@ -76,6 +104,7 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
             f"sequence is now longer than the window; kvcache_ext does not evict by window yet")
     if appends_only(state, n, attention_mask):
         return decode_append_only(state, q, k, v, position_ids, scale)
+    state.check_positions(n)
     valid, all_valid = step_validity(state, attention_mask, n, B, q.device)
     pos = new_positions(position_ids, state.seen, n, B, q.device)
     state.ensure_storage(q, k)
@@ -114,10 +143,13 @@ def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
     step, so it is what such a policy's decoding costs beyond the attention itself.
     ``attend_block`` would do the same work through its general path."""
     B = q.shape[0]
+    if (B, k.dtype, k.device) != state.tokens or k.shape[1] != state.layout[0]:
+        check_tokens(state, q, k)
+    state.check_positions(1)
     pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
+    state.kv.append(k, v, pos, None)      # first: nothing has changed if it refuses the tokens
     state.seen += 1
     state.decode_steps += 1
-    state.kv.append(k, v, pos, None)
     state.last_pos = torch.maximum(state.last_pos, pos[:, 0])
     out, _ = state.kv.attend(q, scale, None, ())
     return out.transpose(1, 2)

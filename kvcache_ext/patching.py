@@ -15,10 +15,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcache_ext.attention import check_head_dim
-from kvcache_ext.cache import RaggedCache, take_pending
+from kvcache_ext.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
-from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.reconstruction import awaiting, reconstruct
 
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,7 +72,9 @@ class PatchHandle:
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size, self.tokenizer = page_size, tokenizer
         self.rotary = getattr(getattr(model, "model", None), "rotary_emb", None)   # HF's RoPE module
+        self.shape = ModelShape.of(model)
         self._last_cache = None
+        self._hooks = []
 
     def tokens(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens); ``"chat"``: what follows a user turn in
@@ -147,6 +149,8 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
     if not hasattr(model, "generate") or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"kvcache_ext.patch needs an HF PreTrainedModel, got {type(model).__name__}")
     _check_cuda_head_dim(model)
+    # Everything the engine would refuse later is refused now, before the model changes.
+    policy.check(ModelShape.of(model))
     if getattr(model, _HANDLE_ATTR, None) is not None:
         unpatch(model)
     _register()
@@ -154,6 +158,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
     dense = original if original in DENSE else "sdpa"
     handle = PatchHandle(model, policy, original, page_size, tokenizer)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
+    _hook_forwards(handle)
 
     prepare = model._prepare_cache_for_generation   # bound method of the class
     # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
@@ -201,6 +206,34 @@ def _check_cuda_head_dim(model) -> None:
     check_head_dim(head_dim, param.device)
 
 
+def _hook_forwards(handle: PatchHandle) -> None:
+    """Hooks the model's forward (and its decoder's, which may be called alone): a RaggedCache
+    given to it is checked against the model before anything runs, and the cache's layers know
+    that a patched model is running (a cache that a model without the patch updates raises)."""
+    shape = handle.shape
+
+    def before(module, args, kwargs):
+        enter_patched_forward()        # first: the always-called hook below undoes it on an error
+        for value in list(kwargs.values()) + list(args):
+            if isinstance(value, RaggedCache):
+                value.check_model(shape)
+
+    def after(module, args, kwargs, output):
+        exit_patched_forward()
+
+    modules = [handle.model]
+    get_decoder = getattr(handle.model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:   # noqa: BLE001  (a model without a separate decoder)
+        decoder = None
+    if decoder is not None and decoder is not handle.model:
+        modules.append(decoder)
+    for module in modules:
+        handle._hooks.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handle._hooks.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+
 def unpatch(model) -> None:
     """Restores a patched model exactly: its attention implementation and ``generate``."""
     handle = getattr(model, _HANDLE_ATTR, None)
@@ -210,6 +243,9 @@ def unpatch(model) -> None:
     del model._prepare_cache_for_generation
     if "_kvcache_ext_forward" in vars(model):
         del model.forward, model._kvcache_ext_forward
+    for hook in handle._hooks:
+        hook.remove()
+    handle._hooks.clear()
     delattr(model, _HANDLE_ATTR)
 
 

@@ -1,9 +1,12 @@
 """Segmented top-k over the store's slot layout (CUB radix sort on GPU, radix selection on CPU)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcache_ext import _C
+from kvcache_ext.checks import INT32_MAX, integer, tensor
 
 
 def segmented_topk(scores: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, len: torch.Tensor,
@@ -14,6 +17,7 @@ def segmented_topk(scores: torch.Tensor, pos: torch.Tensor, start: torch.Tensor,
     or [S] integers >= 0. Ties go to the lower position; NaN scores are evicted first;
     k >= len keeps the whole segment.
     """
+    _check_slots(scores, pos, start, len)
     return _C.segmented_topk(scores, pos, start, len, _per(k, start.shape[0], start.device))
 
 
@@ -23,15 +27,39 @@ def grouped_topk(scores: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, l
 
     Returns (keep [capacity] bool, counts [S] int32 kept per segment).
     """
-    groups = start.shape[0] // group_size if group_size > 0 else 0
+    _check_slots(scores, pos, start, len)
+    group_size = integer(group_size, "group_size", 1)
+    groups = start.shape[0] // group_size
     return _C.grouped_topk(scores, pos, start, len, group_size, _per(k, groups, start.device))
+
+
+def _check_slots(scores, pos, start, len) -> None:
+    """Tensors all; scores and pos both per slot: a length that differs is either's."""
+    for name, value in (("scores", scores), ("pos", pos), ("start", start), ("len", len)):
+        tensor(value, name)
+    if scores.dim() == 1 and pos.dim() == 1 and scores.shape[0] != pos.shape[0]:
+        raise ValueError(f"scores and pos must both be [capacity], one entry per slot; got scores of "
+                         f"length {scores.shape[0]} and pos of length {pos.shape[0]}")
 
 
 def _per(k, n: int, device) -> torch.Tensor:
     """An int budget broadcast to n entries; a tensor is passed through for the C++ checks."""
     if isinstance(k, torch.Tensor):
         return k
-    if int(k) < 0:
-        raise ValueError(f"k (the budget) must be >= 0, got {k}")
     # A budget beyond any segment keeps everything; int32 is what the kernels read.
-    return torch.full((n,), min(int(k), 2**31 - 1), dtype=torch.int32, device=device)
+    k = min(integer(k, "k (the budget)", 0, None), INT32_MAX)
+    return torch.full((n,), k, dtype=torch.int32, device=device)
+
+
+def budget_tensor(k, shape: tuple, device) -> torch.Tensor:
+    """``RaggedKVStore.select``'s k: an int for every entry, or an integer tensor of ``shape``
+    (or one that broadcasts to it), flattened."""
+    if not isinstance(k, torch.Tensor):
+        return _per(k, math.prod(shape), device)
+    if k.dtype == torch.bool or k.is_floating_point() or k.is_complex():
+        raise TypeError(f"k (the budget) must be an int or an integer tensor, got a {k.dtype} tensor")
+    try:
+        return k.expand(shape).reshape(-1)
+    except RuntimeError:
+        raise ValueError(f"k (the budget) must be an int or an integer tensor of shape {list(shape)}, "
+                         f"got shape {list(k.shape)}") from None

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_ext import _C
+from kvcache_ext import _C, checks
 from kvcache_ext.ops import ops
-from kvcache_ext.select import grouped_topk, segmented_topk
+from kvcache_ext.select import budget_tensor
 
 
 def _host(fn):
@@ -49,7 +49,8 @@ class RaggedKVStore:
 
     def __init__(self, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
                  device: torch.device | str = "cpu", score_channels: int = 1, page_size: int = 16):
-        device = torch.device(device)
+        batch, heads, head_dim, score_channels, page_size, dtype, device = checks.store_arguments(
+            batch, heads, head_dim, score_channels, page_size, dtype, device)
         if device.type == "cuda" and not _C.build_info()["cuda"]:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
@@ -84,7 +85,8 @@ class RaggedKVStore:
         (left padding is never stored). A full segment takes a free page, or one allocated
         with the other segments' missing pages in one slab; no stored token moves.
         """
-        pos = pos if isinstance(pos, torch.Tensor) else torch.as_tensor(pos)
+        k, v, pos = checks.tensor(k, "k"), checks.tensor(v, "v"), checks.as_tensor(pos, "pos")
+        valid = None if valid is None else checks.tensor(valid, "valid")
         # Host half (checks, pages for the new tokens, host lengths), then the op.
         pos32, rank, counts = self._store.prepare_append(k, v, pos, valid)
         self._refresh()
@@ -94,26 +96,29 @@ class RaggedKVStore:
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]
-        at position pos [B]; its scores restart at zero. ``check_bounds`` costs a host sync on CUDA."""
-        ops.store_replace(self._pool, self._table, self._len, slot, k, v, torch.as_tensor(pos),
-                          self._page_size, self._head_dim, self._channels, self._dtype, check_bounds)
+        at position pos [B]; its scores restart at zero. A slot given on the host (always, on a CPU
+        store) is bounds-checked for free; ``check_bounds`` checks one on a CUDA device (a host sync)."""
+        ops.store_replace(self._pool, self._table, self._len, checks.as_tensor(slot, "slot"),
+                          checks.tensor(k, "k"), checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
+                          self._page_size, self._head_dim, self._channels, self._dtype,
+                          checks.boolean(check_bounds, "check_bounds"))
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keeps, in order, the live slots whose flag in ``keep`` ([capacity] bool) is set.
         On CUDA this reads the new lengths back: the one host sync of an eviction."""
-        ops.store_compact(self._pool, self._table, self._len, keep, self._page_size,
+        ops.store_compact(self._pool, self._table, self._len, checks.tensor(keep, "keep"), self._page_size,
                           self._head_dim, self._channels, self._dtype)
         self._store.finish_compact()
 
     def reserve(self, extra: int) -> None:
         """Gives every segment pages for ``extra`` more tokens (new pages only where missing)."""
-        self._store.reserve(extra)
+        self._store.reserve(checks.integer(extra, "reserve extra", 0))
         self._refresh()
 
     def repack(self, extra: int = 0) -> None:
         """Moves the live tokens into one new allocation with pages for ``extra`` more tokens
         per segment, and releases every other page (the only operation that moves them all)."""
-        self._store.repack(extra)
+        self._store.repack(checks.integer(extra, "repack extra", 0))
         self._refresh()
 
     def shrink_to_fit(self) -> None:
@@ -123,7 +128,7 @@ class RaggedKVStore:
 
     def set_scores(self, scores: torch.Tensor) -> None:
         """Writes the score channels of every slot from a [capacity, C] float32 tensor."""
-        self._store.set_scores(scores)
+        self._store.set_scores(checks.tensor(scores, "scores"))
 
     def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False):
         """Keep mask ([capacity] bool) of the k best live slots by ``scores`` (default: channel 0).
@@ -134,17 +139,17 @@ class RaggedKVStore:
         heads; returns ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted
         first.
         """
+        if scores is not None and not isinstance(scores, torch.Tensor):
+            raise TypeError(f"scores must be None or a float tensor, got {type(scores).__name__}")
         per = (self.batch,) if grouped else (self.batch, self.heads)
-        if not isinstance(k, torch.Tensor):
-            k = torch.as_tensor(k)
+        k = budget_tensor(k, per, self.device)           # [prod(per)], checked
         if k.device.type == "cpu" and k.numel() and bool((k < 0).any()):  # free on the host
             raise ValueError(f"k (the budget) must be >= 0, got {k.tolist()}")
         if self.device.type == "cpu":
             # The store selects through its own pages: no packing, no copy of the scores.
             if scores is not None:
                 scores = scores.float().contiguous()  # no copy when it is already so
-            keep, counts = ops.store_topk(self._pool, self._table, self._len, scores,
-                                          k.expand(per).reshape(-1),
+            keep, counts = ops.store_topk(self._pool, self._table, self._len, scores, k,
                                           self.heads if grouped else 1, self._page_size,
                                           self._head_dim, self._channels, self._dtype)
             return (keep, counts.view(self.batch, self.heads)) if grouped else keep
@@ -169,10 +174,8 @@ class RaggedKVStore:
         target = index.reshape(-1).masked_fill(~mask.reshape(-1), self.capacity)
         keep = torch.zeros(self.capacity + 1, dtype=torch.bool, device=self.device)
         if not grouped:
-            k = k.expand(self.batch, self.heads).reshape(-1)
             kept = ops.segmented_topk(padded, pos, start, lens, k, False)
             return keep.scatter_(0, target, kept)[:self.capacity]
-        k = k.expand(self.batch).reshape(-1)
         kept, counts = ops.grouped_topk(padded, pos, start, lens, self.heads, k, False)
         return keep.scatter_(0, target, kept)[:self.capacity], counts.view(self.batch, self.heads)
 

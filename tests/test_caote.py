@@ -480,9 +480,10 @@ def test_composition_delegates_to_the_base_and_validates():
 def test_runtime_errors_name_the_fix():
     model = tiny_model("llama", heads=6, kv_heads=2)           # G = 3
     ids, mask = inputs(batch=1, length=20)
-    with kvcache_ext.patch(model, Policy(CAOTE(H2O(), max_groups=2, gqa="group_l2"), budget=8)) as handle:
-        with pytest.raises(ValueError, match="max_groups=3"):
-            teacher_forced(model, handle.new_cache(), ids, mask, steps=1)
+    # Refused when the model is patched (it knows G), not when it runs.
+    with pytest.raises(ValueError, match="max_groups=3"):
+        kvcache_ext.patch(model, Policy(CAOTE(H2O(), max_groups=2, gqa="group_l2"), budget=8))
+    assert not kvcache_ext.is_patched(model)
 
     @dataclass
     class Signed(Scorer):

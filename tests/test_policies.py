@@ -477,8 +477,11 @@ def test_policy_validation_errors():
         Policy(H2O())
     with pytest.raises(ValueError, match="exactly one"):
         Policy(H2O(), budget=8, ratio=0.5)
-    for bad in [0, -3, 2.5, True, False]:
-        with pytest.raises(ValueError, match="positive integer"):
+    for bad in [0, -3, 2.5, float("nan")]:
+        with pytest.raises(ValueError, match="budget must be None or a positive integer"):
+            Policy(H2O(), budget=bad)
+    for bad in [True, False, "8"]:     # the wrong type
+        with pytest.raises(TypeError, match="budget must be None or a positive integer"):
             Policy(H2O(), budget=bad)
     for bad in [0.0, -0.1, 1.5]:
         with pytest.raises(ValueError, match="ratio"):
@@ -502,7 +505,7 @@ def test_policy_validation_errors():
             Policy(SnapKV(order="pool_then_mean"), budget=64, schedule=schedule)
     Policy(SnapKV(order="pool_then_mean"), budget=64, schedule=OneShot())   # one-shot is fine
     Policy(SnapKV(window=32), budget=33)
-    Policy(H2O(), budget=8.0)
+    assert Policy(H2O(), budget=8.0).budget == 8 and type(Policy(H2O(), budget=8.0).budget) is int
 
 
 def test_scorer_allocation_and_schedule_validation():

@@ -62,10 +62,16 @@ def test_pooling_by_hand():
     assert Pooling(7, "max")(x[:, :1], live[:, :1]).tolist() == [[1.0]]   # shorter than the kernel
 
 
-@pytest.mark.parametrize("kwargs", [dict(kernel=4), dict(kernel=0), dict(kernel=2.0), dict(kernel=True),
+@pytest.mark.parametrize("kwargs", [dict(kernel=4), dict(kernel=0), dict(kernel=2.0), dict(kernel=3.5),
                                     dict(mode="min")])
 def test_pooling_rejects_bad_parameters(kwargs):
     with pytest.raises(ValueError, match="kernel|mode"):
+        Pooling(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel=True), dict(kernel="7"), dict(mode=None)])
+def test_pooling_rejects_parameters_of_the_wrong_type(kwargs):
+    with pytest.raises(TypeError, match="kernel|mode"):
         Pooling(**kwargs)
 
 

@@ -3,6 +3,7 @@
 #include "attention/ragged_attention.h"
 
 #include <cmath>
+#include <limits>
 
 #include "attention/attention_kernels.h"
 #include "common/checks.h"
@@ -29,7 +30,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
                     store.head_dim());
   TORCH_CHECK_VALUE(Hq >= H && Hq % H == 0, "q has ", Hq, " query heads, which is not a multiple",
                     " of the store's ", H, " KV heads");
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  // The kernels compute in float32: a double beyond its range would become inf there.
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= std::numeric_limits<float>::max(),
+                    "scale must be finite as a float32 (|scale| <= 3.4e38), got ", scale);
   TORCH_CHECK_VALUE(Hq / H * n < INT32_MAX, "too many query rows per KV head");
 
   attention::Problem p;
@@ -41,14 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ragged_at
   p.len_host = &store.len_host();
   p.groups = Hq / H;
   p.scale = static_cast<float>(scale);
-  if (q_pos_in.has_value() && q_pos_in->defined()) {
-    at::Tensor q_pos = as_int32(*q_pos_in, device, "q_pos");
-    TORCH_CHECK_VALUE((q_pos.dim() == 1 && q_pos.size(0) == n) ||
-                          (q_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == n),
-                      "q_pos must be [n] or [batch, n] = [", B, ", ", n, "], got shape ",
-                      q_pos.sizes());
-    p.q_pos = q_pos.expand({B, n}).contiguous();
-  }
+  if (q_pos_in.has_value() && q_pos_in->defined()) p.q_pos = query_positions(*q_pos_in, device, B, n);
 
   const int64_t capacity = store.capacity();
   const auto f32 = p.q.options().dtype(at::kFloat);

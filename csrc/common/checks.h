@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace kvcache_ext {
 
 inline void check_defined(const at::Tensor& t, const char* name) {
@@ -36,6 +38,37 @@ inline at::Tensor as_int32(const at::Tensor& t, const at::Device& device, const 
   TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
                    t.scalar_type());
   return t.to(device, at::kInt).contiguous();
+}
+
+// Positions as as_int32 gives them, refused (not wrapped) when a value is outside [lo, 2^31 - 1].
+// The values are read on the host: free for a tensor on the CPU (whatever the store's device);
+// a tensor already on a CUDA device is not read, since that would cost a host sync per call
+// (the eviction engine keeps its positions below 2^31 on the host).
+inline at::Tensor as_position32(const at::Tensor& t, const at::Device& device, const char* name,
+                                int64_t lo) {
+  check_defined(t, name);
+  TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
+                   t.scalar_type());
+  if (t.device().is_cpu() && t.numel() > 0) {
+    const at::Tensor wide = t.scalar_type() == at::kLong ? t : t.to(at::kLong);
+    const auto [low, high] = at::aminmax(wide);
+    const int64_t min = low.item<int64_t>(), max = high.item<int64_t>();
+    TORCH_CHECK_VALUE(min >= lo && max <= INT32_MAX, name, " must hold positions in [",
+                      lo == INT32_MIN ? std::string("-2^31") : std::to_string(lo),
+                      ", 2^31 - 1] (the kernels keep them as int32), got values from ", min,
+                      " to ", max);
+  }
+  return t.to(device, at::kInt).contiguous();
+}
+
+// The attention's q_pos ([n] or [batch, n] integers; negative: a query that sees no slot, as
+// padding does) as a contiguous int32 [batch, n] on ``device``.
+inline at::Tensor query_positions(const at::Tensor& q_pos_in, const at::Device& device, int64_t B, int64_t n) {
+  at::Tensor q_pos = as_position32(q_pos_in, device, "q_pos", INT32_MIN);
+  TORCH_CHECK_VALUE((q_pos.dim() == 1 && q_pos.size(0) == n) ||
+                        (q_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == n),
+                    "q_pos must be [n] or [batch, n] = [", B, ", ", n, "], got shape ", q_pos.sizes());
+  return q_pos.expand({B, n}).contiguous();
 }
 
 }  // namespace kvcache_ext

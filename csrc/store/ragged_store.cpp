@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
   const int64_t n = k.size(2);
   check_tokens(k, n, "k");
   check_tokens(v, n, "v");
-  at::Tensor pos32 = as_int32(pos, device(), "pos");
+  at::Tensor pos32 = as_position32(pos, device(), "pos", 0);
   TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) ||
                         pos32.sizes() == at::IntArrayRef({batch_, n}),
                     "pos must have shape [batch, n] = [", batch_, ", ", n, "] or [n], got ",
@@ -196,11 +196,20 @@ void RaggedKVStore::replace(const at::Tensor& slot, const at::Tensor& k, const a
                    slot.scalar_type());
   check_shape(slot, {batch_, heads_}, "slot");
   const at::Tensor slot64 = slot.to(device(), at::kLong).reshape({S}).contiguous();
-  at::Tensor pos32 = as_int32(pos, device(), "pos");
+  at::Tensor pos32 = as_position32(pos, device(), "pos", 0);
   TORCH_CHECK_VALUE(pos32.numel() == batch_ && (pos32.dim() == 1 || pos32.dim() == 2),
                     "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
   pos32 = pos32.reshape({batch_});
-  if (check_bounds) {
+  if (slot.device().is_cpu()) {
+    // Host values against the host lengths cost no sync: checked whatever check_bounds says.
+    const at::Tensor host = slot.to(at::kLong).reshape({S}).contiguous();
+    const int64_t* p = host.data_ptr<int64_t>();
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK_INDEX(p[s] >= 0 && p[s] < len_h_[s], "slot must index a live token of its segment: ",
+                        "0 <= slot[b, h] < len[b, h], got slot[", s / heads_, ", ", s % heads_, "] = ",
+                        p[s], " where len is ", len_h_[s], " (an empty segment has nothing to replace)");
+    }
+  } else if (check_bounds) {
     const bool out_of_range = slot64.lt(0).logical_or(slot64.ge(len_)).any().item<bool>();
     TORCH_CHECK_INDEX(!out_of_range, "slot must index a live token of its segment: 0 <= slot[b, h] < ",
                       "len[b, h] (an empty segment has nothing to replace)");

@@ -30,7 +30,8 @@ class RaggedKVStore {
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
       const c10::optional<at::Tensor>& valid);
   // Overwrites token slot[b, h] (an index in [0, len)) of every segment with the token
-  // k, v [B, H, 1, D] at position pos [B]. check_bounds costs one host sync on CUDA.
+  // k, v [B, H, 1, D] at position pos [B]. A slot given on the host is always bounds-checked
+  // (against the host lengths: free); check_bounds checks one on a CUDA device (a host sync).
   void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& pos, bool check_bounds);
   // Keeps the live tokens whose flag in keep ([capacity] bool, slot layout) is set, in

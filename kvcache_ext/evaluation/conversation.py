@@ -38,6 +38,7 @@ def ask_in_turns(model, cache, prompt, eos: int | None, max_new_tokens: int):
 def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int = 1, schedule=None,
                        max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
     """Every (policy, budget) on every prompt; a float budget keeps that fraction of the context.
+    ``on_run(records)`` is called as each run ends, with its records (one per question).
     Block-wise schedules are refused (the shared prefill is one-shot)."""
     if schedule is not None and schedule.prefill_block is not None:
         raise ValueError("the multi-question task compresses the context once (one-shot schedule)")
@@ -65,12 +66,13 @@ def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int 
                         answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
                 if name == "full" and "full" not in policies:
                     continue
-                held = cache_bytes(cache)
+                held, run = cache_bytes(cache), []
                 for (new, decode_s), answer, depth in zip(answers, prompt.answers, prompt.depths):
                     text = tokenizer.decode(new, skip_special_tokens=True)
-                    records.append(RetrievalRecord(
+                    run.append(RetrievalRecord(
                         "multi", "agnostic", name, label, prompt.length, depth, prompt.seed,
                         answer, text, check_answer(text, answer), held, full_bytes, decode_s, tokens, prefill_s))
+                records += run
                 if on_run is not None:
-                    on_run()
+                    on_run(run)
     return records

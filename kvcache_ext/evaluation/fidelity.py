@@ -47,7 +47,8 @@ def _feed(model, cache, tokens: torch.Tensor, one_call: bool) -> torch.Tensor:
 @torch.no_grad()
 def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int, policies, budgets,
              schedule=None, on_run=None):
-    """Every (policy, budget) on one context [1, n] and its continuation [1, C]."""
+    """Every (policy, budget) on one context [1, n] and its continuation [1, C].
+    ``on_run(record)`` is called as each run ends."""
     recorded = record_prefill(model, context)
     full = full_cache_from(model, recorded)
     full_bytes = cache_bytes(full)
@@ -58,7 +59,7 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
     if "full" in policies:
         out.append(FidelityRecord("fidelity", "teacher-forced", "full", None, n, seed, 0.0, 1.0, c,
                                   full_bytes, full_bytes))
-        on_run and on_run()
+        on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
         sched = policy.schedule
         with kvcache_ext.patch(model, policy) as handle:
@@ -74,5 +75,5 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
         out.append(FidelityRecord("fidelity", "teacher-forced", name, budget, n, seed,
                                   float(kl.mean()), float(top1.mean()), c, cache_bytes(cache),
                                   full_bytes))
-        on_run and on_run()
+        on_run and on_run(out[-1])
     return out

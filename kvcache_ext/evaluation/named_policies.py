@@ -102,6 +102,8 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
 def parse_policies(text: str) -> list[str]:
     """A comma-separated list of names; "all" is every name."""
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"no policy named in {text!r}; known: {', '.join(POLICY_NAMES)} (or all)")
     if names == ["all"]:
         return list(POLICY_NAMES)
     unknown = [n for n in names if n not in POLICY_NAMES]

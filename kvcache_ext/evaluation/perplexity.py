@@ -40,7 +40,7 @@ def _mean_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, on_run=None):
-    """Every (policy, budget) on one text ``ids`` [1, n]."""
+    """Every (policy, budget) on one text ``ids`` [1, n]. ``on_run(record)`` as each run ends."""
     from transformers import DynamicCache
     if schedule is None or schedule.prefill_block is None:
         raise ValueError("ppl needs a block-wise prefill schedule (e.g. --prefill-block 128)")
@@ -53,12 +53,12 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
     if "full" in policies:
         out.append(PerplexityRecord("ppl", "blockwise", "full", None, n, seed, full_nll, n - 1,
                                     full_bytes, full_bytes))
-        on_run and on_run()
+        on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
         with kvcache_ext.patch(model, policy) as handle:
             cache = handle.new_cache()
             nll = _mean_nll(model(ids, past_key_values=cache, use_cache=True).logits, ids)
         out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,
                                     cache_bytes(cache), full_bytes))
-        on_run and on_run()
+        on_run and on_run(out[-1])
     return out

@@ -72,8 +72,9 @@ def budget_tokens(budget: int | float, length: int) -> int:
 
 def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list,
                schedule=None, max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
-    """Every (policy, budget) on one prompt in one mode. ``on_run()`` is called after each run.
-    A float budget keeps that fraction of the part compressed (the context in agnostic mode)."""
+    """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
+    ends, with its record. A float budget keeps that fraction of the part compressed (the context
+    in agnostic mode)."""
     device = next(model.parameters()).device
     context, question = split_prompt(prompt, mode)
     context = context.to(device)
@@ -108,6 +109,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             if "full" not in policies:
                 continue
             out.append(record(name, None, new, decode_s, full_bytes, prefill_s=recorded.seconds))
+            on_run and on_run(out[-1])
         else:
             with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
                 if policy.schedule.prefill_block is None:
@@ -123,8 +125,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                         logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
                 new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
                 out.append(record(name, label, new, decode_s, cache_bytes(cache), budget, prefill_s))
-        if on_run is not None:
-            on_run()
+            on_run and on_run(out[-1])
     return out
 
 
@@ -141,7 +142,9 @@ def make_prompts(tokenizer, task: str, lengths, depths, seeds: int):
 
 
 def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
-                  schedule=None, max_new_tokens: int = 8, progress: bool = True) -> list[RetrievalRecord]:
+                  schedule=None, max_new_tokens: int = 8, progress: bool = True,
+                  on_record=None) -> list[RetrievalRecord]:
+    """Every prompt in every mode; ``on_record(record)`` as each run ends."""
     from tqdm.auto import tqdm
     prompts = make_prompts(tokenizer, task, lengths, depths, seeds)
     per_prompt = ("full" in policies) + sum(len(budgets) for p in policies if p != "full")
@@ -151,6 +154,6 @@ def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depth
     for mode in modes:
         for prompt in prompts:
             records += run_prompt(model, tokenizer, prompt, task, mode, policies, budgets, schedule,
-                                  max_new_tokens, on_run=lambda: bar.update(1))
+                                  max_new_tokens, on_run=lambda r: (bar.update(1), on_record and on_record(r)))
     bar.close()
     return records

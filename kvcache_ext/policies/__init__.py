@@ -17,7 +17,7 @@ from kvcache_ext.policies.expected_attention import ExpectedAttention
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.kvec import KVEC
 from kvcache_ext.policies.kvzip import KVzip
-from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.policies.pooled import Pooled
 from kvcache_ext.policies.pooling import Pooling
 from kvcache_ext.policies.protection import Protection
@@ -33,7 +33,7 @@ from kvcache_ext.policies.tova import TOVA
 from kvcache_ext.policies.uniform import Uniform
 from kvcache_ext.policies.views import CacheView, PromptView
 
-__all__ = ["Policy", "Scorer", "Allocation", "Schedule", "Protection",
+__all__ = ["Policy", "ModelShape", "Scorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "KVzip", "ExpectedAttention", "CAOTE", "FastCAOTE", "caote_policy",
            "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",

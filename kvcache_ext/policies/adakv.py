@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache_ext.checks import Instance, Real, check_fields
 from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.uniform import Uniform
 
@@ -32,10 +33,13 @@ class AdaKV(Allocation):
     layers: Allocation = field(default_factory=Uniform)
 
     def __post_init__(self):
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"AdaKV alpha must be in [0, 1], got {self.alpha}")
+        layers = "a layer schedule, Uniform(), Pyramid() or AcrossLayers()"
+        check_fields(self, "AdaKV", alpha=Real(0.0, 1.0), layers=Instance(Allocation, layers))
         if isinstance(self.layers, AdaKV):
-            raise ValueError("AdaKV(layers=...) takes a layer schedule (Uniform, Pyramid or AcrossLayers)")
+            raise ValueError(f"AdaKV layers must be {layers}, got {self.layers!r}")
+
+    def check_model(self, model) -> None:
+        self.layers.check_model(model)
 
     def layer_budget(self, budget, layer_idx, num_layers, prompt_len, reserved):
         return self.layers.layer_budget(budget, layer_idx, num_layers, prompt_len, reserved)

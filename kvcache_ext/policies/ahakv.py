@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvcache_ext.policies.pooling import Pooling
+from kvcache_ext.checks import Bool, Choice, Instance, Int, Optional, check_fields
+from kvcache_ext.policies.pooling import KERNEL, Pooling
 from kvcache_ext.policies.protection import Protection, newest
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView, newest_queries
@@ -129,23 +130,13 @@ class AhaKV(Scorer):
     updates_from_view = True
 
     def __post_init__(self):
-        if self.recent < 0 or self.sinks < 0:
-            raise ValueError(f"AhaKV recent and sinks must be >= 0, got {self.recent}, {self.sinks}")
+        check_fields(self, "AhaKV", recent=Int(0), rows=Optional(Int(1)), kernel=KERNEL,
+                     reading=Choice(READINGS), budget_k=Choice(BUDGET_K), prefill_i=Choice(PREFILL_I),
+                     decode_i=Choice(DECODE_I), gqa=Choice(AHAKV_GQA), decode_prior=Bool(), sinks=Int(0),
+                     score_pool=Optional(Instance(Pooling, "a kvcache_ext.policies.Pooling")))
         if self.window < 1:
             raise ValueError(f"AhaKV accumulates over rows >= 1 query rows, got rows={self.rows} "
                              f"with recent={self.recent}; give rows= when recent is 0")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"AhaKV kernel must be odd and >= 1 (same-length pooling), got {self.kernel}")
-        for name, value, choices in (("reading", self.reading, READINGS),
-                                     ("budget_k", self.budget_k, BUDGET_K),
-                                     ("prefill_i", self.prefill_i, PREFILL_I),
-                                     ("decode_i", self.decode_i, DECODE_I),
-                                     ("gqa", self.gqa, AHAKV_GQA)):
-            if value not in choices:
-                raise ValueError(f"AhaKV {name} must be one of {choices}, got {value!r}")
-        if self.score_pool is not None and not isinstance(self.score_pool, Pooling):
-            raise TypeError(f"AhaKV score_pool must be a kvcache_ext.policies.Pooling or None, "
-                            f"got {self.score_pool!r}")
 
     @property
     def window(self) -> int:

@@ -9,6 +9,10 @@ class Allocation:
     compressed). ``head_budgets``: the split of a layer's budget over its KV heads at an
     eviction step. Budgets include the protected tokens (sinks, recent window)."""
 
+    def check_model(self, model) -> None:
+        """Raises ValueError for a model (its ``ModelShape``) this allocation cannot serve;
+        ``patch`` calls it. Every layer count and head layout is served by default."""
+
     def layer_budget(self, budget: torch.Tensor, layer_idx: int, num_layers: int,
                      prompt_len: torch.Tensor, reserved: int) -> torch.Tensor:
         """budget, prompt_len [B] int64 (per row); reserved: protected tokens per head."""

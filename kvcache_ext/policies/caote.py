@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache_ext.checks import Bool, Choice, Instance, Int, check_fields
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.schedule import EveryStep
@@ -135,8 +136,9 @@ class CAOTE(Wrapper):
     max_groups: int = 8
 
     def __post_init__(self):
-        if not isinstance(self.base, Scorer):
-            raise TypeError(f"CAOTE base must be a kvcache_ext.policies scorer, got {self.base!r}")
+        # max_groups: H2O's per-head accumulators, 1 + max_groups channels of at most 65536.
+        check_fields(self, "CAOTE", base=Instance(Scorer, "a kvcache_ext.policies scorer"), fast=Bool(),
+                     gqa=Choice(GQA_AGGREGATIONS), output_after_eviction=Bool(), max_groups=Int(1, 65535))
         if isinstance(self.base, StreamingLLM):
             raise ValueError("CAOTE needs a score-based base scorer: StreamingLLM's score is the token "
                              "position (keep the newest), not a retention score that Eq. 22 can turn "
@@ -145,10 +147,6 @@ class CAOTE(Wrapper):
         if isinstance(self.base, CAOTE):
             raise ValueError("CAOTE(CAOTE(...)): CAOTE scores are not attention weights; wrap the base "
                              "scorer once")
-        if self.gqa not in GQA_AGGREGATIONS:
-            raise ValueError(f"CAOTE gqa must be one of {GQA_AGGREGATIONS}, got {self.gqa!r}")
-        if isinstance(self.max_groups, bool) or not isinstance(self.max_groups, int) or self.max_groups < 1:
-            raise ValueError(f"CAOTE max_groups must be a positive integer, got {self.max_groups!r}")
         if self.per_head and type(self.base).cache_head_scores is Scorer.cache_head_scores:
             raise ValueError(f"CAOTE(gqa={self.gqa!r}) reads the base's per-query-head scores, which "
                              f"{type(self.base).__name__} does not give (Scorer.prompt_head_scores / "

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvcache_ext.checks import Int, check_fields
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
@@ -26,10 +27,12 @@ class H2O(Scorer):
     query_heads: int = 0
 
     def __post_init__(self):
-        for name in ("recent", "query_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"H2O {name} must be an integer >= 0, got {value!r}")
+        # 1 + query_heads float32 channels per token: the store holds at most 65536.
+        check_fields(self, "H2O", recent=Int(0), query_heads=Int(0, 65535))
+
+    def check_model(self, model) -> None:
+        if self.query_heads:
+            self._check_groups(model.groups)
 
     @property
     def channels(self) -> int:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache_ext.checks import Choice, Int, Real, check_fields
 from kvcache_ext.policies.allocation import Allocation
-from kvcache_ext.policies.pooling import Pooling
+from kvcache_ext.policies.pooling import KERNEL, POOLING_MODES, Pooling
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
 from kvcache_ext.policies.views import PromptView
@@ -90,30 +91,13 @@ class KVEC(Scorer):
     importance_heads: str = "query"   # Eq. 13's max_h over the query heads, or over the KV heads
 
     def __post_init__(self):
-        if self.window < 1:
-            raise ValueError(f"K-VEC window (O) must be >= 1, got {self.window}")
+        check_fields(self, "K-VEC", window=Int(1), extended_window=Int(1), delta=Int(0), lam=Real(0.0),
+                     beta=Real(0.0, 1.0), protect_value=Real(allow_inf=True), keep_recent=Int(0),
+                     kernel=KERNEL, pooling=Choice(POOLING_MODES), gqa=Choice(GQA_MODES),
+                     importance_heads=Choice(IMPORTANCE_HEADS))
         if self.extended_window <= self.window:
             raise ValueError(f"K-VEC extended_window (O') must exceed window (O), the paper's O' > O; "
                              f"got O={self.window}, O'={self.extended_window}")
-        if self.delta < 0:
-            raise ValueError(f"K-VEC delta must be >= 0, got {self.delta}")
-        if not self.lam >= 0.0:
-            raise ValueError(f"K-VEC lam must be >= 0, got {self.lam}")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"K-VEC beta must be in [0, 1], got {self.beta}")
-        if self.protect_value != self.protect_value:
-            raise ValueError("K-VEC protect_value must not be NaN")
-        if self.keep_recent < 0:
-            raise ValueError(f"K-VEC keep_recent must be >= 0, got {self.keep_recent}")
-        try:
-            Pooling(self.kernel, self.pooling)
-        except ValueError as e:
-            raise ValueError(f"K-VEC: {e}") from None
-        if self.gqa not in GQA_MODES:
-            raise ValueError(f"K-VEC gqa must be one of {GQA_MODES}, got {self.gqa!r}")
-        if self.importance_heads not in IMPORTANCE_HEADS:
-            raise ValueError(f"K-VEC importance_heads must be one of {IMPORTANCE_HEADS}, "
-                             f"got {self.importance_heads!r}")
 
     # ------------------------------------------------------------------ policy composition
     def default_protection(self) -> Protection:

@@ -5,11 +5,36 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache_ext.checks import INT32_MAX, Instance, Int, Optional, Real, check_fields, revalidate
 from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.schedule import Schedule
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.uniform import Uniform
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The layout of a model that a policy and a cache are checked against."""
+
+    num_layers: int
+    heads: int          # query heads per layer
+    kv_heads: int       # KV heads per layer
+    head_dim: int
+
+    @property
+    def groups(self) -> int:
+        """G: query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def of(cls, model) -> "ModelShape":
+        """The shape of an HF model, from its (text) config."""
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, heads, kv_heads, head_dim)
 
 
 @dataclass
@@ -30,33 +55,45 @@ class Policy:
     protection: Protection | None = None
 
     def __post_init__(self):
-        if not isinstance(self.scorer, Scorer):
-            raise TypeError(f"scorer must be a kvcache_ext.policies scorer, got {self.scorer!r}")
-        if not isinstance(self.allocation, Allocation):
-            raise TypeError(f"allocation must be a kvcache_ext.policies allocation, got {self.allocation!r}")
-        if not isinstance(self.schedule, Schedule):
-            raise TypeError(f"schedule must be a kvcache_ext.policies.Schedule, got {self.schedule!r}")
+        check_fields(self, "Policy", scorer=Instance(Scorer, "a kvcache_ext.policies scorer"),
+                     budget=Optional(Int(1, what="a positive integer up to 2^31 - 1 (tokens per KV head)")),
+                     ratio=Optional(Real(0.0, 1.0, low_open=True, what="a number in (0, 1] (of the prompt)")),
+                     allocation=Instance(Allocation, "a kvcache_ext.policies allocation (Uniform(), "
+                                         "Pyramid(), AdaKV())"),
+                     schedule=Instance(Schedule, "a kvcache_ext.policies.Schedule (OneShot(), "
+                                       "BlockwisePrefill(), EveryStep(), EveryNSteps())"),
+                     protection=Optional(Instance(Protection, "a kvcache_ext.policies.Protection")))
         if (self.budget is None) == (self.ratio is None):
-            raise ValueError("give exactly one of budget= (tokens per KV head) or ratio= (of the prompt)")
-        if self.budget is not None and (isinstance(self.budget, bool) or int(self.budget) != self.budget
-                                        or self.budget < 1):
-            raise ValueError(f"budget must be a positive integer (tokens per KV head), got {self.budget!r}")
-        if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+            raise ValueError("Policy: give exactly one of budget= (tokens per KV head) or ratio= (of the "
+                             f"prompt); got budget={self.budget!r}, ratio={self.ratio!r}")
         if self.protection is None:
             self.protection = self.scorer.default_protection()
         if self.budget is not None and self.budget <= self.protection.size:
-            raise ValueError(f"budget {self.budget} leaves no room beyond the {self.protection.size} "
+            raise ValueError(f"Policy budget {self.budget} leaves no room beyond the {self.protection.size} "
                              f"protected tokens ({self.protection}); raise the budget")
         target = self.schedule.decode_target
         if target is not None and target <= self.protection.size:
-            raise ValueError(f"decode_target {target} must exceed the {self.protection.size} protected tokens")
+            raise ValueError(f"Policy schedule's decode_target {target} must exceed the "
+                             f"{self.protection.size} protected tokens ({self.protection})")
+        if self.protection.size >= INT32_MAX:
+            raise ValueError(f"Policy protection {self.protection} protects 2^31 - 1 tokens or more")
         self.scorer.check_policy(self)
         layers = getattr(self.allocation, "layers", self.allocation)
         if getattr(layers, "whole_model", False) and not self.scorer.reconstructs:
             raise ValueError(f"{type(layers).__name__} splits the budget by every layer's scores at once, which "
                              f"only a scorer that reconstructs the prompt (KVzip) has; {type(self.scorer).__name__} "
                              "scores one layer at a time")
+
+    def check(self, model: "ModelShape | None" = None) -> "Policy":
+        """Checks the policy again (its parts may have been changed since it was built), and
+        against ``model`` when given: what ``patch`` calls. Returns the policy."""
+        for part in (self.scorer, self.allocation, self.schedule, self.protection):
+            revalidate(part)
+        self.__post_init__()
+        if model is not None:
+            self.scorer.check_model(model)
+            self.allocation.check_model(model)
+        return self
 
     def budget_for(self, prompt_len: torch.Tensor) -> torch.Tensor:
         """[B] tokens per KV head for prompts of prompt_len [B] tokens."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache_ext.checks import Instance, check_fields
 from kvcache_ext.policies.pooling import Pooling
 from kvcache_ext.policies.protection import newest
 from kvcache_ext.policies.scorer import Scorer
@@ -30,10 +31,8 @@ class Pooled(Wrapper):
     pooling: Pooling = field(default_factory=Pooling)
 
     def __post_init__(self):
-        if not isinstance(self.base, Scorer):
-            raise TypeError(f"Pooled base must be a kvcache_ext.policies scorer, got {self.base!r}")
-        if not isinstance(self.pooling, Pooling):
-            raise TypeError(f"Pooled pooling must be a kvcache_ext.policies.Pooling, got {self.pooling!r}")
+        check_fields(self, "Pooled", base=Instance(Scorer, "a kvcache_ext.policies scorer"),
+                     pooling=Instance(Pooling, "a kvcache_ext.policies.Pooling"))
 
     @property
     def inner(self) -> Scorer:

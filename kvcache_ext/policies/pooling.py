@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcache_ext.checks import Choice, Int, check_fields
+
 POOLING_MODES = ("max", "avg")
+KERNEL = Int(1, odd=True, what="an odd integer >= 1 (same-length pooling; 1 = none)")
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,7 @@ class Pooling:
     mode: str = "max"
 
     def __post_init__(self):
-        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 \
-                or self.kernel % 2 == 0:
-            raise ValueError(f"pooling kernel must be an odd integer >= 1, got {self.kernel!r}")
-        if self.mode not in POOLING_MODES:
-            raise ValueError(f"pooling mode must be one of {POOLING_MODES}, got {self.mode!r}")
+        check_fields(self, "Pooling", kernel=KERNEL, mode=Choice(POOLING_MODES))
 
     def __call__(self, scores: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """scores [..., L] in position order; live [..., L] bool (broadcastable): the tokens that

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.checks import Int, check_fields
+
 
 @dataclass(frozen=True)
 class Protection:
@@ -18,8 +20,10 @@ class Protection:
     recent: int = 0
 
     def __post_init__(self):
-        if self.sinks < 0 or self.recent < 0:
-            raise ValueError(f"sinks and recent must be >= 0, got {self.sinks}, {self.recent}")
+        check_fields(self, "Protection", sinks=Int(0), recent=Int(0))
+        if self.size >= 2**31 - 1:
+            raise ValueError(f"Protection sinks + recent must be below 2^31 - 1 (a budget must exceed "
+                             f"them), got {self.sinks} + {self.recent}")
 
     @property
     def size(self) -> int:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.checks import Int, check_fields
 from kvcache_ext.policies.allocation import Allocation
 
 
@@ -24,8 +25,7 @@ class Pyramid(Allocation):
     beta: int = 20
 
     def __post_init__(self):
-        if self.beta < 1:
-            raise ValueError(f"Pyramid beta must be >= 1, got {self.beta}")
+        check_fields(self, "Pyramid", beta=Int(1))
 
     def layer_budget(self, budget, layer_idx, num_layers, prompt_len, reserved):
         if num_layers <= 1:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.checks import INT64_MAX, Int, check_fields
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
@@ -26,6 +27,9 @@ class Random(Scorer):
     """Every token gets a pseudo-random score from (seed, layer, KV head, position)."""
 
     seed: int = 0
+
+    def __post_init__(self):
+        check_fields(self, "Random", seed=Int(0, INT64_MAX))
 
     def prompt_scores(self, p: PromptView):
         B, H, n, _ = p.k.shape

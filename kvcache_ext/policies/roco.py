@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.checks import Int, Real, check_fields
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
@@ -69,11 +70,9 @@ class RoCo(Scorer):
     update_stats = ("mass", "sum_sq", "count")
 
     def __post_init__(self):
-        if not 0.0 <= self.robust <= 1.0:
-            raise ValueError(f"RoCo robust (the share of the budget left out of the eviction scope) "
-                             f"must be in [0, 1], got {self.robust}")
-        if self.fresh < 0 or self.sinks < 0:
-            raise ValueError(f"RoCo fresh and sinks must be >= 0, got {self.fresh}, {self.sinks}")
+        check_fields(self, "RoCo", fresh=Int(0), sinks=Int(0),
+                     robust=Real(0.0, 1.0, what="a share of the budget in [0, 1] (left out of the "
+                                 "eviction scope)"))
 
     # --- the channels ------------------------------------------------------------------------
     def prompt_scores(self, p: PromptView):

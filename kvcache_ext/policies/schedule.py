@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache_ext.checks import Int, Optional, check_fields
+
+MAX_BLOCK = 256   # the attention kernel's largest query block
+BLOCK = Int(1, MAX_BLOCK, what=f"an integer in [1, {MAX_BLOCK}] (the attention kernel's largest block)")
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -22,16 +27,11 @@ class Schedule:
     decode_target: int | None = None
 
     def __post_init__(self):
-        if self.prefill_block is not None and not 1 <= self.prefill_block <= 256:
-            raise ValueError(f"prefill_block must be in [1, 256] (the attention kernel's block "
-                             f"limit), got {self.prefill_block}")
-        if self.decode_every is not None and self.decode_every < 1:
-            raise ValueError(f"decode_every must be >= 1, got {self.decode_every}")
-        if self.decode_target is not None:
-            if self.decode_every is None:
-                raise ValueError("decode_target needs decode_every")
-            if self.decode_target < 1:
-                raise ValueError(f"decode_target must be >= 1, got {self.decode_target}")
+        check_fields(self, "Schedule", prefill_block=Optional(BLOCK), decode_every=Optional(Int(1)),
+                     decode_target=Optional(Int(1)))
+        if self.decode_target is not None and self.decode_every is None:
+            raise ValueError(f"Schedule decode_target (= {self.decode_target}) needs decode_every: "
+                             "it is the size decode-time eviction evicts down to")
 
     @property
     def evicts_over_cache(self) -> bool:
@@ -46,14 +46,17 @@ def OneShot() -> Schedule:
 
 def BlockwisePrefill(block: int = 128, decode_every: int | None = None) -> Schedule:
     """Prefill in blocks of ``block`` tokens, evicting to the budget after each block."""
-    return Schedule(prefill_block=block, decode_every=decode_every)
+    return Schedule(prefill_block=BLOCK(block, "BlockwisePrefill block"),
+                    decode_every=Optional(Int(1))(decode_every, "BlockwisePrefill decode_every"))
 
 
 def EveryStep(prefill_block: int | None = None) -> Schedule:
     """Evict at every decode step, so the cache stays at its budget."""
-    return Schedule(prefill_block=prefill_block, decode_every=1)
+    return Schedule(prefill_block=Optional(BLOCK)(prefill_block, "EveryStep prefill_block"), decode_every=1)
 
 
 def EveryNSteps(n: int, target: int | None = None, prefill_block: int | None = None) -> Schedule:
     """Evict every ``n`` decode steps down to ``target`` tokens per head (default: the budget)."""
-    return Schedule(prefill_block=prefill_block, decode_every=n, decode_target=target)
+    return Schedule(prefill_block=Optional(BLOCK)(prefill_block, "EveryNSteps prefill_block"),
+                    decode_every=Int(1)(n, "EveryNSteps n"),
+                    decode_target=Optional(Int(1))(target, "EveryNSteps target"))

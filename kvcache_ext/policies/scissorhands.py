@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.checks import Bool, Real, check_fields
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
@@ -46,9 +47,8 @@ class ScissorHands(Scorer):
     updates_from_view = True
 
     def __post_init__(self):
-        if not 0.0 <= self.window <= 1.0:
-            raise ValueError(f"ScissorHands window (the local window as a share of the budget) "
-                             f"must be in [0, 1], got {self.window}")
+        check_fields(self, "ScissorHands", inclusive=Bool(),
+                     window=Real(0.0, 1.0, what="a share of the budget in [0, 1] (the local window)"))
 
     def _above(self, a: torch.Tensor, n_t: torch.Tensor) -> torch.Tensor:
         """a [..., c, L] group-averaged rows, n_t [..., c] keys seen -> a > 1 / n_t (or >=)."""

@@ -41,6 +41,10 @@ class Scorer:
         serve; ``Policy`` calls it. By default only the schedule is checked."""
         self.check(policy.schedule)
 
+    def check_model(self, model) -> None:
+        """Raises ValueError for a model this scorer cannot serve; ``patch`` calls it with the
+        model's ``ModelShape`` (layers, query and KV heads, head dim, ``groups`` = G)."""
+
     def prompt_scores(self, p: PromptView) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 

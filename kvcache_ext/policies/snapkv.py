@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_ext.policies.pooling import Pooling
+from kvcache_ext.checks import Choice, Int, check_fields
+from kvcache_ext.policies.pooling import KERNEL, POOLING_MODES, Pooling
 from kvcache_ext.policies.protection import Protection, newest
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
 from kvcache_ext.policies.views import CacheView, PromptView
@@ -40,16 +41,8 @@ class SnapKV(Scorer):
     evict_stats = ("mass", "last")
 
     def __post_init__(self):
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"SnapKV window must be an integer >= 1, got {self.window!r}")
-        try:
-            Pooling(self.kernel, self.pooling)
-        except ValueError as e:
-            raise ValueError(f"SnapKV: {e}") from None
-        if self.gqa not in GQA_MODES:
-            raise ValueError(f"SnapKV gqa must be one of {GQA_MODES}, got {self.gqa!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"SnapKV order must be one of {ORDERS}, got {self.order!r}")
+        check_fields(self, "SnapKV", window=Int(1), kernel=KERNEL, pooling=Choice(POOLING_MODES),
+                     gqa=Choice(GQA_MODES), order=Choice(ORDERS))
 
     @property
     def pool(self) -> Pooling:
@@ -67,6 +60,13 @@ class SnapKV(Scorer):
             raise ValueError("SnapKV(order='pool_then_mean') needs every window query's attention "
                              "row, which only one-shot prefill has; use order='mean_then_pool' "
                              "with block-wise prefill or decode-time eviction")
+        block = schedule.prefill_block
+        if self.gqa == "max" and block is not None and block > 1 and self.window > 1:
+            raise ValueError(f"SnapKV(gqa='max', window={self.window}) cannot evict after prefill "
+                             f"blocks of {block} tokens: over the cache the kernel sums a window's "
+                             "attention over the G query heads, and the max over them needs each "
+                             "head's window (only one query's per-head row is kept). Use "
+                             "gqa='mean', one-shot prefill, or prefill_block=1")
 
     # --- pooled attention of the window, per query head or per KV head ----------------------
     def _prompt_window(self, p: PromptView):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache_ext.checks import Int, check_fields
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
@@ -14,6 +15,9 @@ class StreamingLLM(Scorer):
     of a token is its position, so the budget minus the sinks goes to the most recent."""
 
     sinks: int = 4
+
+    def __post_init__(self):
+        check_fields(self, "StreamingLLM", sinks=Int(0))
 
     def default_protection(self) -> Protection:
         return Protection(sinks=self.sinks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+from kvcache_ext.checks import Bool, check_fields
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
@@ -20,6 +21,9 @@ class TOVA(Scorer):
     per_head: bool = False
 
     evict_stats = ("last",)
+
+    def __post_init__(self):
+        check_fields(self, "TOVA", per_head=Bool())
 
     def prompt_scores(self, p: PromptView):
         B, H, n, _ = p.k.shape

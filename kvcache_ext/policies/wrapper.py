@@ -55,6 +55,9 @@ class Wrapper(Scorer):
     def check_policy(self, policy) -> None:
         self.inner.check_policy(policy)
 
+    def check_model(self, model) -> None:
+        self.inner.check_model(model)
+
     def update(self, channels: torch.Tensor, stats: dict) -> None:
         self.inner.update(channels, stats)
 

@@ -1,0 +1,190 @@
+"""What the ``kvcache-ext`` command line accepts: argparse types that refuse bad values with a
+message naming the option (argparse adds "argument --x:"), and checks that need a few options
+together, all before a model is loaded; and the results file written as the results come.
+
+Every refusal is a usage error: the message, and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def positive_int(text: str, low: int = 1, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
+    return value
+
+
+def int_range(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        return positive_int(text, low, high)
+    parse.__name__ = "integer"
+    return parse
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 1 (at least one)."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    values = []
+    for part in parts:
+        try:
+            values.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated positive integers, got {part!r} in {text!r}") from None
+    bad = [v for v in values if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {bad[0]} in {text!r}")
+    return values
+
+
+def depth_list(text: str) -> list[float]:
+    """Comma-separated needle depths in [0, 1] (at least one)."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated depths in [0, 1], got {text!r}")
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated depths in [0, 1], got {part!r} in {text!r}") from None
+        if not 0.0 <= value <= 1.0:      # NaN fails too
+            raise argparse.ArgumentTypeError(f"depths must be in [0, 1], got {part} in {text!r}")
+        values.append(value)
+    return values
+
+
+def fraction_list(text: str) -> list[float]:
+    """Comma-separated fractions in (0, 1] (at least one): --keep."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated fractions in (0, 1], got {part!r} in {text!r}") from None
+        if not 0.0 < value <= 1.0:      # NaN fails too
+            raise argparse.ArgumentTypeError(f"fractions kept must be in (0, 1], got {part} in {text!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in (0, 1], got {text!r}")
+    return values
+
+
+def choice_list(choices):
+    """An argparse type: comma-separated names from ``choices`` (at least one)."""
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"takes {', '.join(choices)} (comma-separated); got {text!r}")
+        return names
+    parse.__name__ = "list"
+    return parse
+
+
+def output_file(text: str) -> str:
+    """A file the command will write: its folder must exist and be writable, and it must not be
+    a folder itself (checked now, so that a long run is not lost at its end)."""
+    path = os.path.abspath(os.path.expanduser(text))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {folder!r} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is not writable")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {folder!r} is not writable")
+    return text
+
+
+def device(text: str) -> str:
+    """A torch device that exists here and that the extension was built for."""
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a device such as cpu, cuda or cuda:1, got {text!r}") from None
+    if dev.type == "cpu":
+        return text
+    if dev.type != "cuda":
+        raise argparse.ArgumentTypeError(f"kvcache_ext runs on cpu or cuda devices, got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA GPU that torch can use")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    import kvcache_ext
+    if not kvcache_ext.build_info()["cuda"]:
+        raise argparse.ArgumentTypeError(f"{text!r}: kvcache_ext was built without its CUDA kernels "
+                                         "(reinstall it with nvcc available, see README.md)")
+    return text
+
+
+def model_name(text: str) -> str:
+    """An HF hub id, a folder or a .gguf file; a name that is a path (absolute, ./, ../, ~ or a
+    .gguf) must exist. Whether a hub id exists is known only when it is loaded."""
+    looks_like_path = (os.path.isabs(text) or text.startswith(("./", "../", "~")) or text.endswith(".gguf")
+                       or os.sep in text.rstrip(os.sep) and text.count("/") > 1)
+    if looks_like_path and not os.path.exists(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist (a folder, a .gguf file or an HF id "
+                                         "such as HuggingFaceTB/SmolLM2-135M-Instruct)")
+    return os.path.expanduser(text) if looks_like_path else text
+
+
+def usage_error(prog: str, message: str) -> int:
+    """What argparse does for a bad option, for checks made after parsing: status 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def load_model_or_fail(prog: str, name, **kwargs):
+    """(model, tokenizer), or None after printing why the model could not be loaded."""
+    from kvcache_ext import models
+    try:
+        return models.load_model(name, **kwargs) if kwargs else models.load_model(name)
+    except RuntimeError as err:     # the default model's package is missing: say how to get it
+        print(f"{prog}: {err}", file=sys.stderr)
+    except Exception as err:   # noqa: BLE001  (a bad --model: HF raises OSError, ValueError, ...)
+        what = f"--model {name!r}" if name is not None else "the default model"
+        print(f"{prog}: error: argument --model: cannot load {what}: {type(err).__name__}: {err}",
+              file=sys.stderr)
+    return None
+
+
+class ResultsFile:
+    """A JSON file rewritten (atomically: a temporary file, then a rename) whenever a result
+    comes, so that a run that fails late keeps everything it measured. ``document(results)``
+    builds what is written; ``complete`` is False until ``finish``."""
+
+    def __init__(self, path: str | None, document):
+        self.path, self.document = path, document
+        self.results: list = []
+
+    def add(self, result) -> None:
+        self.results.append(result)
+        self.write(complete=False)
+
+    def write(self, complete: bool, **extra) -> None:
+        if self.path is None:
+            return
+        doc = dict(self.document(self.results), complete=complete, **extra)
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, self.path)
