@@ -63,6 +63,8 @@ def attend_context(state, q, k, v, pos):
     # model's own softmax (``"context"``).
     narrow = scorer.softmax == "chunk" and (lo > 0 or hi < n)
     padded_context, padded_pass = not bool(ctx.valid.all()), not bool(real.all())   # host checks, once
+    if narrow:
+        return attend_chunk(ctx, scorer, q, k, v, real, sees_new, padded_pass)
     out = q.new_empty(B, Hq, r, D)
     for i0 in range(0, r, ROWS):
         i1 = min(i0 + ROWS, r)
@@ -73,17 +75,41 @@ def attend_context(state, q, k, v, pos):
         logits[..., n:].masked_fill_(~sees_new[:, None, None, i0:i1], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[:, :, i0:i1] = (probs @ values).reshape(B, Hq, c, D).to(q.dtype)
-        if narrow:
-            sub = torch.cat([logits[..., :hi], logits[..., n:]], dim=-1)
-            sinks = ctx.pos[:, :lo] < scorer.sinks
-            sub[..., :lo].masked_fill_(~sinks[:, None, None, None, :], float("-inf"))
-            on_context, columns = torch.softmax(sub, dim=-1)[..., lo:hi], slice(lo, hi)
-        else:
-            on_context, columns = probs[..., :n], slice(0, n)
+        on_context = probs[..., :n]
         if padded_pass:   # a padding query's probabilities do not count
             on_context = on_context * real[:, None, None, i0:i1, None]
-        ctx.scores[..., columns] = torch.maximum(ctx.scores[..., columns],
-                                                 scorer.pass_scores(on_context.flatten(1, 2), G))
+        ctx.scores = torch.maximum(ctx.scores, scorer.pass_scores(on_context.flatten(1, 2), G))
+    return out.transpose(1, 2)
+
+
+def attend_chunk(ctx, scorer, q, k, v, real, sees_new, padded_pass):
+    """``attend_context`` for a pass that rebuilds part of the context with KVzip's code's
+    softmax: the output from the model's attention over everything (fused, SDPA), the scores
+    from logits over the sinks, the chunk and the pass's tokens only (a third less work than
+    logits over the whole context at two chunks, and no second product with the values)."""
+    B, Hq, r, D = q.shape
+    H, n = ctx.k.shape[1], ctx.k.shape[2]
+    G = Hq // H
+    lo, hi = ctx.window
+    sees = torch.cat([ctx.valid[:, None, :].expand(B, r, n), sees_new], dim=2)    # [B, r, n + r]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([ctx.k, k], dim=2), torch.cat([ctx.v, v], dim=2), attn_mask=sees[:, None],
+        scale=ctx.scale, enable_gqa=G > 1).nan_to_num(0.0)
+    # The sinks before the chunk: the shortest prefix that holds every row's (left padding
+    # moves them), the other columns of it masked.
+    sink = ctx.valid[:, :lo] & (ctx.pos[:, :lo] < scorer.sinks)                     # [B, lo]
+    e = int((sink * torch.arange(1, lo + 1, device=q.device)).max()) if lo else 0
+    keys = torch.cat([ctx.k[:, :, :e], ctx.k[:, :, lo:hi], k], dim=2).float().transpose(2, 3)[:, :, None]
+    visible = torch.cat([sink[:, :e], ctx.valid[:, lo:hi]], dim=1)                  # [B, e + hi - lo]
+    for i0 in range(0, r, ROWS):
+        i1 = min(i0 + ROWS, r)
+        logits = (q[:, :, i0:i1].float().unflatten(1, (H, G)) * ctx.scale) @ keys   # [B, H, G, c, e + w + r]
+        logits[..., :e + hi - lo].masked_fill_(~visible[:, None, None, None, :], float("-inf"))
+        logits[..., e + hi - lo:].masked_fill_(~sees_new[:, None, None, i0:i1], float("-inf"))
+        on_chunk = torch.softmax(logits, dim=-1)[..., e:e + hi - lo]
+        if padded_pass:   # a padding query's probabilities do not count
+            on_chunk = on_chunk * real[:, None, None, i0:i1, None]
+        ctx.scores[..., lo:hi] = torch.maximum(ctx.scores[..., lo:hi], scorer.pass_scores(on_chunk.flatten(1, 2), G))
     return out.transpose(1, 2)
 
 
