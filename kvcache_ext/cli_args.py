@@ -31,58 +31,37 @@ def int_range(low: int, high: int | None = None):
     return parse
 
 
-def int_list(text: str) -> list[int]:
-    """Comma-separated integers >= 1 (at least one)."""
+def _number_list(text: str, kind, what: str, ok) -> list:
+    """Comma-separated numbers (at least one) parsed by ``kind``, each passing ``ok``;
+    ``what`` names them in messages ("positive integers", "depths in [0, 1]", ...)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if not parts:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
     values = []
     for part in parts:
         try:
-            values.append(int(part))
+            value = kind(part)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated positive integers, got {part!r} in {text!r}") from None
-    bad = [v for v in values if v < 1]
-    if bad:
-        raise argparse.ArgumentTypeError(f"must be positive integers, got {bad[0]} in {text!r}")
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {part!r} in {text!r}") from None
+        if not ok(value):      # NaN fails every range
+            raise argparse.ArgumentTypeError(f"must be {what}, got {part} in {text!r}")
+        values.append(value)
     return values
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 1 (at least one)."""
+    return _number_list(text, int, "positive integers", lambda v: v >= 1)
 
 
 def depth_list(text: str) -> list[float]:
     """Comma-separated needle depths in [0, 1] (at least one)."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"expected comma-separated depths in [0, 1], got {text!r}")
-    values = []
-    for part in parts:
-        try:
-            value = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated depths in [0, 1], got {part!r} in {text!r}") from None
-        if not 0.0 <= value <= 1.0:      # NaN fails too
-            raise argparse.ArgumentTypeError(f"depths must be in [0, 1], got {part} in {text!r}")
-        values.append(value)
-    return values
+    return _number_list(text, float, "depths in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
 def fraction_list(text: str) -> list[float]:
     """Comma-separated fractions in (0, 1] (at least one): --keep."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    values = []
-    for part in parts:
-        try:
-            value = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated fractions in (0, 1], got {part!r} in {text!r}") from None
-        if not 0.0 < value <= 1.0:      # NaN fails too
-            raise argparse.ArgumentTypeError(f"fractions kept must be in (0, 1], got {part} in {text!r}")
-        values.append(value)
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in (0, 1], got {text!r}")
-    return values
+    return _number_list(text, float, "fractions in (0, 1]", lambda v: 0.0 < v <= 1.0)
 
 
 def choice_list(choices):
