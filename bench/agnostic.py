@@ -10,6 +10,7 @@ Per prompt, one after the other in the same process (so that every ratio is meas
 
 - ``dense``: the unpatched model's prefill of the context on HF's ``DynamicCache`` (wall time
   and extra peak memory: the baseline of the cost ratios);
+- ``full``: the full cache's answer (is the prompt answerable at all?);
 - ours, each of ``--methods`` (names of ``kvcache-ext eval``): its answers at every keep
   fraction through the eval harness (``retrieval.run_prompt``: one dense prefill, one set of
   reconstruction passes, then each fraction's cache); and, for KVzip's methods, the patched
@@ -136,7 +137,7 @@ def summarize(records: list[dict]) -> list[dict]:
                                    if timed else None),
             "max_extra_peak_MiB": max((r["extra_peak_bytes"] for r in rs if "extra_peak_bytes" in r),
                                       default=0) / 2**20 or None})
-    return sorted(rows, key=lambda r: (r["task"], r["method"], -r["keep"]))
+    return sorted(rows, key=lambda r: (r["task"], r["method"], -(r["keep"] or 1.0)))
 
 
 def format_table(rows: list[dict], records: list[dict]) -> str:
@@ -145,7 +146,8 @@ def format_table(rows: list[dict], records: list[dict]) -> str:
     for r in rows:
         ratio = f"{r['prefill_over_dense']:.2f}x" if r["prefill_over_dense"] else ""
         peak = f"{r['max_extra_peak_MiB']:.0f}" if r["max_extra_peak_MiB"] else ""
-        lines.append(f"| {r['task']} | {r['method']} | {r['keep']:g} | {r['correct']}/{r['n']} | "
+        keep = "" if r["keep"] is None else f"{r['keep']:g}"
+        lines.append(f"| {r['task']} | {r['method']} | {keep} | {r['correct']}/{r['n']} | "
                      f"{r['kv_fraction']:.3f} | {ratio} | {peak} |")
     dense = [r for r in records if r["method"] == "dense"]
     if dense:
@@ -197,11 +199,12 @@ def main(argv=None) -> int:
                     records.append({**key, "method": "dense", "prefill_s": run["prefill_s"],
                                     "extra_peak_bytes": run["extra_peak_bytes"], "full_bytes": cache_bytes(cache)})
                     del cache
+                    # The full cache's answer first (is the prompt answerable at all?), then ours.
+                    for r in run_prompt(model, tokenizer, prompt, task, "agnostic", ["full"] + methods, keeps):
+                        records.append({**key, "method": r.policy, "keep": r.budget, "correct": r.correct,
+                                        "output": r.output, "kv_bytes": r.kv_bytes,
+                                        "harness_prefill_s": r.prefill_s})
                     for method in methods:
-                        for r in run_prompt(model, tokenizer, prompt, task, "agnostic", [method], keeps):
-                            records.append({**key, "method": method, "keep": r.budget, "correct": r.correct,
-                                            "output": r.output, "kv_bytes": r.kv_bytes,
-                                            "harness_prefill_s": r.prefill_s})
                         if make_policy(method, 64).scorer.reconstructs:
                             timing = ours_prefill(model, tokenizer, context, method, min(keeps))
                             for r in records:   # the patched prefill's cost goes with every fraction
