@@ -35,11 +35,13 @@ kvcache-ext eval --task ppl --prefill-block 128 \
 
 # Query-agnostic compression (issue 19): the context compressed before the question, at three
 # fractions of each prompt kept; then the multi-question task (one compressed context, three
-# questions as turns of one chat). (The agnostic needle run of every method is not done yet.)
+# questions as turns of one chat).
 # KVzip and kvpress's KVzipPress side by side, with the
 # prefill cost: bench/agnostic.py (see docs/results.md, "Compress once, ask later").
 AGNOSTIC=full,streamingllm,h2o,tova,snapkv,pyramidkv,ada-snapkv,caote-h2o,ahakv,roco,kvec,expected-attention,ada-expected-attention,kvzip,ada-kvzip,kvzip-global
 kvcache-ext eval --task passkey --policy "$AGNOSTIC" --keep 0.5,0.25,0.1 --lengths 1024,2048 --depths 0.1,0.5,0.9 \
   --mode agnostic --json agnostic-passkey.json --plot agnostic-passkey.png --no-progress
+kvcache-ext eval --task needle --policy "$AGNOSTIC" --keep 0.5,0.25,0.1 --lengths 1024,2048 --depths 0.1,0.5,0.9 \
+  --mode agnostic --json agnostic-needle.json --plot agnostic-needle.png --no-progress
 kvcache-ext eval --task multi --policy full,kvzip-global,snapkv,expected-attention --keep 0.25,0.1 \
   --lengths 1024,2048 --json multi.json --plot multi.png --no-progress
