@@ -149,11 +149,7 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
                     page_table.sizes());
   check_contiguous(page_table, "page_table");
   const int64_t S = page_table.size(0);
-  check_defined(len, "len");
-  check_dtype(len, at::kInt, "len");
-  check_device(len, device, "len");
-  check_shape(len, {S}, "len");
-  check_contiguous(len, "len");
+  check_lengths(len, device, S);
   const store::PageRecord record =
       store::page_record(page_size, head_dim, c10::elementSize(dtype), score_channels);
   int64_t pages = 0;

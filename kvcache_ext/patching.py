@@ -138,7 +138,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
     check_page_size(page_size)
-    if getattr(policy.scorer, "reconstructs", False) and policy.scorer.needs_tokenizer and tokenizer is None:
+    if policy.scorer.reconstructs and policy.scorer.needs_tokenizer and tokenizer is None:
         raise ValueError(f"{type(policy.scorer).__name__} prompts the model with text instructions: pass the "
                          "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids")
     config = getattr(model, "config", None)

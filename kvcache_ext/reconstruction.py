@@ -163,8 +163,7 @@ def finish(cache, scores: list[torch.Tensor]) -> None:
     from kvcache_ext.eviction import keep_prompt, release_prefill_slack
     states = [layer.state for layer in cache.layers]
     policy = states[0].policy
-    layers = getattr(policy.allocation, "layers", policy.allocation)
-    if getattr(layers, "whole_model", False):
+    if policy.allocation.whole_model:
         ranked = []
         for state, layer_scores in zip(states, scores):
             ctx = state.context
@@ -173,7 +172,7 @@ def finish(cache, scores: list[torch.Tensor]) -> None:
             protected = policy.protection.mask(ctx.pos[:, None, :].expand(B, H, n), state.last_pos) & held
             ranked.append(layer_scores.masked_fill(~held, float("-inf")).masked_fill(protected, float("inf")))
         base = policy.budget_for(states[0].context.valid.sum(dim=1))
-        for state, budget in zip(states, layers.layer_budgets(base, ranked)):
+        for state, budget in zip(states, policy.allocation.layer_budgets(base, ranked)):
             state.budget, state.budget_host = budget, budget.cpu()
     for layer, layer_scores in zip(cache.layers, scores):
         state = layer.state

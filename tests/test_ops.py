@@ -56,28 +56,17 @@ def test_every_op_is_registered_with_a_fake():
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_store_append(device, shape):
+@pytest.mark.parametrize("some", [False, True], ids=["all_tokens", "some_tokens"])
+def test_opcheck_store_append(device, shape, some):
     store = make_store(shape, device)
-    n = 3
+    n = 4 if some else 3
     k, v = tokens(store, n)
-    pos32, rank, counts = store._store.prepare_append(k, v, torch.arange(100, 100 + n), None)
-    store._refresh()
-    pool, table, lens = store.state()
-    P, D, C, dtype = meta(store)
-    opcheck(ops.store_append, (pool, table, lens, k, v, pos32, rank, counts, P, C),
-            test_utils=UTILS)
-
-
-@pytest.mark.parametrize("shape", SHAPES[:4])
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_store_append_some_tokens(device, shape):
-    store = make_store(shape, device)
-    n = 4
-    k, v = tokens(store, n)
-    valid = (torch.rand(store.batch, store.heads, n, generator=torch.Generator().manual_seed(3)) < 0.5).to(device)
+    valid = None
+    if some:   # only the valid tokens are stored: the op gets their ranks and counts
+        valid = (torch.rand(store.batch, store.heads, n, generator=torch.Generator().manual_seed(3)) < 0.5).to(device)
     pos32, rank, counts = store._store.prepare_append(k, v, torch.arange(100, 100 + n), valid)
     store._refresh()
-    assert rank is not None and counts is not None
+    assert (rank is not None and counts is not None) == some
     pool, table, lens = store.state()
     P, D, C, dtype = meta(store)
     opcheck(ops.store_append, (pool, table, lens, k, v, pos32, rank, counts, P, C),

@@ -44,6 +44,15 @@ inline at::Tensor as_int32(const at::Tensor& t, const at::Device& device, const 
 // The values are read on the host: free for a tensor on the CPU (whatever the store's device);
 // a tensor already on a CUDA device is not read, since that would cost a host sync per call
 // (the eviction engine keeps its positions below 2^31 on the host).
+// Segment lengths ``len``: a contiguous int32 [S] tensor on ``device``.
+inline void check_lengths(const at::Tensor& len, const at::Device& device, int64_t S) {
+  check_defined(len, "len");
+  check_dtype(len, at::kInt, "len");
+  check_device(len, device, "len");
+  check_shape(len, {S}, "len");
+  check_contiguous(len, "len");
+}
+
 inline at::Tensor as_position32(const at::Tensor& t, const at::Device& device, const char* name,
                                 int64_t lo) {
   check_defined(t, name);

@@ -31,11 +31,7 @@ at::Tensor check_selection_inputs(const at::Tensor& scores, const at::Tensor& po
   TORCH_CHECK_VALUE(start.dim() == 1, "start must be 1-D [segments], got shape ", start.sizes());
   check_contiguous(start, "start");
   const int64_t S = start.size(0);
-  check_defined(len, "len");
-  check_dtype(len, at::kInt, "len");
-  check_device(len, device, "len");
-  check_shape(len, {S}, "len");
-  check_contiguous(len, "len");
+  check_lengths(len, device, S);
   check_defined(k, "k");
   TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k must be an integer tensor, got ",
                    k.scalar_type());

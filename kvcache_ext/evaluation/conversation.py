@@ -11,8 +11,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from, greedy_continue
-from kvcache_ext.evaluation.named_policies import policy_runs
-from kvcache_ext.evaluation.retrieval import RetrievalRecord, budget_tokens
+from kvcache_ext.evaluation.retrieval import RetrievalRecord, prompt_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
 from kvcache_ext.tasks import check_answer
 from kvcache_ext.tasks.multi_question import make_multi_question_prompt
@@ -50,11 +49,8 @@ def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int 
             seed += 1
             context = prompt.context[None].to(device)
             recorded = record_prefill(model, context)
-            labels = [None] + [b for name in policies if name != "full" for b in budgets]
-            runs = [("full", None, None)] + policy_runs(
-                policies, [budget_tokens(b, context.shape[1]) for b in budgets], schedule)
             full_bytes = None
-            for label, (name, tokens, policy) in zip(labels, runs):
+            for label, name, tokens, policy in prompt_runs(policies, budgets, context.shape[1], schedule):
                 if policy is None:
                     cache, prefill_s = full_cache_from(model, recorded), recorded.seconds
                     answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)

@@ -70,6 +70,14 @@ def budget_tokens(budget: int | float, length: int) -> int:
     return budget if isinstance(budget, int) else max(1, math.ceil(budget * length))
 
 
+def prompt_runs(policies, budgets, length: int, schedule=None) -> list:
+    """``(budget as given, name, tokens per KV head, Policy)`` of the full cache (first, with
+    ``None``s) and of every named policy at every budget, for a compressed part of ``length``."""
+    labels = [None] + [b for name in policies if name != "full" for b in budgets]
+    runs = policy_runs(policies, [budget_tokens(b, length) for b in budgets], schedule)
+    return [(label, *run) for label, run in zip(labels, [("full", None, None)] + runs)]
+
+
 def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list,
                schedule=None, max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
     """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
@@ -96,9 +104,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
 
     # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
     out = []
-    labels = [None] + [b for name in policies if name != "full" for b in budgets]
-    runs = policy_runs(policies, [budget_tokens(b, context.shape[1]) for b in budgets], schedule)
-    for label, (name, budget, policy) in zip(labels, [("full", None, None)] + runs):
+    for label, name, budget, policy in prompt_runs(policies, budgets, context.shape[1], schedule):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
         if policy is None:

@@ -41,6 +41,13 @@ class AdaKV(Allocation):
     def check_model(self, model) -> None:
         self.layers.check_model(model)
 
+    @property
+    def whole_model(self) -> bool:
+        return self.layers.whole_model
+
+    def layer_budgets(self, budget, scores):
+        return self.layers.layer_budgets(budget, scores)
+
     def layer_budget(self, budget, layer_idx, num_layers, prompt_len, reserved):
         return self.layers.layer_budget(budget, layer_idx, num_layers, prompt_len, reserved)
 

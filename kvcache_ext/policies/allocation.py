@@ -7,7 +7,11 @@ import torch
 class Allocation:
     """``layer_budget``: tokens per KV head for one layer (fixed when the layer's prompt is
     compressed). ``head_budgets``: the split of a layer's budget over its KV heads at an
-    eviction step. Budgets include the protected tokens (sinks, recent window)."""
+    eviction step. Budgets include the protected tokens (sinks, recent window).
+    ``whole_model``: the layers' budgets come from every layer's scores at once
+    (``layer_budgets``, AcrossLayers), which only a reconstructing scorer gives."""
+
+    whole_model = False
 
     def check_model(self, model) -> None:
         """Raises ValueError for a model (its ``ModelShape``) this allocation cannot serve;

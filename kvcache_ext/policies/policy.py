@@ -78,9 +78,8 @@ class Policy:
         if self.protection.size >= INT32_MAX:
             raise ValueError(f"Policy protection {self.protection} protects 2^31 - 1 tokens or more")
         self.scorer.check_policy(self)
-        layers = getattr(self.allocation, "layers", self.allocation)
-        if getattr(layers, "whole_model", False) and not self.scorer.reconstructs:
-            raise ValueError(f"{type(layers).__name__} splits the budget by every layer's scores at once, which "
+        if self.allocation.whole_model and not self.scorer.reconstructs:
+            raise ValueError(f"{self.allocation} splits the budget by every layer's scores at once, which "
                              f"only a scorer that reconstructs the prompt (KVzip) has; {type(self.scorer).__name__} "
                              "scores one layer at a time")
 
