@@ -129,6 +129,29 @@ def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, s
         assert_same(store, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_large_operations_match_the_reference(device, dtype):
+    """Appends and compactions of over 1 MiB run on every thread (smaller ones on the calling
+    thread, csrc/store/store_cpu.cpp): the same contents as the reference either way."""
+    B, H, D, n = 2, 4, 128, 600       # 2 x 4 x 600 tokens of K and V: 2.3 MiB in fp16
+    gen = torch.Generator().manual_seed(7)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, score_channels=1)
+    ref = reference.ReferenceStore(B, H, D, dtype=dtype, score_channels=1)
+    k, v, kd, vd = random_tokens(gen, B, H, n, D, dtype, device)
+    store.append(kd, vd, torch.arange(n).to(device))
+    ref.append(k, v, torch.arange(n).expand(B, n), None)
+    valid = torch.rand(B, H, n, generator=gen) < 0.7
+    k, v, kd, vd = random_tokens(gen, B, H, n, D, dtype, device)
+    store.append(kd, vd, torch.arange(n, 2 * n).to(device), valid.to(device))
+    ref.append(k, v, torch.arange(n, 2 * n).expand(B, n), valid)
+    assert_same(store, ref)
+    for fraction in (0.5, 0.9):
+        keep = torch.rand(ref.mask.shape, generator=gen) < fraction
+        store.compact(store.from_padded(keep.to(device), False))
+        ref.compact(keep)
+        assert_same(store, ref)
+
+
 def test_decoding_grows_by_whole_pages_and_moves_no_token(device):
     """Single-token appends into very unequal segments: every growth allocates only the pages
     that filled up (never more than one per segment), no stored token moves, and the bytes
