@@ -384,3 +384,34 @@ def test_store_select_rejects_bad_input():
     none = kvcache_ext.RaggedKVStore(1, 1, 8, score_channels=0)
     with pytest.raises(ValueError, match="no score channels"):
         none.select(1)
+
+
+def _huge_pages_offered() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _huge_pages_offered(), reason="the kernel offers no transparent huge pages")
+def test_large_cpu_slabs_ask_for_huge_pages():
+    """A CPU slab covering whole 2 MiB pages is madvised MADV_HUGEPAGE (the 'hg' flag of its
+    mapping in /proc/self/smaps): compaction and attention then miss the TLB less."""
+    store = kvcache_ext.RaggedKVStore(1, 4, 128, dtype=torch.float16, device="cpu")
+    store.reserve(4096)                                  # one slab of about 8 MiB
+    slab = store.state()[0][0]
+    huge = 2 << 20
+    inside = (slab.data_ptr() + huge - 1) // huge * huge  # the first whole 2 MiB page in it
+    assert inside + huge <= slab.data_ptr() + slab.numel()
+    flags = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                covers = lo <= inside < hi
+            elif covers and line.startswith("VmFlags"):
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "hg" in flags

@@ -4,6 +4,10 @@
 #include <cstring>
 #include <numeric>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #include "common/checks.h"
 #include "common/device_dispatch.h"
 #include "ops.h"
@@ -14,6 +18,23 @@ namespace kvcache_ext {
 
 namespace {
 constexpr int64_t kMaxPageSize = 1024;
+
+// Asks Linux to back a CPU slab with 2 MiB pages where it covers whole ones (the kernel's
+// transparent huge pages are often "madvise" only). Compaction and attention read pages of
+// a few KiB scattered over the slab: with 4 KiB pages nearly every one costs a TLB miss
+// (compaction at keep 0.125 measured 1.60 -> 1.45 ms on 32 x 8192 fp16 tokens). Advisory:
+// a kernel without huge pages refuses it and nothing changes.
+void advise_huge_pages(const at::Tensor& slab) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(slab.data_ptr());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (begin + slab.nbytes()) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#else
+  (void)slab;
+#endif
+}
 
 // A host vector as a tensor on `device`. To CUDA through pinned memory without waiting: the
 // store's bookkeeping uploads (new page addresses, the page table, a repack's page lists)
@@ -337,6 +358,7 @@ int32_t RaggedKVStore::allocate_slab(int64_t pages) {
   TORCH_CHECK_VALUE(first + pages <= (INT32_MAX >> shift_),
                     "the store cannot hold more than 2^31 - 1 slots");
   at::Tensor slab = at::empty({pages, record_.bytes}, kv_options_.dtype(at::kByte));
+  if (slab.is_cpu()) advise_huge_pages(slab);
   const int64_t base = reinterpret_cast<int64_t>(slab.data_ptr());
   for (int64_t p = 0; p < pages; ++p) page_base_h_.push_back(base + p * record_.bytes);
   slabs_.push_back(std::move(slab));
