@@ -79,6 +79,45 @@ def test_segment_longer_than_65535_tokens(device):
     assert store.to_padded(kept)[0, 0].sum() == 20_000 and store.to_padded(kept)[0, 1].sum() == 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B, H", [(1, 1), (1, 4), (2, 3), (40, 8), (320, 1)])
+def test_compaction_and_selection_with_few_and_many_segments(device, B, H):
+    """On CUDA, fewer segments (or groups) than SMs take several blocks per segment in
+    compaction and device-wide sorts in selection; 320 segments (more than any GPU's SMs)
+    take one block per segment and CUB's segmented sort. Both against the reference, with
+    ragged, empty and one-token segments and tiles that straddle pages."""
+    gen = torch.Generator().manual_seed(B * 100 + H)
+    lens = torch.randint(0, 700, (B * H,), generator=gen)
+    lens[0], lens[-1] = 0, 1 if B * H > 1 else 0
+    store = filled_store(B, H, 8, torch.float32, device, lens.tolist(), page_size=16, seed=B + H)
+    dense = store.to_dense()
+    # Selection: ties among the scores (a few values), a random budget per segment and per item.
+    scores = torch.randint(0, 5, dense.mask.shape, generator=gen).float()
+    S = B * H
+    k = torch.randint(0, 720, (B, H), generator=gen)
+    keep = store.select(k.to(device), scores.to(device))
+    want = reference.segmented_topk(scores.view(S, -1), dense.pos.cpu().view(S, -1).long(),
+                                    store.lens.view(S), k.view(S)).view(dense.mask.shape)
+    assert torch.equal(store.to_padded(keep, False).cpu(), want)
+    kg = torch.randint(0, 720 * H, (B,), generator=gen)
+    keep_g, counts = store.select(kg.to(device), scores.to(device), grouped=True)
+    want_g, want_counts = reference.grouped_topk(scores.view(S, -1), dense.pos.cpu().view(S, -1).long(),
+                                                 store.lens.view(S), H, kg)
+    assert torch.equal(store.to_padded(keep_g, False).cpu(), want_g.view(dense.mask.shape))
+    assert torch.equal(counts.cpu(), want_counts.view(B, H))
+    # Compaction of a random keep mask (tiles of 256 tokens straddle the 16-token pages).
+    mask = torch.rand(dense.mask.shape, generator=gen) < 0.4
+    mask[..., :300] |= torch.rand(B, H, 1, generator=gen) < 0.5   # some long kept prefixes
+    mask &= dense.mask.cpu()
+    want_k = [dense.k.cpu()[b, h][mask[b, h]] for b in range(B) for h in range(H)]
+    store.compact(store.from_padded(mask.to(device), False))
+    after = store.to_dense()
+    assert torch.equal(store.lens.view(S), mask.view(S, -1).sum(1))
+    for s in range(S):
+        n = int(store.lens.view(S)[s])
+        assert torch.equal(after.k.cpu().view(S, -1, 8)[s, :n], want_k[s])
+
+
 def chunked_reference(store, q, scale, q_pos, chunk=128):
     """The statistics in float32, a chunk of queries at a time (memory stays small)."""
     dense = store.to_dense()

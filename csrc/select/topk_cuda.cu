@@ -6,10 +6,19 @@
 //
 // The segmented selection is the grouped one with groups of one segment, so both run
 // through select_top_k below. Everything stays on the device: no host sync.
+//
+// Two ways to sort, chosen from the number of groups (known on the host):
+//   - many groups (at least one per SM): CUB's segmented sort, one block per group;
+//   - fewer groups than SMs (batch 1 or a few, where one block per group would leave most
+//     of the GPU idle on a long group): two device-wide sorts over every slot, which use the
+//     whole GPU. First by key, descending; then, stably, by group (dead slots form a last,
+//     extra group). Stability keeps each group's slots in key order, so group g ends up in
+//     [off_g, off_g + live_g), off_g the live slots of the groups before it, best first.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 
 #include <climits>
@@ -66,8 +75,33 @@ __global__ void fill_keys_kernel(const float* scores, const int32_t* pos, const 
   values[j] = static_cast<int32_t>(j);
 }
 
+// group_of[i]: the group of sorted slot values[i] (segment / group_size), or `groups` for
+// a dead slot (key 0), which sorts it after every live one in the second, stable sort.
+__global__ void group_of_sorted_kernel(const uint64_t* keys, const int32_t* values,
+                                       const int64_t* start, int64_t segments, int64_t group_size,
+                                       int64_t groups, int64_t capacity, uint32_t* group_of) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= capacity) return;
+  group_of[i] = keys[i] == 0 ? static_cast<uint32_t>(groups)
+                             : static_cast<uint32_t>(last_at_or_before(start, segments, values[i]) / group_size);
+}
+
+// Ranges of the groups after the two device-wide sorts: live slots of the groups in order,
+// begin[g] = the live slots of groups < g. One thread: there are fewer groups than SMs.
+__global__ void packed_group_ranges_kernel(const int32_t* len, int64_t group_size, int64_t groups,
+                                           int32_t* begin, int32_t* end) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int64_t at = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    begin[g] = static_cast<int32_t>(at);
+    for (int64_t s = g * group_size; s < (g + 1) * group_size; ++s) at += len[s];
+    end[g] = static_cast<int32_t>(at);
+  }
+}
+
 // Sorted position i of group g (in [begin[g], end[g])) is kept when its rank in the group
-// is below k[g] and it is a live slot (key != 0): the first min(k[g], live) entries.
+// is below k[g] and it is a live slot (key != 0; keys == nullptr: every position in a
+// range is live): the first min(k[g], live) entries.
 // counts, when given (zeroed), receives the number kept per segment; the segment of a
 // kept slot is found among its group's segments by binary search.
 __global__ void __launch_bounds__(kThreads)
@@ -79,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
   if (i < capacity) {
     // Positions outside every group's range hold no sorted data (CUB leaves them as is).
     const int64_t g = last_at_or_before(begin, groups, i);
-    if (g >= 0 && i < end[g] && i - begin[g] < k[g] && keys[i] != 0) {
+    if (g >= 0 && i < end[g] && i - begin[g] < k[g] && (keys == nullptr || keys[i] != 0)) {
       const int32_t slot = values[i];
       keep[slot] = true;
       if (counts) {
@@ -96,6 +130,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Temporary storage for a CUB call from the caching allocator on the current stream: the
+// first call (null storage) asks for the size, the second sorts.
+template <typename Sort>
+void run_cub(const Sort& sort, const at::TensorOptions& on_device) {
+  size_t temp_bytes = 0;
+  C10_CUDA_CHECK(sort(nullptr, temp_bytes));
+  const at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, on_device.dtype(at::kByte));
+  C10_CUDA_CHECK(sort(temp.data_ptr(), temp_bytes));
+}
+
+int bits_for(int64_t values) {  // bits that hold 0 .. values - 1
+  int bits = 1;
+  while ((int64_t{1} << bits) < values) ++bits;
+  return bits;
+}
+
 // Keeps, in every group g of group_size consecutive segments, the k[g] best live slots.
 void select_top_k(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                   const at::Tensor& len, int64_t group_size, const at::Tensor& k,
@@ -108,14 +158,18 @@ void select_top_k(const at::Tensor& scores, const at::Tensor& pos, const at::Ten
   const c10::cuda::CUDAGuard guard(scores.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto on_device = scores.options();
+  const bool few_groups = groups < at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 
-  // Group ranges for CUB, built on the device: begin = ranges[0, G), end = ranges[G, 2G).
+  // Group ranges for CUB's segmented sort, built on the device: begin = ranges[0, G),
+  // end = ranges[G, 2G). The device-wide path writes its own ranges here after sorting.
   const at::Tensor ranges = at::empty({2 * groups}, on_device.dtype(at::kInt));
   int32_t* begin = ranges.data_ptr<int32_t>();
   int32_t* end = begin + groups;
-  group_ranges_kernel<<<blocks_for(groups), kThreads, 0, stream>>>(
-      start.data_ptr<int64_t>(), len.data_ptr<int32_t>(), group_size, groups, begin, end);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!few_groups) {
+    group_ranges_kernel<<<blocks_for(groups), kThreads, 0, stream>>>(
+        start.data_ptr<int64_t>(), len.data_ptr<int32_t>(), group_size, groups, begin, end);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 
   // Two key and two value buffers over the whole capacity: CUB's double-buffer interface
   // sorts in them with only a small temporary storage besides.
@@ -131,17 +185,38 @@ void select_top_k(const at::Tensor& scores, const at::Tensor& pos, const at::Ten
   cub::DoubleBuffer<uint64_t> sorted_keys(keys, keys + capacity);
   cub::DoubleBuffer<int32_t> sorted_values(values, values + capacity);
   const int num_items = static_cast<int>(capacity), num_groups = static_cast<int>(groups);
-  size_t temp_bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      nullptr, temp_bytes, sorted_keys, sorted_values, num_items, num_groups, begin, end, 0,
-      64, stream));
-  const at::Tensor temp =
-      at::empty({static_cast<int64_t>(temp_bytes)}, on_device.dtype(at::kByte));
-  // The sort picks (on the host, from the number of passes) which buffer of each pair
-  // holds the result, and records it in the DoubleBuffer selectors.
-  C10_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      temp.data_ptr(), temp_bytes, sorted_keys, sorted_values, num_items, num_groups, begin, end,
-      0, 64, stream));
+  // Each sort picks (on the host, from the number of passes) which buffer of a pair holds
+  // its result, and records it in the DoubleBuffer selectors.
+  const uint64_t* final_keys = nullptr;  // null: every position of a group's range is live
+  if (few_groups) {
+    run_cub([&](void* temp, size_t& bytes) {
+      return cub::DeviceRadixSort::SortPairsDescending(temp, bytes, sorted_keys, sorted_values,
+                                                       num_items, 0, 64, stream);
+    }, on_device);
+    const at::Tensor group_buffers = at::empty({2 * capacity}, on_device.dtype(at::kInt));
+    uint32_t* group_of = reinterpret_cast<uint32_t*>(group_buffers.data_ptr<int32_t>());
+    group_of_sorted_kernel<<<blocks_for(capacity), kThreads, 0, stream>>>(
+        sorted_keys.Current(), sorted_values.Current(), start.data_ptr<int64_t>(), segments,
+        group_size, groups, capacity, group_of);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (groups > 1) {  // one group: the key order is already the group's order
+      cub::DoubleBuffer<uint32_t> sorted_groups(group_of, group_of + capacity);
+      const int bits = bits_for(groups + 1);   // groups and the dead slots' `groups`
+      run_cub([&](void* temp, size_t& bytes) {
+        return cub::DeviceRadixSort::SortPairs(temp, bytes, sorted_groups, sorted_values,
+                                               num_items, 0, bits, stream);
+      }, on_device);
+    }
+    packed_group_ranges_kernel<<<1, 1, 0, stream>>>(len.data_ptr<int32_t>(), group_size, groups,
+                                                     begin, end);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    run_cub([&](void* temp, size_t& bytes) {
+      return cub::DeviceSegmentedRadixSort::SortPairsDescending(
+          temp, bytes, sorted_keys, sorted_values, num_items, num_groups, begin, end, 0, 64, stream);
+    }, on_device);
+    final_keys = sorted_keys.Current();
+  }
 
   int32_t* counts_p = nullptr;
   if (counts != nullptr) {
@@ -149,7 +224,7 @@ void select_top_k(const at::Tensor& scores, const at::Tensor& pos, const at::Ten
     counts_p = counts->data_ptr<int32_t>();
   }
   mark_kept_kernel<<<blocks_for(capacity), kThreads, 0, stream>>>(
-      sorted_keys.Current(), sorted_values.Current(), begin, end, k.data_ptr<int32_t>(), groups,
+      final_keys, sorted_values.Current(), begin, end, k.data_ptr<int32_t>(), groups,
       capacity, start.data_ptr<int64_t>(), group_size, keep.data_ptr<bool>(), counts_p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

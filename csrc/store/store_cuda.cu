@@ -299,59 +299,154 @@ struct CompactWidths {
   int w[4];
 };
 
-// One block per segment. The pages are read and written through plain pointers (no
-// __restrict__, no __ldg): the same memory is written during the kernel.
-__global__ void __launch_bounds__(kCompactThreads)
-    compact_kernel(PagedView view, CompactWidths width, int32_t* len, const bool* keep, int tile) {
+// The shared memory of a compaction block, carved from the dynamic buffer.
+struct CompactSmem {
+  CompactLayout layout;
+  char* base;
+  __device__ CompactScan::TempStorage& scan() const { return *reinterpret_cast<CompactScan::TempStorage*>(base); }
+  __device__ int64_t* src_slot() const { return reinterpret_cast<int64_t*>(base + layout.src_slot); }
+  __device__ int64_t* dst_slot() const { return reinterpret_cast<int64_t*>(base + layout.dst_slot); }
+};
+
+// One tile of segment s: its live tokens [b, b + rows), rows = min(tile, n - b), whose kept
+// tokens go to tokens kept, kept + 1, ... (steps 1-3 above). `between` runs after the tile's
+// rows are read and before any is written, with a barrier before it; every thread calls it.
+// Returns the tile's kept tokens (the same in every thread).
+template <typename Between>
+__device__ int compact_tile(const PagedView& view, const CompactWidths& width, int64_t s,
+                            int64_t b, int64_t n, int64_t kept, const bool* keep, int tile,
+                            const CompactSmem& sm, const Between& between) {
+  const int64_t rows = min(static_cast<int64_t>(tile), n - b);
+  const int64_t i = b + threadIdx.x;
+  // Only live tokens (i < n) are looked up: the table has no page past the segment's.
+  const int64_t slot = threadIdx.x < rows ? view.slot(s, i) : -1;
+  const int flag = (slot >= 0 && keep[slot]) ? 1 : 0;
+  int q, tile_kept;
+  CompactScan(sm.scan()).ExclusiveSum(flag, q, tile_kept);
+  // Uniform over the block: nothing moves while every token so far is kept.
+  const bool moves = kept != b || tile_kept != rows;
+  int64_t* src_slot = sm.src_slot();
+  int64_t* dst_slot = sm.dst_slot();
+  if (moves) {
+    if (flag) src_slot[q] = slot;
+    // kept + tile_kept <= b + rows <= n: every destination is a live token.
+    if (static_cast<int>(threadIdx.x) < tile_kept) dst_slot[threadIdx.x] = view.slot(s, kept + threadIdx.x);
+  }
+  __syncthreads();  // src_slot and dst_slot are complete
+  const int64_t* row_bytes = view.record.row_bytes;
+  if (moves) {
+    for (int bi = 0; bi < 4; ++bi) {
+      copy_rows(GatherRows{part_rows(view, bi), sm.base + sm.layout.stage[bi], src_slot, dst_slot},
+                tile_kept, row_bytes[bi], width.w[bi]);
+    }
+    __syncthreads();  // every kept row of the tile has been read
+  }
+  between(tile_kept);
+  if (moves) {
+    for (int bi = 0; bi < 4; ++bi) {
+      copy_rows(ScatterRows{part_rows(view, bi), sm.base + sm.layout.stage[bi], src_slot, dst_slot},
+                tile_kept, row_bytes[bi], width.w[bi]);
+    }
+  }
+  __syncthreads();  // staging, the slot lists and the scan storage are reused by the next tile
+  return tile_kept;
+}
+
+__device__ CompactSmem compact_smem(const PagedView& view, int tile) {
   static_assert(sizeof(CompactScan::TempStorage) <= kScanBytes, "kScanBytes is too small");
   extern __shared__ uint4 smem_raw[];
-  char* smem = reinterpret_cast<char*>(smem_raw);
-  const int64_t* row_bytes = view.record.row_bytes;
-  const CompactLayout layout = compact_layout(tile, row_bytes);
-  auto& scan_storage = *reinterpret_cast<CompactScan::TempStorage*>(smem);
-  int64_t* src_slot = reinterpret_cast<int64_t*>(smem + layout.src_slot);
-  int64_t* dst_slot = reinterpret_cast<int64_t*>(smem + layout.dst_slot);
+  return CompactSmem{compact_layout(tile, view.record.row_bytes), reinterpret_cast<char*>(smem_raw)};
+}
 
+// One block per segment, its tiles in order. The pages are read and written through plain
+// pointers (no __restrict__, no __ldg): the same memory is written during the kernel.
+__global__ void __launch_bounds__(kCompactThreads)
+    compact_kernel(PagedView view, CompactWidths width, int32_t* len, const bool* keep, int tile) {
+  const CompactSmem sm = compact_smem(view, tile);
   const int64_t s = blockIdx.x;
   const int64_t n = len[s];
   int64_t kept = 0;  // kept tokens in the tiles before this one
   for (int64_t b = 0; b < n; b += tile) {
-    const int64_t rows = min(static_cast<int64_t>(tile), n - b);
-    const int64_t i = b + threadIdx.x;
-    // Only live tokens (i < n) are looked up: the table has no page past the segment's.
-    const int64_t slot = threadIdx.x < rows ? view.slot(s, i) : -1;
-    const int flag = (slot >= 0 && keep[slot]) ? 1 : 0;
-    int q, tile_kept;
-    CompactScan(scan_storage).ExclusiveSum(flag, q, tile_kept);
-    // Uniform over the block: nothing moves while every token so far is kept.
-    const bool moves = kept != b || tile_kept != rows;
-    if (moves) {
-      if (flag) src_slot[q] = slot;
-      // kept + tile_kept <= b + rows <= n: every destination is a live token.
-      if (static_cast<int>(threadIdx.x) < tile_kept) {
-        dst_slot[threadIdx.x] = view.slot(s, kept + threadIdx.x);
-      }
-    }
-    __syncthreads();  // src_slot and dst_slot are complete
-    if (moves) {
-      for (int bi = 0; bi < 4; ++bi) {
-        const int64_t rb = row_bytes[bi];
-        copy_rows(GatherRows{part_rows(view, bi), smem + layout.stage[bi], src_slot, dst_slot},
-                  tile_kept, rb, width.w[bi]);
-      }
-      __syncthreads();  // every kept row of the tile has been read
-      for (int bi = 0; bi < 4; ++bi) {
-        const int64_t rb = row_bytes[bi];
-        copy_rows(ScatterRows{part_rows(view, bi), smem + layout.stage[bi], src_slot, dst_slot},
-                  tile_kept, rb, width.w[bi]);
-      }
-    }
-    kept += tile_kept;
-    __syncthreads();  // staging, the slot lists and the scan storage are reused by the next tile
+    kept += compact_tile(view, width, s, b, n, kept, keep, tile, sm, [](int) {});
   }
   // Every thread has read len[s] above (and, for n > 0, passed a barrier since).
   __syncthreads();
   if (threadIdx.x == 0) len[s] = static_cast<int32_t>(kept);
+}
+
+// ---------------------------------------------------------------------------------------
+// compact, several blocks per segment (stores with fewer segments than SMs, where one
+// block per segment would leave most of the GPU idle on long segments)
+//
+// Three kernels on the stream: count the kept tokens of every tile; move the tiles, one
+// block each; write the new lengths. The move is the one-block kernel's step for one tile
+// (compact_tile), with its destination kept = the kept tokens of the segment's earlier tiles
+// (from the counts). Tiles of a segment now run at once, so a tile's writes must wait:
+//   - tile c writes tokens [kept_c, kept_c + tile_kept_c), which lie in tiles
+//     kept_c / tile .. c (kept_c <= c * tile, and the range ends before tile c does);
+//   - so before writing, tile c waits until each of tiles kept_c / tile .. c - 1 has read
+//     its rows (read_done, set once a tile's reads are complete: every thread has passed
+//     the barrier after them, so their loads have returned); its own reads are done;
+//   - no other tile writes into tile c's rows before tile c has read them, by the same
+//     rule from the writer's side; destinations of different tiles are disjoint.
+// Waits only go to earlier tiles of the same segment. Blocks take their tile from a
+// ticket (an atomic counter) in (segment, tile) order, not from blockIdx: a block waits
+// only on tickets taken before its own, by blocks that are running or done, which never
+// wait on it, so the waits always end (the single-pass scan's argument in CUB).
+// The lengths are read by every block and rewritten only by the third kernel.
+
+__global__ void __launch_bounds__(kCompactThreads)
+    compact_count_kernel(PagedView view, const int32_t* len, const bool* keep, int tile,
+                         int64_t tiles, int32_t* counts) {
+  const int64_t s = blockIdx.x / tiles, c = blockIdx.x % tiles;
+  const int64_t i = c * tile + threadIdx.x, n = len[s];
+  const bool kept = threadIdx.x < tile && i < n && keep[view.slot(s, i)];
+  const int count = __syncthreads_count(kept);
+  if (threadIdx.x == 0) counts[blockIdx.x] = count;
+}
+
+__global__ void __launch_bounds__(kCompactThreads)
+    compact_tiles_kernel(PagedView view, CompactWidths width, const int32_t* len,
+                         const bool* keep, int tile, int64_t tiles, const int32_t* counts,
+                         unsigned int* ticket, int* read_done) {
+  const CompactSmem sm = compact_smem(view, tile);
+  __shared__ unsigned int my_ticket;
+  __shared__ unsigned long long kept_before;
+  if (threadIdx.x == 0) {
+    my_ticket = atomicAdd(ticket, 1u);
+    kept_before = 0;
+  }
+  __syncthreads();
+  const int64_t s = my_ticket / tiles, c = my_ticket % tiles;
+  const int64_t n = len[s], b = c * tile;
+  if (b >= n) return;  // past the segment's tokens: no later tile of it waits on this one
+  unsigned long long part = 0;
+  for (int64_t t = threadIdx.x; t < c; t += blockDim.x) part += counts[s * tiles + t];
+  atomicAdd(&kept_before, part);
+  __syncthreads();
+  const int64_t kept = static_cast<int64_t>(kept_before);
+  compact_tile(view, width, s, b, n, kept, keep, tile, sm, [&](int) {
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicExch(read_done + s * tiles + c, 1);
+      for (int64_t t = kept / tile; t < c; ++t) {
+        while (atomicAdd(read_done + s * tiles + t, 0) == 0) __nanosleep(100);
+      }
+      __threadfence();
+    }
+    __syncthreads();
+  });
+}
+
+__global__ void compact_lengths_kernel(const int32_t* counts, int64_t tiles, int32_t* len) {
+  __shared__ unsigned long long total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  unsigned long long part = 0;
+  for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) part += counts[blockIdx.x * tiles + t];
+  atomicAdd(&total, part);
+  __syncthreads();
+  if (threadIdx.x == 0) len[blockIdx.x] = static_cast<int32_t>(total);
 }
 
 }  // namespace
@@ -406,9 +501,40 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
     C10_CUDA_CHECK(cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  compact_kernel<<<static_cast<unsigned int>(segments), kCompactThreads, static_cast<size_t>(smem),
-                   at::cuda::getCurrentCUDAStream()>>>(view, width, len.data_ptr<int32_t>(),
-                                                       keep.data_ptr<bool>(), static_cast<int>(tile));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // Tiles per segment: enough for the most tokens its page-table row can hold (the host
+  // knows no lengths; blocks past a segment's length return at once).
+  const int64_t tiles = (view.width * view.page_size() + tile - 1) / tile;
+  if (segments >= sms || tiles <= 1) {
+    compact_kernel<<<static_cast<unsigned int>(segments), kCompactThreads, static_cast<size_t>(smem),
+                     stream>>>(view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(),
+                               static_cast<int>(tile));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  TORCH_CHECK_VALUE(segments * tiles < INT32_MAX, "compact: ", segments, " segments of ", tiles,
+                    " tiles exceed the grid");
+  // Its few bytes of static shared memory come on top of the dynamic buffer, which may be
+  // the whole 48 KiB a launch gets without opting in: opt in always.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(compact_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  const auto on_device = len.options();
+  const at::Tensor counts = at::empty({segments * tiles}, on_device);
+  // read_done flags, then the ticket counter, zeroed together.
+  const at::Tensor sync = at::zeros({segments * tiles + 1}, on_device);
+  const auto blocks = static_cast<unsigned int>(segments * tiles);
+  compact_count_kernel<<<blocks, kCompactThreads, 0, stream>>>(
+      view, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), static_cast<int>(tile), tiles,
+      counts.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  compact_tiles_kernel<<<blocks, kCompactThreads, static_cast<size_t>(smem), stream>>>(
+      view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), static_cast<int>(tile), tiles,
+      counts.data_ptr<int32_t>(), reinterpret_cast<unsigned int*>(sync.data_ptr<int32_t>() + segments * tiles),
+      sync.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  compact_lengths_kernel<<<static_cast<unsigned int>(segments), kCompactThreads, 0, stream>>>(
+      counts.data_ptr<int32_t>(), tiles, len.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
