@@ -60,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prepare_append", &RaggedKVStore::prepare_append, py::arg("k"), py::arg("v"),
            py::arg("pos"), py::arg("valid") = py::none())
       .def("finish_compact", &RaggedKVStore::finish_compact)
+      .def("append_and_attend", &RaggedKVStore::append_and_attend, py::arg("q"), py::arg("k"),
+           py::arg("v"), py::arg("pos"), py::arg("scale"))
       .def("state", [](const RaggedKVStore& s) {
         return py::make_tuple(s.pool(), s.page_table_device(), s.len_device());
       })

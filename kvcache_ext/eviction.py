@@ -147,11 +147,10 @@ def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
         check_tokens(state, q, k)
     state.check_positions(1)
     pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
-    state.kv.append(k, v, pos, None)      # first: nothing has changed if it refuses the tokens
+    out = state.kv.append_and_attend(k, v, pos, q, scale)   # first: nothing has changed if it refuses
     state.seen += 1
     state.decode_steps += 1
     state.last_pos = torch.maximum(state.last_pos, pos[:, 0])
-    out, _ = state.kv.attend(q, scale, None, ())
     return out.transpose(1, 2)
 
 

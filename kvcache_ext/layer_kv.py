@@ -62,6 +62,14 @@ class RaggedLayerKV:
         """Channels of the cached tokens from a padded [B, H, L, C] tensor (as ``view`` gives)."""
         self.store.set_scores(self.store.from_padded(padded.float()))
 
+    def append_and_attend(self, k, v, pos, q, scale):
+        """``append(k, v, pos, None)`` then ``attend(q, scale, None, ())``'s output: in one host
+        call in eager mode, through the two ops under ``torch.compile``."""
+        if torch.compiler.is_compiling():
+            self.append(k, v, pos, None)
+            return self.attend(q, scale, None, ())[0]
+        return self.store.append_and_attend(q, k.contiguous(), v.contiguous(), pos, scale)
+
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)
         if st is None:

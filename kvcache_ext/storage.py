@@ -40,6 +40,11 @@ class LayerStorage(Protocol):
         """Attention of q [B, Hq, n, D] over the stored tokens: (out, {stat name: slot-layout
         tensor} or None) for the statistics named in ``stats`` (see ``AttentionStats``)."""
 
+    def append_and_attend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, q: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """``append(k, v, pos, None)``, then ``attend(q, scale, None, ())``'s output (a decode
+        step that only appends; one call, so that a storage can do both at once)."""
+
     def view(self, stats: dict | None, need_kv: bool) -> dict:
         """The stored tokens padded: pos, mask, channels, the statistics padded, and k, v."""
 

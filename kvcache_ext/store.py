@@ -93,6 +93,19 @@ class RaggedKVStore:
         ops.store_append(self._pool, self._table, self._len, k, v, pos32, rank, counts,
                          self._page_size, self._channels)
 
+    def append_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """``append(k, v, pos)``, then ``ragged_attention(q, self, scale)`` without statistics,
+        in one host call: out [B, Hq, n, D]. A decode step's store work in eager mode (the
+        two ops and their host steps cost a model's decode step more than the kernels do);
+        nothing is stored when q is refused. Not for ``torch.compile``: it traces the ops."""
+        out = self._store.append_and_attend(checks.tensor(q, "q"), checks.tensor(k, "k"),
+                                            checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
+                                            scale if type(scale) is float else
+                                            checks.real(scale, "scale", what="a finite number"))
+        self._pool, self._table, self._len = self._store.state()   # pages may have been added
+        return out
+
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]

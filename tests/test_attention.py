@@ -253,3 +253,40 @@ def test_bad_input(device):
     after = store.to_dense()
     for name in ("k", "v", "pos", "scores", "lens"):
         assert torch.equal(getattr(after, name), getattr(before, name))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, H, G", [(1, 1, 1), (2, 3, 3), (3, 2, 4)])
+def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
+    """The eager decode's one host call stores what append stores and returns what
+    ragged_attention returns, bit for bit, over ragged segments (one of them empty before
+    the step) and across a page boundary; a refused q stores nothing."""
+    gen = torch.Generator().manual_seed(B * 10 + H)
+    D, L = 16, 20
+    lens = torch.randint(0, L + 1, (B, H), generator=gen)
+    lens.view(-1)[0] = 0
+    stores = []
+    for _ in range(2):
+        store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, page_size=4)
+        k = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+        store.append(k.to(device), k.to(device), torch.arange(L), (torch.arange(L) < lens[..., None]).to(device))
+        stores.append(store)
+    fast, slow = stores
+    for step in range(6):
+        k, v = (torch.randn(B, H, 1, D, generator=gen).to(dtype).to(device) for _ in range(2))
+        q = torch.randn(B, H * G, 1, D, generator=gen).to(dtype).to(device)
+        pos = torch.full((B, 1), L + step, dtype=torch.long)
+        got = fast.append_and_attend(q, k, v, pos.to(device), 0.25)
+        slow.append(k, v, pos.to(device))
+        want, _ = kvcache_ext.ragged_attention(q, slow, 0.25)
+        assert torch.equal(got, want)
+    a, b = fast.to_dense(), slow.to_dense()
+    for field in ("k", "v", "pos", "mask"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    before = fast.to_dense()
+    bad_q = torch.randn(B, H * G, 1, D + 1).to(dtype).to(device)    # another head_dim
+    with pytest.raises(ValueError, match="q must be"):
+        fast.append_and_attend(bad_q, k, v, pos.to(device), 0.25)
+    after = fast.to_dense()
+    assert torch.equal(before.k, after.k) and torch.equal(before.lens, after.lens)

@@ -408,20 +408,22 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
             want = decode_logits(model, general, fed)
         calls = []
         from kvcache_ext import attention as attention_module
-        kernels = attention_module.ops
+        from kvcache_ext.store import RaggedKVStore
+        append_and_attend = RaggedKVStore.append_and_attend
 
-        class Recording:   # the attention_run op, recording its statistics flags
-            def attention_run(self, *args):
-                calls.append(args[-4:])
-                return kernels.attention_run(*args)
-        monkeypatch.setattr(attention_module, "ops", Recording())
+        def recording(store, *args):   # the one host call of an append-only decode step
+            calls.append("append_and_attend")
+            return append_and_attend(store, *args)
+        monkeypatch.setattr(RaggedKVStore, "append_and_attend", recording)
+        # Neither op is called: the statistics, which the op path could ask for, are never made.
+        monkeypatch.setattr(attention_module, "ops", None)
         for name in ("cache_view", "evict", "attend_block", "new_token_validity"):
             monkeypatch.setattr(eviction, name, lambda *a, _name=name, **k: pytest.fail(f"decode called {_name}"))
         monkeypatch.setattr(type(policy.allocation), "head_budgets",
                             lambda *a: pytest.fail("decode allocated budgets"))
         got = decode_logits(model, fast, fed)
     assert torch.equal(got, want)
-    assert calls == [(False, False, False, False)] * 6 * 2             # steps x layers
+    assert calls == ["append_and_attend"] * 6 * 2             # steps x layers
     for a, b in zip(general.layers, fast.layers):
         assert (a.state.seen, a.state.decode_steps) == (b.state.seen, b.state.decode_steps)
         assert torch.equal(a.state.last_pos, b.state.last_pos)

@@ -29,6 +29,12 @@ class RaggedKVStore {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_append(
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
       const c10::optional<at::Tensor>& valid);
+  // A decode step's store work in one host call: append(k, v, pos) of every token, then the
+  // attention of q [B, Hq, n, D] over the store (attention_plan + ops::attention_run, no
+  // statistics). Returns out [B, Hq, n, D]. q is checked before anything is stored. The
+  // patched model's eager decode runs this; torch.compile traces the two ops instead.
+  at::Tensor append_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& pos, double scale);
   // Overwrites token slot[b, h] (an index in [0, len)) of every segment with the token
   // k, v [B, H, 1, D] at position pos [B]. A slot given on the host is always bounds-checked
   // (against the host lengths: free); check_bounds checks one on a CUDA device (a host sync).

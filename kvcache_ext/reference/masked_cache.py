@@ -54,6 +54,10 @@ class MaskedLayerKV:
         out, st = ragged_attention(q, self.k, self.v, self.pos, self.alive, scale, q_pos)
         return out, ({name: st[name] for name in stats} if stats else None)
 
+    def append_and_attend(self, k, v, pos, q, scale):
+        self.append(k, v, pos, None)
+        return self.attend(q, scale, None, ())[0]
+
     def _order(self):
         """The alive tokens of every head first, in position order, as the ragged store keeps them."""
         order = torch.argsort((~self.alive).to(torch.uint8), dim=-1, stable=True)
