@@ -85,6 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_slabs", &RaggedKVStore::num_slabs)
       .def_property_readonly("slab_allocations", &RaggedKVStore::slab_allocations)
       .def_property_readonly("repacks", &RaggedKVStore::repacks)
+      .def_property_readonly("state_version", &RaggedKVStore::state_version)
       .def_property_readonly("num_tokens", &RaggedKVStore::num_tokens)
       .def_property_readonly("nbytes", &RaggedKVStore::nbytes)
       .def_property_readonly("batch", &RaggedKVStore::batch)

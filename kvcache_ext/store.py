@@ -68,6 +68,7 @@ class RaggedKVStore:
     def _refresh(self) -> None:
         """Takes the state from the page allocator after it changed it (new pages, repack)."""
         self._pool, self._table, self._len = self._store.state()
+        self._state_version = self._store.state_version
 
     def state(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """``(pool, page_table, len)``: the store's own tensors, for the ``torch.ops.kvcache_ext``
@@ -103,7 +104,8 @@ class RaggedKVStore:
                                             checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
                                             scale if type(scale) is float else
                                             checks.real(scale, "scale", what="a finite number"))
-        self._pool, self._table, self._len = self._store.state()   # pages may have been added
+        if self._store.state_version != self._state_version:   # pages were added
+            self._refresh()
         return out
 
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,

@@ -379,6 +379,7 @@ int32_t RaggedKVStore::allocate_slab(int64_t pages) {
   const int64_t base = reinterpret_cast<int64_t>(slab.data_ptr());
   for (int64_t p = 0; p < pages; ++p) page_base_h_.push_back(base + p * record_.bytes);
   slabs_.push_back(std::move(slab));
+  ++state_version_;
   slab_first_.push_back(first);
   ++slab_allocations_;
   return static_cast<int32_t>(first);
@@ -396,6 +397,7 @@ void RaggedKVStore::upload_table() {
   if (current) return;  // e.g. per-step eviction: each head takes back the page it freed
   table_uploaded_ = table_h_;
   table_ = to_device(table_h_, at::kInt, device()).view({num_segments(), width_});
+  ++state_version_;
 }
 
 void RaggedKVStore::repack(int64_t extra) {
@@ -438,6 +440,7 @@ void RaggedKVStore::repack(int64_t extra) {
     slab.index_copy_(0, dst, slabs_[i].index_select(0, src));
   }
   slabs_.clear();
+  ++state_version_;
   slab_first_.clear();
   page_base_h_.clear();
   free_.clear();

@@ -92,6 +92,9 @@ class RaggedKVStore {
   int64_t num_slabs() const { return static_cast<int64_t>(slabs_.size()); }
   int64_t slab_allocations() const { return slab_allocations_; }  // since construction
   int64_t repacks() const { return repacks_; }                    // since construction
+  // Counts the changes of the state tensors (a new slab, a new page table, a repack): a holder
+  // of state() takes it again when this moved.
+  int64_t state_version() const { return state_version_; }
   int64_t num_tokens() const;  // live tokens, summed over segments
   int64_t nbytes() const;      // bytes held by every buffer of the store
   int64_t batch() const { return batch_; }
@@ -133,7 +136,7 @@ class RaggedKVStore {
   std::vector<int32_t> pages_h_;        // pages per segment
   std::vector<int32_t> len_h_;          // host mirror of len_: no device sync to plan
   at::Tensor page_base_, table_, len_;  // on the store's device: int64, int32, int32
-  int64_t slab_allocations_ = 0, repacks_ = 0;
+  int64_t slab_allocations_ = 0, repacks_ = 0, state_version_ = 0;
 };
 
 }  // namespace kvcache_ext
