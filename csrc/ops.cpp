@@ -132,6 +132,24 @@ void check_tokens(const at::Tensor& t, const at::Tensor& like, const char* name)
 
 }  // namespace
 
+void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType dtype,
+                 int64_t batch, int64_t kv_heads, int64_t head_dim, double scale) {
+  check_defined(q, "q");
+  check_device(q, device, "q");
+  check_dtype(q, dtype, "q (the store's dtype)");
+  TORCH_CHECK_VALUE(q.dim() == 4, "q must be [batch, query heads, n, head_dim], got shape ", q.sizes());
+  const int64_t Hq = q.size(1);
+  TORCH_CHECK_VALUE(q.size(0) == batch, "q has batch ", q.size(0), " but the store has batch ", batch);
+  TORCH_CHECK_VALUE(q.size(3) == head_dim, "q has head_dim ", q.size(3),
+                    " but the store has head_dim ", head_dim);
+  TORCH_CHECK_VALUE(Hq >= kv_heads && Hq % kv_heads == 0, "q has ", Hq,
+                    " query heads, which is not a multiple of the store's ", kv_heads, " KV heads");
+  // The kernels compute in float32: a double beyond its range would become inf there.
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= std::numeric_limits<float>::max(),
+                    "scale must be finite as a float32 (|scale| <= 3.4e38), got ", scale);
+  TORCH_CHECK_VALUE(Hq / kv_heads * q.size(2) < INT32_MAX, "too many query rows per KV head");
+}
+
 StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                      int64_t page_size, int64_t head_dim, int64_t score_channels,
                      at::ScalarType dtype) {
@@ -353,21 +371,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   const int64_t S = st.segments, H = kv_heads;
   TORCH_CHECK_VALUE(H >= 1 && S % H == 0, "kv_heads = ", H, " does not divide the ", S,
                     " segments of the page table");
-  check_defined(q_in, "q");
-  check_device(q_in, device, "q");
-  check_dtype(q_in, dtype, "q (the store's dtype)");
-  TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be [batch, query heads, n, head_dim], got shape ",
-                    q_in.sizes());
+  check_query(q_in, device, dtype, S / H, H, head_dim, scale);
   const int64_t B = q_in.size(0), Hq = q_in.size(1), n = q_in.size(2);
-  TORCH_CHECK_VALUE(B == S / H, "q has batch ", B, " but the store has batch ", S / H);
-  TORCH_CHECK_VALUE(q_in.size(3) == head_dim, "q has head_dim ", q_in.size(3),
-                    " but the store has head_dim ", head_dim);
-  TORCH_CHECK_VALUE(Hq >= H && Hq % H == 0, "q has ", Hq, " query heads, which is not a multiple",
-                    " of the store's ", H, " KV heads");
-  // The kernels compute in float32: a double beyond its range would become inf there.
-  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= std::numeric_limits<float>::max(),
-                    "scale must be finite as a float32 (|scale| <= 3.4e38), got ", scale);
-  TORCH_CHECK_VALUE(Hq / H * n < INT32_MAX, "too many query rows per KV head");
   check_defined(plan, "plan");
   check_dtype(plan, at::kInt, "plan");
   check_device(plan, device, "plan");

@@ -75,6 +75,12 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
 // without a sync. A plan is valid until the lengths change (the next append or compact).
 at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device);
 
+// The checks of attention_run's q and scale against a store's layout (batch items, KV
+// heads, head_dim, dtype, device), for a caller that must refuse them before it changes the
+// store (RaggedKVStore::append_and_attend).
+void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType dtype,
+                 int64_t batch, int64_t kv_heads, int64_t head_dim, double scale);
+
 // attention_run: the attention of q [B, Hq, n, D] over the state (kv_heads H per batch item,
 // so S = B * H; Hq a multiple of H), with the plan of the
 // current lengths. Returns (out, mass, last, sum_sq, count); a statistic not asked for is

@@ -99,7 +99,7 @@ class RaggedKVStore:
         """``append(k, v, pos)``, then ``ragged_attention(q, self, scale)`` without statistics,
         in one host call: out [B, Hq, n, D]. A decode step's store work in eager mode (the
         two ops and their host steps cost a model's decode step more than the kernels do);
-        nothing is stored when q is refused. Not for ``torch.compile``: it traces the ops."""
+        nothing is stored when q or scale is refused. Not for ``torch.compile``: it traces the ops."""
         out = self._store.append_and_attend(checks.tensor(q, "q"), checks.tensor(k, "k"),
                                             checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
                                             scale if type(scale) is float else

@@ -261,7 +261,7 @@ def test_bad_input(device):
 def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
     """The eager decode's one host call stores what append stores and returns what
     ragged_attention returns, bit for bit, over ragged segments (one of them empty before
-    the step) and across a page boundary; a refused q stores nothing."""
+    the step) and across a page boundary; a refused q or scale stores nothing."""
     gen = torch.Generator().manual_seed(B * 10 + H)
     D, L = 16, 20
     lens = torch.randint(0, L + 1, (B, H), generator=gen)
@@ -286,7 +286,9 @@ def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     before = fast.to_dense()
     bad_q = torch.randn(B, H * G, 1, D + 1).to(dtype).to(device)    # another head_dim
-    with pytest.raises(ValueError, match="q must be"):
+    with pytest.raises(ValueError, match="q has head_dim"):
         fast.append_and_attend(bad_q, k, v, pos.to(device), 0.25)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        fast.append_and_attend(q, k, v, pos.to(device), float("inf"))
     after = fast.to_dense()
     assert torch.equal(before.k, after.k) and torch.equal(before.lens, after.lens)

@@ -164,14 +164,7 @@ void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::T
 
 at::Tensor RaggedKVStore::append_and_attend(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const at::Tensor& pos, double scale) {
-  check_defined(q, "q");
-  TORCH_CHECK_TYPE(q.scalar_type() == dtype(), "q must have the store's dtype ", dtype(), ", got ",
-                   q.scalar_type());
-  check_device(q, device(), "q");
-  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(0) == batch_ && q.size(1) >= heads_ &&
-                        q.size(1) % heads_ == 0 && q.size(3) == head_dim_,
-                    "q must be [batch, query heads, n, head_dim] = [", batch_, ", a multiple of ",
-                    heads_, ", n, ", head_dim_, "], got ", q.sizes());
+  ops::check_query(q, device(), dtype(), batch_, heads_, head_dim_, scale);  // before anything is stored
   append(k, v, pos, c10::nullopt);
   const at::Tensor plan = attention_plan(q.size(1) / heads_ * q.size(2));
   return std::get<0>(ops::attention_run(q, slabs_, table_, len_, plan, c10::nullopt, scale, heads_,
