@@ -242,10 +242,17 @@ void store_append(at::TensorList pool, const at::Tensor& page_table, const at::T
     check_contents_cpu(page_table, len, st.capacity / page_size, st.view.shift,
                        has_counts ? counts.data_ptr<int32_t>() : nullptr, n);
   }
+  append_tokens(st, len, k, v, pos32, rank, counts);
+}
+
+void append_tokens(const StateView& st, const at::Tensor& len, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& pos32, const at::Tensor& rank,
+                   const at::Tensor& counts) {
+  const int64_t S = st.segments, n = k.size(2), D = k.size(3);
   if (n == 0 || S == 0) return;
-  KVCACHE_DEVICE_DISPATCH(device, store::append, st.view, len, k.view({S, n, D}),
+  KVCACHE_DEVICE_DISPATCH(len.device(), store::append, st.view, len, k.view({S, n, D}),
                           v.view({S, n, D}), pos32, rank);
-  if (has_counts) len.add_(counts); else len.add_(n);
+  if (counts.defined()) len.add_(counts); else len.add_(n);
 }
 
 void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
@@ -367,7 +374,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
     at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count) {
   const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
-  const c10::Device device = page_table.device();
+  return attend(st, q_in, len, plan, q_pos_in, scale, kv_heads, head_dim, dtype, want_mass,
+                want_last, want_sum_sq, want_count);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
+    const StateView& st, const at::Tensor& q_in, const at::Tensor& len, const at::Tensor& plan,
+    const c10::optional<at::Tensor>& q_pos_in, double scale, int64_t kv_heads, int64_t head_dim,
+    at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count) {
+  const c10::Device device = len.device();
   const int64_t S = st.segments, H = kv_heads;
   TORCH_CHECK_VALUE(H >= 1 && S % H == 0, "kv_heads = ", H, " does not divide the ", S,
                     " segments of the page table");

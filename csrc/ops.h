@@ -91,4 +91,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
     at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count);
 
+// The work of store_append and attention_run on a StateView, past the checks of the state:
+// one the ops made with state_view, or the one the store's page allocator keeps
+// (RaggedKVStore::own_state), which needs no per-slab checks or page-address lookup: a
+// store's decode step costs the same however many slabs its pages lie in.
+// append_tokens: k, v [B, H, n, D] contiguous, pos32 [B, n] int32 contiguous, rank and counts
+// both undefined or as store_append takes them; the pages must hold len + counts tokens.
+void append_tokens(const StateView& st, const at::Tensor& len, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& pos32, const at::Tensor& rank,
+                   const at::Tensor& counts);
+// attend: attention_run's checks of q, scale and plan, then its work.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
+    const StateView& st, const at::Tensor& q, const at::Tensor& len, const at::Tensor& plan,
+    const c10::optional<at::Tensor>& q_pos, double scale, int64_t kv_heads, int64_t head_dim,
+    at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count);
+
 }  // namespace kvcache_ext::ops

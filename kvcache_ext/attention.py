@@ -83,7 +83,7 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
         q_pos = torch.as_tensor(q_pos)
     if plan is None:
         plan = store.attention_plan(q.shape[1] // store.heads * q.shape[2] if q.dim() == 4 else 1)
-    pool, table, lens = store._pool, store._table, store._len
+    pool, table, lens = store._current()
     out, *fields = ops.attention_run(q, pool, table, lens, plan, q_pos, float(scale), store.heads,
                                      store._page_size, store._head_dim, store._channels,
                                      store._dtype, *flags)

@@ -281,6 +281,9 @@ def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
         slow.append(k, v, pos.to(device))
         want, _ = kvcache_ext.ragged_attention(q, slow, 0.25)
         assert torch.equal(got, want)
+        # append_and_attend leaves the Python state to its next reader: the ops path reads
+        # the pages it added (a stale pool lacks them and is refused on CPU).
+        assert torch.equal(kvcache_ext.ragged_attention(q, fast, 0.25)[0], want)
     a, b = fast.to_dense(), slow.to_dense()
     for field in ("k", "v", "pos", "mask"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field

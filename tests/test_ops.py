@@ -255,6 +255,22 @@ def test_ops_compile_fullgraph():
     assert torch.equal(store.to_dense().k, eager_store.to_dense().k)
 
 
+def test_compiled_attention_after_eager_decode_reads_the_new_pages():
+    """The eager decode (append_and_attend) adds pages without taking the Python state again;
+    a compiled function that reads the store next sees them (``_stale`` guards its graph)."""
+    store, twin = make_store(SHAPES[1], "cpu"), make_store(SHAPES[1], "cpu")
+    compiled = torch.compile(lambda q, s: kvcache_ext.ragged_attention(q, s, 0.25)[0], backend="aot_eager")
+    q = torch.randn(2, 4, 1, 16)
+    torch.testing.assert_close(compiled(q, store), kvcache_ext.ragged_attention(q, twin, 0.25)[0])
+    allocations = store.slab_allocations
+    for step in range(2 * store.page_size):
+        k, v = tokens(store, 1, seed=step)
+        store.append_and_attend(q, k, v, torch.full((2, 1), 60 + step), 0.25)
+        twin.append(k, v, torch.full((2, 1), 60 + step))
+        torch.testing.assert_close(compiled(q, store), kvcache_ext.ragged_attention(q, twin, 0.25)[0])
+    assert store.slab_allocations > allocations      # the steps did add pages
+
+
 def _graph_ops(gm):
     return {str(node.target).removesuffix(".default") for node in gm.graph.nodes
             if node.op == "call_function" and "kvcache_ext" in str(node.target)}

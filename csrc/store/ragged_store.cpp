@@ -96,6 +96,15 @@ store::PagedView RaggedKVStore::view() const {
                           shift_, record_};
 }
 
+ops::StateView RaggedKVStore::own_state() const {
+  ops::StateView st;
+  st.view = view();
+  st.page_base = page_base_;
+  st.segments = num_segments();
+  st.capacity = capacity();
+  return st;
+}
+
 at::Tensor RaggedKVStore::page_table() const {
   return at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
 }
@@ -159,7 +168,7 @@ void RaggedKVStore::check_tokens(const at::Tensor& t, int64_t n, const char* nam
 void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                            const c10::optional<at::Tensor>& valid) {
   const auto [pos32, rank, counts] = prepare_append(k, v, pos, valid);
-  ops::store_append(slabs_, table_, len_, k, v, pos32, rank, counts, page_size_, score_channels_);
+  ops::append_tokens(own_state(), len_, k, v, pos32, rank, counts);
 }
 
 at::Tensor RaggedKVStore::append_and_attend(const at::Tensor& q, const at::Tensor& k,
@@ -167,9 +176,8 @@ at::Tensor RaggedKVStore::append_and_attend(const at::Tensor& q, const at::Tenso
   ops::check_query(q, device(), dtype(), batch_, heads_, head_dim_, scale);  // before anything is stored
   append(k, v, pos, c10::nullopt);
   const at::Tensor plan = attention_plan(q.size(1) / heads_ * q.size(2));
-  return std::get<0>(ops::attention_run(q, slabs_, table_, len_, plan, c10::nullopt, scale, heads_,
-                                        page_size_, head_dim_, score_channels_, dtype(), false,
-                                        false, false, false));
+  return std::get<0>(ops::attend(own_state(), q, len_, plan, c10::nullopt, scale, heads_,
+                                 head_dim_, dtype(), false, false, false, false));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
@@ -185,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
                         pos32.sizes() == at::IntArrayRef({batch_, n}),
                     "pos must have shape [batch, n] = [", batch_, ", ", n, "] or [n], got ",
                     pos32.sizes());
-  if (pos32.dim() == 1) pos32 = pos32.unsqueeze(0).expand({batch_, n}).contiguous();
+  pos32 = pos32.expand({batch_, n}).contiguous();
   const int64_t S = num_segments();
 
   std::vector<int64_t> incoming(S, n);

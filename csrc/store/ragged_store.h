@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
 #include "store/paged_layout.h"
 
 namespace kvcache_ext {
@@ -85,6 +86,9 @@ class RaggedKVStore {
   // changes the store.
   store::PagedView view() const;
   const at::Tensor& len_device() const { return len_; }
+  // The state as the ops' kernels take it, from what the page allocator keeps (page_base_,
+  // table_): no per-slab checks or lookups, unlike ops::state_view on pool().
+  ops::StateView own_state() const;
 
   int64_t capacity() const { return num_pages() * page_size_; }  // slots in slot layout
   int64_t num_pages() const { return static_cast<int64_t>(page_base_h_.size()); }
