@@ -153,9 +153,11 @@ def test_large_operations_match_the_reference(device, dtype):
 
 
 def test_decoding_grows_by_whole_pages_and_moves_no_token(device):
-    """Single-token appends into very unequal segments: every growth allocates only the pages
-    that filled up (never more than one per segment), no stored token moves, and the bytes
-    held are the tokens rounded up to whole pages."""
+    """Single-token appends into very unequal segments: every growth allocates whole pages,
+    never more than one per segment, each segment holds the pages its tokens need and at most
+    the next one (a slab a segment needs also holds the next page of the segments that fill
+    theirs within page_size / 2 tokens), no stored token moves, and the bytes held are the
+    pages' records."""
     size, H, D = 16, 8, 16
     store = kvcache_ext.RaggedKVStore(1, H, D, dtype=torch.float32, device=device, page_size=size)
     lens = torch.tensor([1000, 1, 1, 1, 5, 50, 1, 16])
@@ -166,19 +168,47 @@ def test_decoding_grows_by_whole_pages_and_moves_no_token(device):
     record = (2 * size * D * 4) + size * 4 + size * 4   # K, V, pos, one score channel
     assert store.free_pages == 0 and store.slab_allocations == 1
     tok = torch.randn(1, H, 1, D, device=device)
-    pages = store.num_pages
+    pages, allocations = store.num_pages, store.slab_allocations
+    steps_adding = 0
     for t in range(1000):
         store.append(tok, tok, torch.tensor([n + t], device=device))
         grown = store.num_pages - pages
         assert 0 <= grown <= H
+        steps_adding += grown > 0
         pages = store.num_pages
-        assert pages == int(((lens + t + 1 + size - 1) // size).sum())
+        held = store.caps.view(-1)
+        assert (held >= (lens + t + 1 + size - 1) // size * size).all(), t
+        assert (held <= (lens + t + 1 + size // 2 + size - 1) // size * size).all(), t
+        assert pages * size == int(held.sum())
+    # Without the lookahead, these lengths (7 distinct remainders mod 16) would allocate on
+    # 7 of every 16 steps; with it, every head has 8 free slots after an allocation.
+    assert store.slab_allocations - allocations == steps_adding <= 1000 // (size // 2) + 1
     assert store.repacks == 0 and store.free_pages == 0
     assert torch.equal(store.lens, (lens + 1000).view(1, H))
     dense = store.to_dense()
     assert torch.equal(dense.k[0, 0, :n], k[0, 0])           # the first tokens never moved
     tables = store.page_table.numel() * 4 + store.num_pages * 8 + H * 4
     assert store.nbytes == store.num_pages * record + tables
+
+
+def test_equal_segments_take_exactly_the_pages_they_fill_and_reserve_adds_no_lookahead(device):
+    """Segments of equal lengths fill their pages on the same step: each growth is one page per
+    segment and nothing ahead (one-shot SnapKV decodes so). reserve(n) gives exactly the pages
+    for n more tokens."""
+    size, B, H, D = 8, 2, 3, 4
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.float32, device=device, page_size=size)
+    k = torch.randn(B, H, 20, D, device=device)
+    store.append(k, k, torch.arange(20, device=device))
+    assert store.num_pages == B * H * 3                      # 20 tokens + 4 ahead: 3 pages each
+    tok = torch.randn(B, H, 1, D, device=device)
+    for t in range(20, 60):
+        store.append(tok, tok, torch.tensor([t], device=device))
+        assert store.num_pages == B * H * ((t + 1 + size - 1) // size), t
+    assert store.slab_allocations == 1 + 5                   # at 25, 33, 41, 49, 57 tokens
+    store.reserve(5)                                         # 60 + 5 tokens: 9 pages each
+    assert store.num_pages == B * H * 9
+    store.reserve(12)                                        # 72 tokens: 9 pages, nothing new
+    assert store.num_pages == B * H * 9 and store.slab_allocations == 1 + 5 + 1
 
 
 def test_compaction_frees_whole_pages_and_appends_reuse_them(device):
@@ -300,6 +330,9 @@ def test_per_step_eviction_gives_each_head_back_its_own_page(device):
     store = kvcache_ext.RaggedKVStore(2, 3, 8, dtype=torch.float32, device=device, page_size=4)
     k = torch.randn(2, 3, 8, 8, device=device)
     store.append(k, k, torch.arange(8, device=device))
+    # The prompt's slab also holds every head's third page (8 tokens fill two pages exactly,
+    # within the page_size / 2 lookahead): decoding never allocates.
+    assert store.num_pages == 6 * 3
     tok = torch.randn(2, 3, 1, 8, device=device)
     table, allocations = None, store.slab_allocations
     for t in range(8, 20):
@@ -309,7 +342,7 @@ def test_per_step_eviction_gives_each_head_back_its_own_page(device):
         table = grown
         store.compact(store.select(8, torch.rand(store.capacity, device=device)))
         assert store.free_pages == 6
-    assert store.slab_allocations == allocations + 1
+    assert store.slab_allocations == allocations
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -218,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
   if (n == 0) return {pos32, rank, counts};
   std::vector<int64_t> need(S);
   for (int64_t s = 0; s < S; ++s) need[s] = len_h_[s] + incoming[s];
-  ensure_pages(need);
+  ensure_pages(need, page_size_ / 2);
   // The device lengths advance in the store_append op (len += counts): both copies of the
   // lengths move without a host-device transfer.
   for (int64_t s = 0; s < S; ++s) len_h_[s] = static_cast<int32_t>(need[s]);
@@ -331,21 +331,31 @@ void RaggedKVStore::reserve(int64_t extra) {
                     "reserve takes a number of tokens in [0, 2^31 - 1], got ", extra);
   std::vector<int64_t> need(num_segments());
   for (size_t s = 0; s < need.size(); ++s) need[s] = len_h_[s] + extra;  // < 2^32: no overflow
-  ensure_pages(need);
+  ensure_pages(need, 0);
 }
 
-void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need) {
+void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need, int64_t lookahead) {
   const int64_t S = num_segments();
   std::vector<int64_t> missing(S);
   int64_t total_missing = 0, widest = width_;
-  for (int64_t s = 0; s < S; ++s) {
+  const auto count_missing = [&](int64_t ahead) {
+    total_missing = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t pages = (std::min<int64_t>(need[s] + ahead, INT32_MAX) + page_size_ - 1) >> shift_;
+      missing[s] = std::max<int64_t>(0, pages - pages_h_[s]);
+      total_missing += missing[s];
+      widest = std::max(widest, pages);
+    }
+  };
+  for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK_VALUE(need[s] <= INT32_MAX, "a segment cannot hold more than 2^31 - 1 tokens");
-    const int64_t pages = (need[s] + page_size_ - 1) >> shift_;
-    missing[s] = std::max<int64_t>(0, pages - pages_h_[s]);
-    total_missing += missing[s];
-    widest = std::max(widest, pages);
-  }
+  count_missing(0);
   if (total_missing == 0) return;
+  // A new slab costs the same whatever it holds: when one is needed, it also holds the next
+  // page of every segment that will fill its last page within `lookahead` tokens. Heads of
+  // unequal lengths (Ada-KV) fill their pages on different decode steps; without this, most
+  // steps would allocate a one-page slab.
+  if (lookahead > 0 && total_missing > free_pages()) count_missing(lookahead);
   // Free pages first, in the order they were freed (a segment that freed a page takes it
   // back, and the device's table is then already right), then one new slab for the rest:
   // the pages a segment has never move.

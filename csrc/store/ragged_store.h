@@ -114,8 +114,8 @@ class RaggedKVStore {
  private:
   void check_tokens(const at::Tensor& t, int64_t n, const char* name) const;
   // Gives segment s pages for need[s] tokens, taking free pages first and allocating one
-  // slab for the rest.
-  void ensure_pages(const std::vector<int64_t>& need);
+  // slab for the rest; when a slab is allocated, pages for need[s] + lookahead tokens.
+  void ensure_pages(const std::vector<int64_t>& need, int64_t lookahead);
   // Allocates a slab of `pages` pages; returns the id of its first page.
   int32_t allocate_slab(int64_t pages);
   void upload_page_base();
