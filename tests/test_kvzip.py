@@ -93,6 +93,64 @@ def test_scores_equal_an_independent_implementation(chunk, softmax):
         torch.testing.assert_close(g[0].double(), e, atol=1e-5, rtol=1e-4, msg=f"layer {layer}")
 
 
+@pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
+def test_a_left_padded_batch_scores_each_row_as_alone(chunk, softmax):
+    """Batch 2, the second row left-padded by 9: each row's scores (its real tokens) are those
+    of the row scored alone, so padding neither scores nor is scored (its pass is left-padded
+    too); the independent test above covers batch 1. Chunks split the padded columns, so with
+    several passes only the unpadded row is rebuilt in the same chunks as alone."""
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=2)
+    ids, mask = inputs(batch=2, length=31, pad=(0, 9), seed=5)
+    policy = Policy(kvzip(chunk=chunk, softmax=softmax), budget=10)
+    from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+
+    def scores(ids_, mask_):
+        recorded = record_prefill(model, ids_, mask_)
+        with kvcache_ext.patch(model, policy) as handle:
+            return handle.score_prompt(compressed_cache(policy, recorded), ids_, mask_)
+
+    both = scores(ids, mask)
+    for row in range(2) if chunk >= ids.shape[1] else (0,):
+        real = mask[row].bool()
+        alone = scores(ids[row:row + 1, real], mask[row:row + 1, real])
+        for layer, (b, a) in enumerate(zip(both, alone)):
+            torch.testing.assert_close(b[row][:, real], a[0], atol=1e-5, rtol=1e-4,
+                                       msg=f"row {row}, layer {layer}")
+            assert (b[row][:, ~real] == 0).all()
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("how", ["all", "mask", "causal"])
+def test_attention_with_lse_equals_softmax_of_the_logits(monkeypatch, G, how):
+    """A reconstruction pass's attention and log-sum-exp, from the fused op (CPU) and from the
+    logits (elsewhere), equal a plain softmax of the masked logits: all keys, a padding mask
+    (one query sees nothing: output 0, lse -inf) and causal; GQA and one head per group."""
+    from kvcache_ext import reconstruction
+    gen = torch.Generator().manual_seed(3)
+    B, H, c, D = 2, 2, 5, 8
+    S = c if how == "causal" else 11
+    q, k, v = (torch.randn(B, h, s, D, generator=gen) for h, s in ((H * G, c), (H, S), (H, S)))
+    sees = {"all": torch.ones(B, 1, c, S, dtype=torch.bool),
+            "mask": torch.rand(B, 1, c, S, generator=gen) < 0.6,
+            "causal": torch.ones(c, S, dtype=torch.bool).tril().expand(B, 1, c, S)}[how].clone()
+    if how == "mask":
+        sees[..., 0] = True
+        sees[1, 0, 2] = False            # a query that sees nothing
+    given = dict(sees=sees if how == "mask" else None, causal=how == "causal")
+    fused = reconstruction.attention_with_lse(q, k, v, 0.3, **given)
+    monkeypatch.setattr(reconstruction, "FUSED_LSE_DEVICES", ())
+    plain = reconstruction.attention_with_lse(q, k, v, 0.3, **given)
+    logits = (q.view(B, H, G, c, D) * 0.3) @ k[:, :, None].transpose(-1, -2)
+    logits = logits.masked_fill(~sees[:, :, None], float("-inf")).flatten(1, 2)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    expected = (probs @ v.repeat_interleave(G, dim=1), logits.logsumexp(dim=-1))
+    if how == "mask":
+        assert expected[1][1, :, 2].isneginf().all()
+    for got in (fused, plain):
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
 def test_passes_chunk_the_context_with_the_instructions():
     scorer = kvzip(chunk=4, overlap=2)
     ids = torch.tensor([[0, 0, 21, 22, 23, 24, 25, 26]])
