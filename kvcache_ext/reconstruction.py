@@ -48,20 +48,70 @@ def attend_context(state, q, k, v, pos):
     real = ctx.pass_real
     # Every context token is older than every pass token: a pass token sees the real context
     # and, causally, the real pass tokens before it (padding sees the context only).
-    padded_context, padded_pass = not bool(ctx.valid.all()), not bool(real.all())   # host checks, once
+    padded_pass = not bool(real.all())   # a host check, once
     sees_new = (pos[:, None, :] <= pos[:, :, None]) & real[:, None, :] if padded_pass else None   # [B, r, r]
-    # The output in two parts merged by their log-sum-exps, as flash-decoding merges splits:
-    # the context (no causal structure, a mask only for padding) and the pass's own tokens
-    # (causal). One masked call over both would compute every (query, key) pair of the pass
-    # with an explicit mask: measured 1.5x slower in total at 2K tokens.
-    ctx_out, ctx_lse = attention_with_lse(q, ctx.k, ctx.v, ctx.scale,
-                                          sees=ctx.valid[:, None, None, :] if padded_context else None)
+    # The output in parts merged by their log-sum-exps, as flash-decoding merges splits: the
+    # keys the scores' softmax runs over, the rest of the context (no causal structure, a mask
+    # only for padding) and the pass's own tokens (causal). One masked call over everything
+    # would compute every (query, key) pair of the pass with an explicit mask: measured 1.5x
+    # slower in total at 2K tokens. The scored part's log-sum-exp is the scores' normaliser.
+    scored, rest = scored_keys(ctx, scorer)
+    parts = [attention_with_lse(q, scored.k, scored.v, ctx.scale, sees=scored.sees)]
+    if rest is not None:
+        rest_k, rest_v, rest_sees = rest
+        parts.append(attention_with_lse(q, rest_k, rest_v, ctx.scale, sees=rest_sees))
     new_out, new_lse = attention_with_lse(q, k, v, ctx.scale, causal=not padded_pass,
                                           sees=sees_new[:, None] if padded_pass else None)
-    lse = torch.logaddexp(ctx_lse, new_lse)
-    out = ctx_out * (ctx_lse - lse).exp()[..., None] + new_out * (new_lse - lse).exp()[..., None]
-    score_pass(ctx, scorer, q, lse, new_lse, real if padded_pass else None)
+    parts.append((new_out, new_lse))
+    lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
+    out = sum(part_out * (part_lse - lse).exp()[..., None] for part_out, part_lse in parts)
+    # The scores' softmax: over everything the query sees (softmax="context", the model's own),
+    # or over the scored keys and the pass's own tokens ("chunk", KVzip's code).
+    norm = lse if rest is None else torch.logaddexp(parts[0][1], new_lse)
+    score_pass(ctx, scorer, q, norm, scored, real if padded_pass else None)
     return out.to(q.dtype).transpose(1, 2)
+
+
+@dataclass
+class ScoredKeys:
+    """The context keys a pass scores: the sinks before its window, then the window."""
+
+    k: torch.Tensor                  # [B, H, w, D]
+    v: torch.Tensor
+    sees: torch.Tensor | None        # [B, 1, 1, w] bool; None: every row sees every key
+    first: int                       # the window's first column (the sinks come before it)
+    window: tuple[int, int]          # the context indices the window's columns hold
+
+
+def scored_keys(ctx, scorer):
+    """The context split for a pass: (the keys the scores' softmax runs over, as ScoredKeys;
+    the other keys as (k, v, sees) or None). With ``softmax="chunk"`` and a pass that rebuilds
+    part of the context (indices ``ctx.window``), the scored keys are the sinks before the
+    chunk (the shortest prefix that holds every row's: left padding moves them, the other
+    columns of it masked) and the chunk; otherwise the whole context. A part's ``sees`` is None
+    when every row sees all of it."""
+    n = ctx.k.shape[2]
+    lo, hi = ctx.window
+    seen = lambda mask: None if bool(mask.all()) else mask[:, None, None, :]   # noqa: E731
+    if scorer.softmax != "chunk" or (lo == 0 and hi == n):
+        return ScoredKeys(ctx.k, ctx.v, seen(ctx.valid), 0, (0, n)), None
+    sink = ctx.valid[:, :lo] & (ctx.pos[:, :lo] < scorer.sinks)                    # [B, lo]
+    e = int((sink * torch.arange(1, lo + 1, device=sink.device)).max()) if lo else 0
+
+    def sinks_then_chunk(x):
+        return torch.cat([x[:, :, :e], x[:, :, lo:hi]], dim=2) if e else x[:, :, lo:hi]
+
+    scored = ScoredKeys(sinks_then_chunk(ctx.k), sinks_then_chunk(ctx.v),
+                        seen(torch.cat([sink[:, :e], ctx.valid[:, lo:hi]], dim=1)), e, (lo, hi))
+    # The rest: before the chunk less the sinks, and after it; columns no row sees are dropped.
+    rest_sees = torch.cat([ctx.valid[:, :lo] & ~sink, ctx.valid[:, hi:]], dim=1)     # [B, n - (hi - lo)]
+    index = rest_sees.any(dim=0).nonzero().flatten()
+    if index.numel() == 0:
+        return scored, None
+    columns = torch.cat([torch.arange(lo, device=index.device),
+                         torch.arange(hi, n, device=index.device)])[index]
+    rest = (ctx.k.index_select(2, columns), ctx.v.index_select(2, columns), seen(rest_sees[:, index]))
+    return scored, rest
 
 
 def block_rows(columns_per_row: int) -> int:
@@ -114,58 +164,31 @@ def attention_with_lse(q, k, v, scale, sees=None, causal=False):
     return out, logits.logsumexp(dim=-1).flatten(1, 2)
 
 
-def score_pass(ctx, scorer, q, lse, new_lse, real):
+def score_pass(ctx, scorer, q, norm, scored: ScoredKeys, real):
     """Folds a pass's probabilities of the context's keys into the context's scores. A query's
-    probability of key j is exp(logit_j - its log-sum-exp), so the largest over the queries
-    is exp of the largest difference: one product of the queries with the keys, a block of
-    queries at a time, no softmax materialised. ``lse`` [B, Hq, r] is over everything the
-    query sees (the model's softmax, ``softmax="context"``); with ``softmax="chunk"`` and a
-    pass that rebuilds part of the context, the scores' softmax runs over the sinks, the chunk
-    and the pass's tokens (KVzip's code), from ``new_lse`` (the pass's tokens' part). ``real``
-    [B, r] (None: no padding) marks the queries that count."""
+    probability of key j is exp(logit_j - its log-sum-exp ``norm`` [B, Hq, r]), so the largest
+    over the queries is exp of the largest difference: one product of the queries, with
+    ``-norm`` as one more column, against the scored keys with a row of 1s, a block of queries
+    at a time; no softmax is materialised and no pass over the logits. ``real`` [B, r] (None:
+    no padding) marks the queries that count."""
     B, Hq, r, D = q.shape
-    H, n = ctx.k.shape[1], ctx.k.shape[2]
+    H = ctx.k.shape[1]
     G = Hq // H
-    lo, hi = ctx.window
-    if scorer.softmax == "chunk" and (lo > 0 or hi < n):
-        # The sinks before the chunk: the shortest prefix that holds every row's (left padding
-        # moves them), the other columns of it masked.
-        sink = ctx.valid[:, :lo] & (ctx.pos[:, :lo] < scorer.sinks)                 # [B, lo]
-        e = int((sink * torch.arange(1, lo + 1, device=q.device)).max()) if lo else 0
-        keys = torch.cat([ctx.k[:, :, :e], ctx.k[:, :, lo:hi]], dim=2)
-        visible = torch.cat([sink[:, :e], ctx.valid[:, lo:hi]], dim=1)              # [B, e + hi - lo]
-        narrow = True
-    else:
-        e, lo, hi, keys, visible, narrow = 0, 0, n, ctx.k, ctx.valid, False
-    keys = keys.float().transpose(2, 3)                                             # [B, H, D, w]
-    if not narrow:
-        # The log-sum-exp goes into the product as one more column of the queries against a
-        # row of -1s: the product gives the log probabilities, with no pass over the logits.
-        keys = torch.cat([keys, keys.new_full((B, H, 1, keys.shape[-1]), -1.0)], dim=2)
-    padded = not bool(visible.all())
+    lo, hi = scored.window
+    keys = scored.k.float().transpose(2, 3)                                        # [B, H, D, w]
+    keys = torch.cat([keys, keys.new_full((B, H, 1, keys.shape[-1]), -1.0)], dim=2)
     w = keys.shape[-1]
+    if real is not None:   # a padding query's probabilities do not count: log probability -inf
+        norm = norm.masked_fill(~real[:, None, :], float("inf"))
     rows = block_rows(B * Hq * w)
     best = None
     for i0 in range(0, r, rows):
         i1, c = min(i0 + rows, r), min(rows, r - i0)
-        block = q[:, :, i0:i1].float() * ctx.scale
-        if narrow:
-            logits = (block.unflatten(1, (H, G)).flatten(2, 3) @ keys).view(B, Hq, c, w)
-            if padded:
-                logits.masked_fill_(~visible[:, None, None, :], float("-inf"))
-            norm = torch.logaddexp(logits.logsumexp(dim=-1), new_lse[:, :, i0:i1])
-        else:
-            norm = lse[:, :, i0:i1]
-        if real is not None:   # a padding query's probabilities do not count: log probability -inf
-            norm = norm.masked_fill(~real[:, None, i0:i1], float("inf"))
-        if narrow:
-            log_probs = logits[..., e:].sub_(norm[..., None])
-        else:
-            block = torch.cat([block, norm[..., None]], dim=-1)                     # [B, Hq, c, D + 1]
-            log_probs = (block.unflatten(1, (H, G)).flatten(2, 3) @ keys).view(B, Hq, c, w)
-            if padded:
-                log_probs.masked_fill_(~visible[:, None, None, :], float("-inf"))
-        top = log_probs.amax(dim=2)                                                 # [B, Hq, hi - lo]
+        block = torch.cat([q[:, :, i0:i1].float() * ctx.scale, norm[:, :, i0:i1, None]], dim=-1)   # [B, Hq, c, D + 1]
+        log_probs = (block.unflatten(1, (H, G)).flatten(2, 3) @ keys).view(B, Hq, c, w)
+        if scored.sees is not None:
+            log_probs.masked_fill_(~scored.sees, float("-inf"))
+        top = log_probs[..., scored.first:].amax(dim=2)                              # [B, Hq, hi - lo]
         best = top if best is None else torch.maximum(best, top)
     probs = best.exp_()[:, :, None]                                                 # [B, Hq, 1, hi - lo]
     ctx.scores[..., lo:hi] = torch.maximum(ctx.scores[..., lo:hi], scorer.pass_scores(probs, G))
