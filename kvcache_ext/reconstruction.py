@@ -11,8 +11,9 @@ tokens are never cached. Finally each layer keeps its budget by those scores (``
 exactly as a one-shot prefill keeps its scorer's.
 
 Extra memory: one pass's activations (``chunk`` tokens plus the instruction) and, per layer
-call, one block of queries' logits over the context (about 8 MiB, ``block_rows``); nothing
-grows with the number of passes.
+call, one block of queries' logits over the scored keys (about 8 MiB, ``block_rows``) and,
+when a pass rebuilds part of a longer context, a copy of one layer's other context keys and
+values; nothing grows with the number of passes.
 """
 from __future__ import annotations
 

@@ -151,6 +151,43 @@ def test_attention_with_lse_equals_softmax_of_the_logits(monkeypatch, G, how):
             torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [(0, 12), (0, 5), (5, 9), (9, 12)])
+@pytest.mark.parametrize("softmax", ["chunk", "context"])
+def test_scored_keys_and_the_rest_split_each_rows_context_once(window, softmax):
+    """The keys a pass's attention runs over, in parts: every valid context key of every row
+    lies in exactly one part, with its own K and V; the scored part holds each row's sinks
+    (first ``sinks`` positions, moved by left padding) then the window (``softmax="chunk"``), or
+    the whole context (``"context"``, or a window that covers it)."""
+    from kvcache_ext.reconstruction import Context, scored_keys
+    gen = torch.Generator().manual_seed(5)
+    B, H, n, D = 2, 2, 12, 4
+    pad = torch.tensor([0, 3])                                   # row 1: left-padded by 3
+    valid = torch.arange(n)[None] >= pad[:, None]
+    pos = (torch.arange(n)[None] - pad[:, None]).clamp(min=0)
+    k, v = (torch.randn(B, H, n, D, generator=gen) for _ in range(2))
+    k[..., 0] = torch.arange(n, dtype=torch.float32)             # each key names its column
+    ctx = Context(k=k, v=v, pos=pos, valid=valid, scale=1.0, scores=torch.zeros(B, H, n), window=window)
+    scorer = kvzip(softmax=softmax, sinks=2)
+    scored, rest = scored_keys(ctx, scorer)
+    lo, hi = window
+    whole = softmax == "context" or window == (0, n)
+    assert scored.window == ((0, n) if whole else window)
+    parts = [(scored.k, scored.v, scored.sees)] + ([rest] if rest is not None else [])
+    for b in range(B):
+        columns = []
+        for part_k, part_v, sees in parts:
+            seen = torch.ones(part_k.shape[2], dtype=torch.bool) if sees is None else sees[b, 0, 0]
+            cols = part_k[b, 0, seen, 0].long()
+            torch.testing.assert_close(part_v[b][:, seen], v[b][:, cols])
+            columns.append(cols.tolist())
+        expected = [j for j in range(n) if valid[b, j]]
+        assert sorted(sum(columns, [])) == expected
+        assert scored.k[b, 0, scored.first:, 0].long().tolist() == list(range(n) if whole else range(lo, hi))
+        if not whole:
+            sinks = [j for j in range(lo) if valid[b, j] and pos[b, j] < 2]
+            assert columns[0] == sinks + [j for j in range(lo, hi) if valid[b, j]]
+
+
 def test_passes_chunk_the_context_with_the_instructions():
     scorer = kvzip(chunk=4, overlap=2)
     ids = torch.tensor([[0, 0, 21, 22, 23, 24, 25, 26]])
