@@ -11,7 +11,7 @@ tokens are never cached. Finally each layer keeps its budget by those scores (``
 exactly as a one-shot prefill keeps its scorer's.
 
 Extra memory: one pass's activations (``chunk`` tokens plus the instruction) and, per layer
-call, one block of queries' logits over the scored keys (about 8 MiB, ``block_rows``) and,
+call, one block of queries' logits over the scored keys (about 2 MiB, ``block_rows``) and,
 when a pass rebuilds part of a longer context, a copy of one layer's other context keys and
 values; nothing grows with the number of passes.
 """
@@ -116,10 +116,12 @@ def scored_keys(ctx, scorer):
 
 
 def block_rows(columns_per_row: int) -> int:
-    """Queries per block so that a block's logits (float32) stay near 8 MiB: blocks far larger
-    come from and go back to the OS on every call (glibc serves allocations over 32 MiB with
-    mmap: page faults and zeroing each time), as 2K-token contexts measured."""
-    return max(16, (2 << 20) // max(1, columns_per_row))
+    """Queries per block so that a block's logits (float32) stay near 2 MiB: a block is written
+    by the product and read back by the max over its queries, and at about 1 MiB per thread it
+    stays in the core's L2 cache between the two (1 MiB per core on the 2-core machine). Per
+    layer call on SmolLM2's shapes, 8 MiB blocks measured 1.08-1.38x slower
+    (bench/kvzip_blocks.py; bench/README.md)."""
+    return max(16, (1 << 19) // max(1, columns_per_row))
 
 
 FUSED_LSE_DEVICES = ("cpu",)   # where PyTorch's fused attention op returns the log-sum-exp
