@@ -171,7 +171,7 @@ def score_pass(ctx, scorer, q, norm, scored: ScoredKeys, real):
     """Folds a pass's probabilities of the context's keys into the context's scores. A query's
     probability of key j is exp(logit_j - its log-sum-exp ``norm`` [B, Hq, r]), so the largest
     over the queries is exp of the largest difference: one product of the queries, with
-    ``-norm`` as one more column, against the scored keys with a row of 1s, a block of queries
+    ``norm`` as one more column, against the scored keys with a row of -1s, a block of queries
     at a time; no softmax is materialised and no pass over the logits. ``real`` [B, r] (None:
     no padding) marks the queries that count."""
     B, Hq, r, D = q.shape
