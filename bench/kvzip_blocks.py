@@ -32,17 +32,17 @@ def time_shape(queries: int, keys: int, repeats: int) -> dict:
                                  scale=D ** -0.5, scores=torch.zeros(B, H, keys), window=(0, keys))
     scorer, lse = KVzip(), torch.randn(B, Hq, queries, generator=gen)
     scored, _ = reconstruction.scored_keys(ctx, scorer)
-    chosen = reconstruction.block_rows
+    chosen = reconstruction.BLOCK_BYTES
     seconds = {mib: [] for mib in SIZES_MIB}
     try:
         for _ in range(repeats):
             for mib in SIZES_MIB:
-                reconstruction.block_rows = lambda columns, mib=mib: max(16, (mib << 18) // max(1, columns))
+                reconstruction.BLOCK_BYTES = mib << 20
                 start = time.perf_counter()
                 reconstruction.score_pass(ctx, scorer, q, lse, scored, None)
                 seconds[mib].append(time.perf_counter() - start)
     finally:
-        reconstruction.block_rows = chosen
+        reconstruction.BLOCK_BYTES = chosen
     return {mib: statistics.median(s) for mib, s in seconds.items()}
 
 
@@ -51,8 +51,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"block_rows(2040 keys * 9 heads) = {reconstruction.block_rows(2041 * 9)} queries")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; the library's blocks: "
+          f"{reconstruction.BLOCK_BYTES >> 20} MiB")
     print("| pass queries | scored keys | " + " | ".join(f"{m} MiB ms" for m in SIZES_MIB) + " | 8 MiB / 2 MiB |")
     print("|---|---|" + "---|" * (len(SIZES_MIB) + 1))
     for queries, keys in SHAPES:

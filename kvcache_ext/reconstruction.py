@@ -115,13 +115,16 @@ def scored_keys(ctx, scorer):
     return scored, rest
 
 
+BLOCK_BYTES = 2 << 20   # the logits of one block of queries in score_pass (see block_rows)
+
+
 def block_rows(columns_per_row: int) -> int:
-    """Queries per block so that a block's logits (float32) stay near 2 MiB: a block is written
-    by the product and read back by the max over its queries, and at about 1 MiB per thread it
-    stays in the core's L2 cache between the two (1 MiB per core on the 2-core machine). Per
-    layer call on SmolLM2's shapes, 8 MiB blocks measured 1.08-1.38x slower
-    (bench/kvzip_blocks.py; bench/README.md)."""
-    return max(16, (1 << 19) // max(1, columns_per_row))
+    """Queries per block so that a block's logits (float32) stay near ``BLOCK_BYTES``: a block
+    is written by the product and read back by the max over its queries, and at about 1 MiB
+    per thread it stays in the core's L2 cache between the two (1 MiB per core on the 2-core
+    machine). Per layer call on SmolLM2's shapes, 8 MiB blocks measured 1.08-1.38x slower than
+    2 MiB ones (bench/kvzip_blocks.py; bench/README.md)."""
+    return max(16, BLOCK_BYTES // (4 * max(1, columns_per_row)))
 
 
 FUSED_LSE_DEVICES = ("cpu",)   # where PyTorch's fused attention op returns the log-sum-exp
