@@ -16,7 +16,9 @@ Every (context, batch) runs these methods side by side in one process, on the sa
   fastest masked decode we know through SDPA. Its prefill is the full one; the scoring is not
   counted, which flatters it.
 - ``snapkv`` and ``ada-snapkv``: ours, compressed once after the prefill (one-shot); the cache
-  then grows by one token per decode step.
+  then grows by one token per decode step. Its cache is told the run's length (prompt +
+  warmup + steps, as the patched ``generate`` tells it ``max_length - 1``), so it holds pages
+  for every decode token once the prompt is compressed, and decoding allocates nothing.
 - ``h2o-step`` and ``caote-step``: ours, per-step decode eviction holding the cache at its
   budget. The prefill is block-wise (blocks of 128, evicting after each, the H2O and CAOTE
   papers' protocol), so the prompt's cache never exceeds the budget plus a block.
@@ -268,7 +270,9 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
             torch.cuda.reset_peak_memory_stats()
         if method in POLICIES:
             handle = kvcache_ext.patch(model, POLICIES[method](budget))
-            cache = handle.new_cache()
+            # What the patched generate gives its cache: the sequence's length to come, so
+            # that a growing cache holds pages for the decode steps up front.
+            cache = handle.new_cache(max_cache_len=ids.shape[1] + warmup + steps)
         else:
             cache = DynamicCache(config=model.config)
             if method.startswith("masked"):

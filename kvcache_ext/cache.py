@@ -121,21 +121,30 @@ class RaggedCache(Cache):
     ``handle.new_cache()`` (or ``RaggedCache(policy, num_layers)``) to run the model step by step.
     ``page_size``: tokens per page of the store (a power of two up to 1024), the unit by which
     a head's cache grows; a head holds its kept tokens rounded up to whole pages.
+    ``max_cache_len``: the longest sequence this cache will see, its prompt and padding
+    included (what ``generate`` computes as ``max_length - 1``; None: not known). With it, a
+    cache that grows while decoding (a schedule without ``decode_every``) keeps pages for every
+    token still to come as soon as its prompt is compressed, so decoding allocates nothing;
+    tokens beyond it still fit (pages are added as they fill up). ``shrink_to_fit`` gives back
+    what an early stop left unused.
     """
 
     storage = RaggedLayerKV
 
-    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, rotary=None):
+    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, rotary=None,
+                 max_cache_len: int | None = None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
         num_layers = integer(num_layers, "RaggedCache num_layers", 1)
+        if max_cache_len is not None:
+            max_cache_len = integer(max_cache_len, "RaggedCache max_cache_len", 1)
         self.policy, self.page_size = policy, check_page_size(page_size)
         self._checked_for = None     # the ModelShape the policy was last checked against
         shared = {}   # cross-layer state of the policy (e.g. K-VEC's coverage counts)
         super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), shared))
                                  for i in range(num_layers)])
         for layer in self.layers:   # ``rotary``: the model's RoPE, for scorers that need it (ExpectedAttention)
-            layer.state.rotary = rotary
+            layer.state.rotary, layer.state.max_cache_len = rotary, max_cache_len
 
     def storage_factory(self):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""

@@ -25,6 +25,7 @@ class LayerState:
         self.policy, self.storage = policy, storage
         self.shared = {} if shared is None else shared   # one dict per cache: cross-layer state
         self.rotary = None   # the model's rotary embedding (scorers that model future queries)
+        self.max_cache_len = None   # the longest sequence the cache will see (RaggedCache's argument)
         self.reset()
 
     def reset(self) -> None:
@@ -171,9 +172,14 @@ def release_prefill_slack(state: LayerState) -> None:
     block-wise prefill needs budget + block tokens per head while it runs, and the pages its
     evictions emptied are given back here (one repack). A cache that decoding holds at its
     budget also keeps pages for the tokens that arrive between two evictions, so that
-    decoding allocates nothing; a growing cache takes a page when one fills up."""
+    decoding allocates nothing. A cache that grows while decoding takes a page when one fills
+    up, unless its length to come is known (``max_cache_len``, which generate gives): then it
+    keeps pages for every token still to come, and decoding allocates nothing either."""
     every = state.policy.schedule.decode_every
-    state.kv.trim(every if every is not None else 0)
+    if every is not None:
+        state.kv.trim(every)
+    else:
+        state.kv.trim(max(0, state.max_cache_len - state.seen) if state.max_cache_len else 0)
 
 
 def update_channels(kv, scorer, stats: dict) -> None:

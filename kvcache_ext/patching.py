@@ -15,6 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcache_ext.attention import check_head_dim
+from kvcache_ext.checks import boolean
 from kvcache_ext.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
@@ -68,9 +69,11 @@ def _register() -> None:
 class PatchHandle:
     """What ``patch`` returns; also a context manager that unpatches on exit."""
 
-    def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16, tokenizer=None):
+    def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16, tokenizer=None,
+                 reserve_new_tokens: bool = True):
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size, self.tokenizer = page_size, tokenizer
+        self.reserve_new_tokens = reserve_new_tokens
         self.rotary = getattr(getattr(model, "model", None), "rotary_emb", None)   # HF's RoPE module
         self.shape = ModelShape.of(model)
         self._last_cache = None
@@ -102,13 +105,15 @@ class PatchHandle:
     def num_layers(self) -> int:
         return self.model.config.get_text_config().num_hidden_layers
 
-    def new_cache(self, reference: bool = False) -> RaggedCache:
+    def new_cache(self, reference: bool = False, max_cache_len: int | None = None) -> RaggedCache:
         """A fresh cache for this model and policy. ``reference=True``: the reference path's
-        dense masked cache (``kvcache_ext.reference.masked_cache.MaskedCache``)."""
+        dense masked cache (``kvcache_ext.reference.masked_cache.MaskedCache``).
+        ``max_cache_len``: the longest sequence it will see, prompt included (see ``RaggedCache``)."""
         if reference:
             from kvcache_ext.reference.masked_cache import MaskedCache
-            return MaskedCache(self.policy, self.num_layers, rotary=self.rotary)
-        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, rotary=self.rotary)
+            return MaskedCache(self.policy, self.num_layers, rotary=self.rotary, max_cache_len=max_cache_len)
+        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, rotary=self.rotary,
+                           max_cache_len=max_cache_len)
 
     @property
     def last_cache(self) -> RaggedCache | None:
@@ -126,7 +131,8 @@ class PatchHandle:
             unpatch(self.model)
 
 
-def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> PatchHandle:
+def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
+          reserve_new_tokens: bool = True) -> PatchHandle:
     """Makes ``model`` (an HF Llama, Mistral, Qwen2 or Qwen3 causal LM) evict with ``policy``.
 
     ``model.generate`` then runs with a fresh ``RaggedCache`` per call; ``model(...)`` does
@@ -134,10 +140,16 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
     runs its own attention. Patching a patched model replaces its policy. ``page_size``:
     tokens per page of the caches' stores (see ``RaggedCache``). ``tokenizer``: the model's,
     for a scorer that prompts the model itself (KVzip's instructions given as text).
+    ``reserve_new_tokens``: ``generate``'s cache keeps pages for every token that
+    ``max_new_tokens`` (or ``max_length``) allows as soon as the prompt is compressed, so that
+    decoding allocates nothing (a cache that evicts while decoding keeps pages for the tokens
+    between two evictions either way); False: pages are added as they fill up, and a
+    generation that stops early holds less.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
     check_page_size(page_size)
+    reserve_new_tokens = boolean(reserve_new_tokens, "patch reserve_new_tokens")
     if policy.scorer.reconstructs and policy.scorer.needs_tokenizer and tokenizer is None:
         raise ValueError(f"{type(policy.scorer).__name__} prompts the model with text instructions: pass the "
                          "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids")
@@ -156,7 +168,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
     _register()
     original = config._attn_implementation
     dense = original if original in DENSE else "sdpa"
-    handle = PatchHandle(model, policy, original, page_size, tokenizer)
+    handle = PatchHandle(model, policy, original, page_size, tokenizer, reserve_new_tokens)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
     _hook_forwards(handle)
 
@@ -167,7 +179,11 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None) -> Patc
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
         if (model_kwargs.get(key) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
-            cache = handle.new_cache()
+            # generate's own bound on the sequence (its max_length - 1, prompt included)
+            length = kwargs.get("max_cache_length", args[-1] if args else None)
+            if not isinstance(length, int) or isinstance(length, bool):
+                length = generation_config.max_length - 1 if generation_config.max_length else None
+            cache = handle.new_cache(max_cache_len=length if handle.reserve_new_tokens and length else None)
             model_kwargs[key] = cache
             handle._last_cache = weakref.ref(cache)
         return prepare(generation_config, model_kwargs, *args, **kwargs)

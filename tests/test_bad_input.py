@@ -218,6 +218,16 @@ def test_patch_refuses_what_the_model_cannot_run_and_leaves_it_unpatched():
         with pytest.raises((TypeError, ValueError), match=name):
             kvcache_ext.patch(model, bad, page_size=True) if name == "page_size" else kvcache_ext.patch(model, bad)
         assert not kvcache_ext.is_patched(model)
+    with pytest.raises(TypeError, match="reserve_new_tokens"):
+        kvcache_ext.patch(model, Policy(H2O(), budget=8), reserve_new_tokens="yes")
+    assert not kvcache_ext.is_patched(model)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2**31, 1.5, "100", True])
+def test_a_cache_refuses_a_length_that_is_not_a_positive_integer(bad):
+    from kvcache_ext import RaggedCache
+    with pytest.raises((TypeError, ValueError), match="max_cache_len"):
+        RaggedCache(Policy(H2O(), budget=8), 2, max_cache_len=bad)
 
 
 # ------------------------------------------------------------------ a cache knows its model

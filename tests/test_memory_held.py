@@ -131,3 +131,75 @@ def test_a_thousand_steps_without_eviction_grow_by_whole_pages_and_move_nothing(
                 for h in range(KV_HEADS):
                     n = int(lens0[i][b, h])
                     assert torch.equal(dense.k[b, h, :n], first[i][b, h, :n])
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("name", ["snapkv", "ada-snapkv", "h2o-blockwise"])
+def test_a_cache_that_knows_its_length_decodes_without_allocating(name, page_size):
+    """``max_cache_len``: a growing cache holds pages for every token to come after its prompt
+    (no more than the pages they need), decoding them allocates and moves nothing, and a token
+    beyond the length still fits (the store grows as without it)."""
+    model = tiny_model("llama", heads=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM, layers=LAYERS)
+    steps, length = 50, 200
+    with kvcache_ext.patch(model, POLICIES[name], page_size=page_size) as handle:
+        cache = handle.new_cache(max_cache_len=length + steps)
+        mask, last_pos = prefill(model, cache, length=length)
+        need = [(s.lens + steps + page_size - 1) // page_size * page_size for s in stores(cache)]
+        for s, caps in zip(stores(cache), need):
+            assert torch.equal(s.caps, caps) and s.free_pages == 0
+        before = [(s.slab_allocations, s.repacks, s.num_pages) for s in stores(cache)]
+        decode(model, cache, mask, last_pos, steps, lambda step: None)
+        assert [(s.slab_allocations, s.repacks, s.num_pages) for s in stores(cache)] == before
+        lens = [s.lens.clone() for s in stores(cache)]
+        mask = torch.cat([mask, torch.ones(B, steps, dtype=mask.dtype)], dim=1)
+        decode(model, cache, mask, last_pos + steps, page_size, lambda step: None)   # past the length
+        for s, n in zip(stores(cache), lens):
+            assert torch.equal(s.lens, n + page_size) and bool((s.caps >= s.lens).all())
+            assert s.slab_allocations > 0
+
+
+class StoreCounts:
+    """A logits processor that records, at every step of ``generate``, the slab allocations of
+    the cache's stores (the processor runs after each forward)."""
+
+    def __init__(self, handle):
+        self.handle, self.seen = handle, []
+
+    def __call__(self, input_ids, scores):
+        self.seen.append([s.slab_allocations for s in stores(self.handle.last_cache)])
+        return scores
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_generate_reserves_the_tokens_max_new_tokens_allows(reserve):
+    """``patch(reserve_new_tokens=True)`` (the default): after ``generate``'s prompt, its cache
+    holds pages for the max_new_tokens - 1 tokens it will feed back, and no decode step of an
+    Ada-KV cache (heads of unequal lengths) allocates; False: pages come as they fill up."""
+    from transformers import LogitsProcessorList
+    model = tiny_model("llama", heads=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM, layers=LAYERS)
+    new = 40
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (B, 120), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0                                     # left padding
+    with kvcache_ext.patch(model, POLICIES["ada-snapkv"], reserve_new_tokens=reserve) as handle:
+        counts = StoreCounts(handle)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, logits_processor=LogitsProcessorList([counts]),
+                                 pad_token_id=0, return_dict_in_generate=True)
+        cache = out.past_key_values
+        assert out.sequences.shape[1] == 120 + new and len(counts.seen) == new
+        for s in stores(cache):   # the pages the tokens need (and the lookahead's, without reserving)
+            ahead = 0 if reserve else 8
+            assert bool((s.caps >= s.lens).all()) and bool((s.caps <= (s.lens + ahead + 15) // 16 * 16).all())
+        if reserve:
+            assert all(seen == counts.seen[0] for seen in counts.seen)
+        else:
+            assert counts.seen[-1] != counts.seen[0]
+    # The same tokens either way: reserving changes where tokens live, not what is computed.
+    with kvcache_ext.patch(model, POLICIES["ada-snapkv"], reserve_new_tokens=not reserve):
+        with torch.no_grad():
+            other = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, pad_token_id=0)
+    assert torch.equal(other, out.sequences)
