@@ -228,6 +228,29 @@ def test_generate_compresses_once_and_unpatch_restores_forward():
     assert model.forward == forward and "forward" not in vars(model)
 
 
+def test_generate_reserves_the_decode_tokens_after_the_passes():
+    """The passes do not count as tokens of the sequence: after them every head holds pages for
+    its budget and the max_new_tokens - 1 tokens generate feeds back, and decoding allocates nothing."""
+    from transformers import LogitsProcessorList
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, mask = inputs(batch=2, length=50, pad=(0, 6))
+    allocations = []
+
+    def record(input_ids, scores):
+        allocations.append([handle.last_cache.layer_kv(i).store.slab_allocations for i in range(3)])
+        return scores
+
+    with kvcache_ext.patch(model, Policy(kvzip(chunk=20), budget=12), page_size=8) as handle:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                             do_sample=False, logits_processor=LogitsProcessorList([record]),
+                             pad_token_id=0, return_dict_in_generate=True)
+        cache = out.past_key_values
+        assert len(allocations) == 20 and all(a == allocations[0] for a in allocations)
+        for i in range(3):
+            store = cache.layer_kv(i).store
+            assert bool((store.lens == 12 + 19).all()) and bool((store.caps == 32).all())
+
+
 def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="one-shot"):
         Policy(kvzip(), budget=16, schedule=BlockwisePrefill(16))
