@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -19,21 +20,38 @@ namespace kvcache_ext::select {
 
 namespace {
 
-// The candidates of one segment or group, reused across the groups a thread handles.
-struct Candidates {
-  std::vector<uint64_t> key;
-  std::vector<int64_t> slot;
-  std::vector<uint64_t> scratch;  // the radix selection's keys still in play
+// An uninitialised array that only grows: filled by index, so the loop that writes the
+// candidates has no capacity check per element and nothing is zeroed first.
+template <typename T>
+struct GrowOnly {
+  std::unique_ptr<T[]> data;
+  int64_t capacity = 0;
 
-  void clear(int64_t expected) {
-    key.clear();
-    slot.clear();
-    key.reserve(expected);
-    slot.reserve(expected);
+  T* at_least(int64_t n) {
+    if (n > capacity) {
+      data.reset(new T[n]);
+      capacity = n;
+    }
+    return data.get();
   }
-  void add(uint64_t k, int64_t s) {
-    key.push_back(k);
-    slot.push_back(s);
+};
+
+// The candidates of one segment or group, reused across the groups a thread handles:
+// key[i] and slot[i] for i < size.
+struct Candidates {
+  GrowOnly<uint64_t> keys, scratch_;
+  GrowOnly<int64_t> slots_;
+  uint64_t* key = nullptr;
+  int64_t* slot = nullptr;
+  uint64_t* scratch = nullptr;  // the radix selection's keys still in play
+  int64_t size = 0;
+
+  // Room for `count` candidates; empties the set.
+  void clear(int64_t count) {
+    key = keys.at_least(count);
+    slot = slots_.at_least(count);
+    scratch = scratch_.at_least(count);
+    size = 0;
   }
 };
 
@@ -51,11 +69,10 @@ std::pair<uint64_t, int64_t> threshold(Candidates& c, int64_t k) {
   constexpr uint64_t kDigitMask = (uint64_t{1} << kDigitBits) - 1;
   constexpr int64_t kSmall = 64;
   std::array<int64_t, size_t{1} << kDigitBits> hist;
-  const uint64_t* keys = c.key.data();  // the candidates still in play
-  int64_t n = static_cast<int64_t>(c.key.size());
+  const uint64_t* keys = c.key;  // the candidates still in play
+  int64_t n = c.size;
   int64_t rank = k;   // the k-th key is the rank-th largest candidate
   int64_t above = 0;  // keys above every candidate
-  c.scratch.resize(n);
   for (int shift = 64 - kDigitBits; n > kSmall; shift -= kDigitBits) {
     shift = std::max(shift, 0);
     hist.fill(0);
@@ -71,12 +88,12 @@ std::pair<uint64_t, int64_t> threshold(Candidates& c, int64_t k) {
       for (int64_t i = 0; i < n; ++i) {
         if (((keys[i] >> shift) & kDigitMask) == bucket) c.scratch[m++] = keys[i];
       }
-      keys = c.scratch.data();
+      keys = c.scratch;
       n = m;
     }
     if (shift == 0) return {keys[0], rank};  // every bit is decided: the keys left are equal
   }
-  uint64_t* small = c.scratch.data();
+  uint64_t* small = c.scratch;
   if (keys != small) std::copy(keys, keys + n, small);
   std::nth_element(small, small + (rank - 1), small + n, std::greater<uint64_t>());
   const uint64_t t = small[rank - 1];
@@ -88,7 +105,7 @@ std::pair<uint64_t, int64_t> threshold(Candidates& c, int64_t k) {
 // ends[j] is the end of segment j's candidates, and counts[j] receives its kept number.
 void keep_best(Candidates& c, int64_t k, bool* keep, const int64_t* ends, int64_t segments,
                int32_t* counts) {
-  const int64_t n = static_cast<int64_t>(c.key.size());
+  const int64_t n = c.size;
   uint64_t t = 0;      // keys >= t are candidates to keep: all of them when k >= n
   int64_t ties = n;    // how many keys equal to t are kept
   if (k == 0) {
@@ -113,9 +130,17 @@ void keep_best(Candidates& c, int64_t k, bool* keep, const int64_t* ends, int64_
   }
 }
 
-void add_live_slots(Candidates& c, const float* scores, const int32_t* pos, int64_t first,
-                    int32_t len) {
-  for (int64_t j = first; j < first + len; ++j) c.add(selection_key(scores[j], pos[j]), j);
+// Appends `count` candidates: slots first .. first + count - 1, whose scores are
+// score[0], score[stride], ... and positions pos[0 .. count - 1].
+void add_run(Candidates& c, const float* score, int64_t stride, const int32_t* pos, int64_t first,
+             int64_t count) {
+  uint64_t* key = c.key + c.size;
+  int64_t* slot = c.slot + c.size;
+  for (int64_t r = 0; r < count; ++r) {
+    key[r] = selection_key(score[r * stride], pos[r]);
+    slot[r] = first + r;
+  }
+  c.size += count;
 }
 
 }  // namespace
@@ -136,7 +161,7 @@ void segmented_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const a
         continue;
       }
       cand.clear(len_p[s]);
-      add_live_slots(cand, scores_p, pos_p, start_p[s], len_p[s]);
+      add_run(cand, scores_p + start_p[s], 1, pos_p + start_p[s], start_p[s], len_p[s]);
       keep_best(cand, k_p[s], keep_p, nullptr, 1, nullptr);
     }
   });
@@ -159,13 +184,15 @@ void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at:
       cand.clear(std::accumulate(len_p + g * group_size, len_p + (g + 1) * group_size, int64_t{0}));
       for (int64_t j = 0; j < group_size; ++j) {
         const int64_t s = g * group_size + j;
-        add_live_slots(cand, scores_p, pos_p, start_p[s], len_p[s]);
-        ends[j] = static_cast<int64_t>(cand.key.size());
+        add_run(cand, scores_p + start_p[s], 1, pos_p + start_p[s], start_p[s], len_p[s]);
+        ends[j] = cand.size;
       }
       keep_best(cand, k_p[g], keep_p, ends.data(), group_size, counts_p + g * group_size);
     }
   });
 }
+
+constexpr int64_t kPrefetchPages = 8;  // how far ahead a segment's pages are prefetched
 
 void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
@@ -189,18 +216,28 @@ void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const a
       cand.clear(std::accumulate(len_p + g * group_size, len_p + (g + 1) * group_size, int64_t{0}));
       for (int64_t j = 0; j < group_size; ++j) {
         const int64_t s = g * group_size + j, n = len_p[s];
+        const auto score_of = [&](int64_t i, int64_t slot) {
+          return given == nullptr ? reinterpret_cast<const float*>(view.row(kScores, slot))
+                 : padded_len < 0 ? given + slot
+                                  : given + s * padded_len + i;
+        };
         // A page's rows at a time: consecutive tokens, consecutive slots and rows.
         for (int64_t i = 0; i < n;) {
           const int64_t slot = view.slot(s, i), run = std::min(P - (i & (P - 1)), n - i);
-          const int32_t* pos = reinterpret_cast<const int32_t*>(view.row(kPos, slot));
-          const float* score = given == nullptr ? reinterpret_cast<const float*>(view.row(kScores, slot))
-                               : padded_len < 0 ? given + slot
-                                                : given + s * padded_len + i;
-          const int64_t stride = given == nullptr ? channels : 1;
-          for (int64_t r = 0; r < run; ++r) cand.add(selection_key(score[r * stride], pos[r]), slot + r);
+          // A page's positions and scores are a few cache lines in a record of K and V
+          // kilobytes long: the hardware prefetcher does not follow page to page, and
+          // without this every page waits on a miss (measured: 3/4 of the time at 32 x 32768).
+          const int64_t ahead = (i & ~(P - 1)) + kPrefetchPages * P;
+          if (ahead < n) {
+            const int64_t far = view.slot(s, ahead);
+            __builtin_prefetch(view.row(kPos, far));
+            __builtin_prefetch(score_of(ahead, far));
+          }
+          add_run(cand, score_of(i, slot), given == nullptr ? channels : 1,
+                  reinterpret_cast<const int32_t*>(view.row(kPos, slot)), slot, run);
           i += run;
         }
-        ends[j] = static_cast<int64_t>(cand.key.size());
+        ends[j] = cand.size;
       }
       keep_best(cand, k_p[g], keep_p, ends.data(), group_size, counts_p + g * group_size);
     }
