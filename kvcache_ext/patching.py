@@ -176,14 +176,16 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
     key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
+    prepare_signature = inspect.signature(prepare)
+
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
         if (model_kwargs.get(key) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
-            # generate's own bound on the sequence (its max_length - 1, prompt included)
-            length = kwargs.get("max_cache_length", args[-1] if args else None)
-            if not isinstance(length, int) or isinstance(length, bool):
-                length = generation_config.max_length - 1 if generation_config.max_length else None
-            cache = handle.new_cache(max_cache_len=length if handle.reserve_new_tokens and length else None)
+            length = None
+            if handle.reserve_new_tokens:   # generate's own bound on the sequence, prompt included
+                length = prepare_signature.bind(generation_config, model_kwargs, *args, **kwargs) \
+                    .arguments.get("max_cache_length")
+            cache = handle.new_cache(max_cache_len=length or None)
             model_kwargs[key] = cache
             handle._last_cache = weakref.ref(cache)
         return prepare(generation_config, model_kwargs, *args, **kwargs)

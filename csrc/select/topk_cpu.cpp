@@ -39,7 +39,7 @@ struct GrowOnly {
 // The candidates of one segment or group, reused across the groups a thread handles:
 // key[i] and slot[i] for i < size.
 struct Candidates {
-  GrowOnly<uint64_t> keys, scratch_;
+  GrowOnly<uint64_t> keys_, scratch_;
   GrowOnly<int64_t> slots_;
   uint64_t* key = nullptr;
   int64_t* slot = nullptr;
@@ -48,7 +48,7 @@ struct Candidates {
 
   // Room for `count` candidates; empties the set.
   void clear(int64_t count) {
-    key = keys.at_least(count);
+    key = keys_.at_least(count);
     slot = slots_.at_least(count);
     scratch = scratch_.at_least(count);
     size = 0;
