@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=128, help="decode steps per policy (a multiple of 4)")
-    parser.add_argument("--reserve", action="store_true", help="give every head pages for the steps first")
+    parser.add_argument("--reserve", action="store_true",
+                        help="tell the caches the run's length (max_cache_len): pages for every step at the prefill")
     args = parser.parse_args()
     if args.context < 512 or args.batch < 1 or args.steps < TURN or args.steps % TURN:
         parser.error("--context must be >= 512 (12.5 % of it beyond SnapKV's 32-token window), "
@@ -65,12 +66,11 @@ def main() -> None:
         caches = {}
         for name, policy in policies.items():
             handle = kvcache_ext.patch(model, policy)
-            cache = handle.new_cache()
+            # --reserve: the cache is told the run's length, as the patched generate tells it,
+            # so the prefill leaves every head pages for all the steps.
+            cache = handle.new_cache(max_cache_len=args.context + args.steps if args.reserve else None)
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             handle.unpatch()
-            if args.reserve:
-                for layer in cache.layers:
-                    layer.state.kv.store.reserve(args.steps)
             caches[name] = (policy, cache)
         token = torch.full((args.batch, 1), min(1234, vocab - 1))
         steps = {name: [] for name in caches}     # per step: (seconds, its calls)

@@ -1,0 +1,128 @@
+"""KVzip and the chat template's prefix: three readings measured side by side.
+
+A chat prompt opens with the template's prefix (SmolLM2: its system prompt and the user turn's
+header, 24 tokens) before the user's text. The sources treat it differently:
+
+- ``rebuild`` (ours, ``policies.KVzip``): the passes rebuild the whole context, prefix included,
+  and the prefix is scored like every other token;
+- ``drop`` (kvpress 0.5.5's ``KVzipPress``): the passes rebuild the text after the prefix only;
+  the prefix's tokens score 0, so all but the sinks go first;
+- ``hold`` (the KVzip authors' code, its ``evict_range``): the passes rebuild the text after the
+  prefix only; the prefix is always held (here inside the same budget, so that every reading
+  holds the same bytes).
+
+Each reading answers the agnostic passkey and needle prompts of ``bench/agnostic.py`` (same
+seeds) with ``kvzip-global`` at every ``--keep``:
+
+    PYTHONPATH=$PWD python bench/kvzip_prefix.py [--lengths 1024,2048,4096] [--keep 0.25,0.1,0.05]
+        [--out bench/results/kvzip-prefix-cpu-DATE.json]
+
+``drop`` and ``hold`` are measured by wrapping ``KVzip.passes`` (the passes start after the
+prefix) and ``reconstruction.finish`` (the prefix's scores set before the budgets are kept), for
+the length of the run: batch 1 only, which is what these prompts are.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
+import kvcache_ext.evaluation.shared_prefill as shared_prefill  # noqa: E402
+import kvcache_ext.reconstruction as reconstruction  # noqa: E402
+from kvcache_ext.evaluation.retrieval import run_prompt  # noqa: E402
+from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.policies import KVzip  # noqa: E402
+from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt  # noqa: E402
+
+READINGS = ("rebuild", "drop", "hold")
+MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
+
+
+def chat_prefix(tokenizer) -> list[int]:
+    """The tokens the chat template puts before a user's text."""
+    mark = "\x00kvzip_prefix\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    return tokenizer.encode(text.split(mark, 1)[0], add_special_tokens=False)
+
+
+@contextlib.contextmanager
+def reading(name: str, prefix: list[int]):
+    """Within the block, KVzip follows reading ``name`` (a no-op for ``rebuild``)."""
+    if name == "rebuild":
+        yield
+        return
+    plain_passes, plain_finish = KVzip.passes, reconstruction.finish
+    skipped = {"tokens": 0}
+
+    def passes(self, ids, valid, tokens):
+        p = len(prefix)
+        if ids.shape[0] != 1 or ids.shape[1] <= p or ids[0, :p].tolist() != prefix:
+            raise ValueError("this bench's readings need one chat prompt that opens with the template's prefix")
+        skipped["tokens"] = p
+        return [(inputs, real, lo + p, hi + p) for inputs, real, lo, hi in
+                plain_passes(self, ids[:, p:], valid[:, p:], tokens)]
+
+    def finish(cache, scores):
+        for layer_scores in scores:   # the sinks among them stay protected by the policy
+            layer_scores[..., :skipped["tokens"]] = 0.0 if name == "drop" else float("inf")
+        return plain_finish(cache, scores)
+
+    KVzip.passes, reconstruction.finish, shared_prefill.finish = passes, finish, finish
+    try:
+        yield
+    finally:
+        KVzip.passes, reconstruction.finish, shared_prefill.finish = plain_passes, plain_finish, plain_finish
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--keep", default="0.25,0.1,0.05")
+    p.add_argument("--readings", default=",".join(READINGS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    keeps = [float(x) for x in args.keep.split(",")]
+    readings = args.readings.split(",")
+    if unknown := [r for r in readings if r not in READINGS]:
+        p.error(f"--readings: unknown {unknown}; accepted: {', '.join(READINGS)}")
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model()
+    prefix = chat_prefix(tokenizer)
+    records, seed = [], 0
+    for task, make in MAKERS.items():   # the seeds of bench/agnostic.py at one depth
+        for length in lengths:
+            prompt = make(tokenizer, length, 0.5, seed=seed)
+            seed += 1
+            for name in readings:
+                with reading(name, prefix):
+                    runs = run_prompt(model, tokenizer, prompt, task, "agnostic", ["kvzip-global"], keeps)
+                for r in runs:
+                    records.append({"reading": name, "task": task, "length": prompt.length, "seed": prompt.seed,
+                                    "keep": r.budget, "correct": r.correct, "output": r.output,
+                                    "kv_bytes": r.kv_bytes, "full_bytes": r.full_bytes})
+                print(f"{task} {prompt.length} {name}: " +
+                      " ".join("ok" if r.correct else "miss" for r in runs), flush=True)
+    print(f"\nchat prefix: {len(prefix)} tokens\n\n| reading | " +
+          " | ".join(f"keep {k:g}" for k in keeps) + " |\n| --- |" + " --- |" * len(keeps))
+    for name in readings:
+        cells = [sum(r["correct"] for r in records if r["reading"] == name and r["keep"] == k) for k in keeps]
+        total = len([r for r in records if r["reading"] == name and r["keep"] == keeps[0]])
+        print(f"| {name} | " + " | ".join(f"{c}/{total}" for c in cells) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": {"args": vars(args), "prefix_tokens": len(prefix), "commit": common.git_commit(),
+                                "torch": torch.__version__, "build": common.build_description()},
+                       "records": records}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
