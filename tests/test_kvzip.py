@@ -211,7 +211,35 @@ def test_across_layers_is_one_topk_over_every_head_and_layer():
     for b in range(2):
         top = torch.topk(flat[b], int(budget[b]) * 12).indices
         counts = torch.bincount(top // 150, minlength=4)
-        assert [int(x[b]) for x in got] == [int((c + 1) // 3) for c in counts]
+        # Each layer's count of the top-k exactly, as a budget per head (count / H).
+        assert [float(x[b]) * 3 for x in got] == pytest.approx([float(c) for c in counts], abs=1e-9)
+    # Alone, AcrossLayers gives each head of a layer the nearest whole token of that budget.
+    per_head = AcrossLayers().head_budgets(got[0], scores[0], torch.ones(2, 3, 50, dtype=torch.bool),
+                                           torch.zeros(2, 3, 50, dtype=torch.bool), None)
+    assert per_head.dtype == torch.int64
+    assert per_head.tolist() == [[int(float(b) + 0.5)] * 3 for b in got[0]]
+
+
+def test_kvzip_global_keeps_exactly_the_topk_over_every_head_and_layer():
+    """AdaKV(alpha=1.0, layers=AcrossLayers()): every (layer, head) holds exactly its tokens
+    among the L * H * B best scores of the model, sinks first, with no rounding per layer."""
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, _ = inputs(batch=1, length=40, seed=4)
+    budget = 7
+    policy = Policy(kvzip(chunk=16), budget=budget, allocation=AdaKV(alpha=1.0, layers=AcrossLayers()))
+    from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+    recorded = record_prefill(model, ids)
+    with kvcache_ext.patch(model, policy) as handle:
+        cache = compressed_cache(policy, recorded)
+        scores = handle.score_prompt(cache, ids)
+    ranked = torch.stack([s[0] for s in scores])                          # [L, H, n]
+    ranked[..., :policy.scorer.sinks] = float("inf")
+    top = torch.topk(ranked.flatten(), budget * ranked.shape[0] * ranked.shape[1]).indices
+    expected = torch.bincount(top // ranked.shape[2], minlength=ranked.shape[0] * ranked.shape[1])
+    held = torch.stack([k[0] for k in cache.kept_tokens()]).flatten()
+    assert held.tolist() == expected.tolist()
+    # Some layer's count is not a multiple of its 2 heads: whole tokens per head could not hold it.
+    assert any(count % 2 for count in expected.view(3, 2).sum(dim=1).tolist())
 
 
 def test_generate_compresses_once_and_unpatch_restores_forward():

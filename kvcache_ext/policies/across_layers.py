@@ -12,9 +12,12 @@ from kvcache_ext.policies.allocation import Allocation
 class AcrossLayers(Allocation):
     """Each layer's budget is its share of the best scores of all layers together: the
     L * H * B best scores of a row over every layer and KV head (B the per-head budget),
-    protected tokens first, and layer l gets those that are its own, averaged over its heads
-    (rounded to the nearest token). KVzip selects this way ("layerwise=False" in its code);
-    its scores are attention probabilities, comparable across layers.
+    protected tokens first, and layer l gets those that are its own, as a fractional budget
+    per head (its count / H, float64) so that the layer holds its count exactly under
+    ``AdaKV``; alone, each head gets the nearest whole token. KVzip selects this way
+    ("layerwise=False" in its code); its scores are attention probabilities, comparable
+    across layers. (Rounding each layer to whole tokens per head, as before 2026-11-26, moved
+    up to H / 2 tokens per layer away from that top-k.)
 
     It needs every layer's scores at once, which only a scorer that scores a prompt after the
     whole model ran has (``reconstructs``, KVzip); ``Policy`` refuses it otherwise. Use it as
@@ -26,7 +29,7 @@ class AcrossLayers(Allocation):
 
     def layer_budgets(self, budget: torch.Tensor, scores: list[torch.Tensor]) -> list[torch.Tensor]:
         """budget [B] tokens per head; scores per layer [B, H, n] (-inf: not held, +inf:
-        protected) -> per layer [B] tokens per head."""
+        protected) -> per layer [B] float64 tokens per head (the layer's count / H)."""
         flat = torch.cat([s.flatten(1) for s in scores], dim=1)                # [B, L*H*n]
         heads = sum(s.shape[1] for s in scores)
         total = (budget * heads).clamp(max=flat.shape[1])                       # [B]
@@ -38,6 +41,6 @@ class AcrossLayers(Allocation):
         for s in scores:
             size = s[0].numel()
             count = chosen[:, at:at + size].sum(dim=1)
-            out.append(torch.div(count + s.shape[1] // 2, s.shape[1], rounding_mode="floor"))
+            out.append(count.double() / s.shape[1])
             at += size
         return out

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache_ext.checks import Instance, Real, check_fields
-from kvcache_ext.policies.allocation import Allocation
+from kvcache_ext.policies.allocation import Allocation, layer_total
 from kvcache_ext.policies.uniform import Uniform
 
 
@@ -55,7 +55,7 @@ class AdaKV(Allocation):
         H = scores.shape[1]
         held = mask.sum(dim=-1)                                    # [B, H]
         prot = (protected & mask).sum(dim=-1)                      # [B, H]
-        total = layer_budget * H                                   # [B]
+        total = layer_total(layer_budget, H)                       # [B]
         counts = grouped_counts(scores, mask, total)               # protected ones rank first
         chosen = (counts - prot).clamp_min(0)                      # B*_i (Algorithm 2)
         selectable = (total - prot.sum(dim=-1)).clamp_min(0)       # [B]

@@ -6,7 +6,7 @@ import torch
 
 class Allocation:
     """``layer_budget``: tokens per KV head for one layer (fixed when the layer's prompt is
-    compressed). ``head_budgets``: the split of a layer's budget over its KV heads at an
+    compressed; int64, or float64 from ``layer_budgets``: see ``layer_total``). ``head_budgets``: the split of a layer's budget over its KV heads at an
     eviction step. Budgets include the protected tokens (sinks, recent window).
     ``whole_model``: the layers' budgets come from every layer's scores at once
     (``layer_budgets``, AcrossLayers), which only a reconstructing scorer gives."""
@@ -25,8 +25,19 @@ class Allocation:
     def head_budgets(self, layer_budget: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,
                      protected: torch.Tensor, grouped_counts) -> torch.Tensor:
         """layer_budget [B]; scores, mask, protected [B, H, L] -> [B, H] int64 tokens kept.
+        Equal heads: a fractional budget (``layer_budgets``) is rounded to the nearest token.
 
         ``grouped_counts(scores, mask, k [B]) -> [B, H]``: how many of each head's tokens are
         among the k best of its row (Ada-KV's Algorithm 2), computed by the storage's kernels.
         """
+        if layer_budget.is_floating_point():
+            layer_budget = torch.floor(layer_budget + 0.5).long()
         return layer_budget[:, None].expand(scores.shape[:2])
+
+
+def layer_total(layer_budget: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B] int64 tokens that a layer of ``heads`` KV heads holds with ``layer_budget`` [B]
+    tokens per head. ``AcrossLayers`` gives the per-head budget as a fraction (the layer's count
+    of the best scores over its heads), so that this is that count exactly."""
+    total = layer_budget * heads
+    return total.round().long() if total.is_floating_point() else total
