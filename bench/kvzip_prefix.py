@@ -12,10 +12,10 @@ header, 24 tokens) before the user's text. The sources treat it differently:
   holds the same bytes).
 
 Each reading answers the agnostic passkey and needle prompts of ``bench/agnostic.py`` (same
-seeds) with ``kvzip-global`` at every ``--keep``:
+seeds for the same lengths and depths) with ``kvzip-global`` at every ``--keep``:
 
-    PYTHONPATH=$PWD python bench/kvzip_prefix.py [--lengths 1024,2048,4096] [--keep 0.25,0.1,0.05]
-        [--out bench/results/kvzip-prefix-cpu-DATE.json]
+    PYTHONPATH=$PWD python bench/kvzip_prefix.py [--lengths 1024,2048,4096] [--depths 0.5]
+        [--keep 0.25,0.1,0.05] [--readings rebuild,drop,hold] [--out bench/results/kvzip-prefix-cpu-DATE.json]
 
 ``drop`` and ``hold`` are measured by wrapping ``KVzip.passes`` (the passes start after the
 prefix) and ``reconstruction.finish`` (the prefix's scores set before the budgets are kept), for
@@ -83,11 +83,13 @@ def reading(name: str, prefix: list[int]):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--depths", default="0.5")
     p.add_argument("--keep", default="0.25,0.1,0.05")
     p.add_argument("--readings", default=",".join(READINGS))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
     keeps = [float(x) for x in args.keep.split(",")]
     readings = args.readings.split(",")
     if unknown := [r for r in readings if r not in READINGS]:
@@ -96,18 +98,18 @@ def main(argv=None) -> int:
     model, tokenizer = load_model()
     prefix = chat_prefix(tokenizer)
     records, seed = [], 0
-    for task, make in MAKERS.items():   # the seeds of bench/agnostic.py at one depth
-        for length in lengths:
-            prompt = make(tokenizer, length, 0.5, seed=seed)
+    for task, make in MAKERS.items():   # the seeds of bench/agnostic.py
+        for length, depth in ((length, depth) for length in lengths for depth in depths):
+            prompt = make(tokenizer, length, depth, seed=seed)
             seed += 1
             for name in readings:
                 with reading(name, prefix):
                     runs = run_prompt(model, tokenizer, prompt, task, "agnostic", ["kvzip-global"], keeps)
                 for r in runs:
-                    records.append({"reading": name, "task": task, "length": prompt.length, "seed": prompt.seed,
-                                    "keep": r.budget, "correct": r.correct, "output": r.output,
-                                    "kv_bytes": r.kv_bytes, "full_bytes": r.full_bytes})
-                print(f"{task} {prompt.length} {name}: " +
+                    records.append({"reading": name, "task": task, "length": prompt.length, "depth": depth,
+                                    "seed": prompt.seed, "keep": r.budget, "correct": r.correct,
+                                    "output": r.output, "kv_bytes": r.kv_bytes, "full_bytes": r.full_bytes})
+                print(f"{task} {prompt.length} depth {depth:g} {name}: " +
                       " ".join("ok" if r.correct else "miss" for r in runs), flush=True)
     print(f"\nchat prefix: {len(prefix)} tokens\n\n| reading | " +
           " | ".join(f"keep {k:g}" for k in keeps) + " |\n| --- |" + " --- |" * len(keeps))
