@@ -60,7 +60,7 @@ def reading(name: str, prefix: list[int]):
     plain_passes, plain_finish = KVzip.passes, reconstruction.finish
     skipped = {"tokens": 0}
 
-    def passes(self, ids, valid, tokens):
+    def passes(self, ids, valid, tokens, start=0):   # the library's start: 0 (no skip_prefix)
         p = len(prefix)
         if ids.shape[0] != 1 or ids.shape[1] <= p or ids[0, :p].tolist() != prefix:
             raise ValueError("this bench's readings need one chat prompt that opens with the template's prefix")

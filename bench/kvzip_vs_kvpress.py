@@ -60,10 +60,10 @@ def kvpress_scores(model, tokenizer, context, keep):
     return seen["scores"], kept
 
 
-def our_scores(model, tokenizer, context, keep, name):
-    """Our kvzip-global scores [L, H, n] and kept mask [L, H, n] under prefix reading ``name``."""
+def our_scores(model, tokenizer, context, keep, name, method="kvzip-global"):
+    """Our ``method``'s scores [L, H, n] and kept mask [L, H, n] under prefix reading ``name``."""
     n = context.shape[1]
-    policy = make_policy("kvzip-global", budget_tokens(keep, n))
+    policy = make_policy(method, budget_tokens(keep, n))
     recorded = record_prefill(model, context)
     with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle, reading(name, chat_prefix(tokenizer)):
         cache = compressed_cache(policy, recorded)

@@ -81,16 +81,17 @@ class PatchHandle:
 
     def tokens(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens); ``"chat"``: what follows a user turn in
-        the tokenizer's chat template up to the assistant's answer (a newline without one)."""
+        the tokenizer's chat template up to the assistant's answer (a newline without one);
+        ``"chat_prefix"``: what comes before a user's text in it (nothing without one)."""
         tok = self.tokenizer
-        if text == "chat":
-            text = "\n"
+        if text in ("chat", "chat_prefix"):
+            side, text = (1, "\n") if text == "chat" else (0, "")
             if getattr(tok, "chat_template", None):
                 mark = "\x00kvcache_ext\x00"
                 turn = tok.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
                                                tokenize=False)
-                text = turn.split(mark, 1)[1]
-        return tok.encode(text, add_special_tokens=False)
+                text = turn.split(mark, 1)[side]
+        return tok.encode(text, add_special_tokens=False) if text else []
 
     def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, forward=None):
         """Runs the reconstruction passes of a scorer that needs them (KVzip) on a cache that

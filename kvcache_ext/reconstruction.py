@@ -34,6 +34,7 @@ class Context:
     scores: torch.Tensor     # [B, H, n] float32, the largest probability seen so far
     window: tuple[int, int] = (0, 0)   # context indices the current pass rebuilds
     pass_real: torch.Tensor | None = None   # [B, r] the current pass's real tokens (None: no pass)
+    scorable: torch.Tensor | None = None    # [B, n] the tokens the scores rate (None: every valid one)
 
 
 def attend_context(state, q, k, v, pos):
@@ -94,24 +95,26 @@ def scored_keys(ctx, scorer):
     n = ctx.k.shape[2]
     lo, hi = ctx.window
     seen = lambda mask: None if bool(mask.all()) else mask[:, None, None, :]   # noqa: E731
-    if scorer.softmax != "chunk" or (lo == 0 and hi == n):
+    if scorer.softmax != "chunk" or (lo == 0 and hi == n and ctx.scorable is None):
         return ScoredKeys(ctx.k, ctx.v, seen(ctx.valid), 0, (0, n)), None
-    sink = ctx.valid[:, :lo] & (ctx.pos[:, :lo] < scorer.sinks)                    # [B, lo]
+    scorable = ctx.valid if ctx.scorable is None else ctx.scorable
+    sink = scorable[:, :lo] & (ctx.pos[:, :lo] < scorer.sinks)                    # [B, lo]
     e = int((sink * torch.arange(1, lo + 1, device=sink.device)).max()) if lo else 0
 
     def sinks_then_chunk(x):
         return torch.cat([x[:, :, :e], x[:, :, lo:hi]], dim=2) if e else x[:, :, lo:hi]
 
     scored = ScoredKeys(sinks_then_chunk(ctx.k), sinks_then_chunk(ctx.v),
-                        seen(torch.cat([sink[:, :e], ctx.valid[:, lo:hi]], dim=1)), e, (lo, hi))
-    # The rest: before the chunk less the sinks, and after it; columns no row sees are dropped.
-    rest_sees = torch.cat([ctx.valid[:, :lo] & ~sink, ctx.valid[:, hi:]], dim=1)     # [B, n - (hi - lo)]
-    index = rest_sees.any(dim=0).nonzero().flatten()
-    if index.numel() == 0:
+                        seen(torch.cat([sink[:, :e], scorable[:, lo:hi]], dim=1)), e, (lo, hi))
+    # The rest: every other key a row sees (before the chunk less the sinks, a skipped prefix
+    # inside it, after it); columns no row sees are dropped.
+    rest_sees = ctx.valid.clone()
+    rest_sees[:, :lo] &= ~sink
+    rest_sees[:, lo:hi] &= ~scorable[:, lo:hi]
+    columns = rest_sees.any(dim=0).nonzero().flatten()
+    if columns.numel() == 0:
         return scored, None
-    columns = torch.cat([torch.arange(lo, device=index.device),
-                         torch.arange(hi, n, device=index.device)])[index]
-    rest = (ctx.k.index_select(2, columns), ctx.v.index_select(2, columns), seen(rest_sees[:, index]))
+    rest = (ctx.k.index_select(2, columns), ctx.v.index_select(2, columns), seen(rest_sees[:, columns]))
     return scored, rest
 
 
@@ -228,7 +231,15 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
     # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
     key = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     newest = states[0].context.pos.masked_fill(~states[0].context.valid, -1).max(dim=1).values   # [B]
-    for inputs, real, lo, hi in scorer.passes(input_ids, valid, tokens):
+    # A skipped prefix (KVzip's skip_prefix) is neither rebuilt nor rated, its sinks apart.
+    rebuilt = scorer.rebuilt(input_ids, valid, tokens)
+    scorable, start = None, 0
+    if not torch.equal(rebuilt, valid):
+        scorable = rebuilt | (valid & (states[0].context.pos < scorer.sinks))
+        start = int(rebuilt.any(dim=0).nonzero()[0]) if bool(rebuilt.any()) else 0
+        for state in states:
+            state.context.scorable = scorable
+    for inputs, real, lo, hi in scorer.passes(input_ids, rebuilt, tokens, start):
         for state in states:
             state.context.window, state.context.pass_real = (lo, hi), real
         pos = newest[:, None] + real.long().cumsum(dim=1)       # after the context, padding skipped
@@ -240,6 +251,9 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
             for state in states:
                 state.context.pass_real = None
     scores = [state.context.scores for state in states]
+    if scorable is not None:   # softmax="context" rates every key it sees: not a skipped one
+        for layer_scores in scores:
+            layer_scores.masked_fill_(~scorable[:, None, :], 0.0)
     finish(cache, scores)
     return scores
 

@@ -11,6 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kvzip_vs_kvpress  # noqa: E402
+import kvcache_ext  # noqa: E402
+from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.tasks import make_passkey_prompt  # noqa: E402
 
@@ -42,6 +44,18 @@ def test_ours_holds_the_budget_of_the_whole_model_exactly(default_model, context
         assert bool(kept[..., :4].all())                                   # the sinks, in every head
     # The two readings score the prefix differently, so they score differently.
     assert not torch.allclose(ours["rebuild"][0], ours["drop"][0])
+
+
+def test_the_skip_prefix_parameter_is_the_benchs_drop_reading(default_model, context, ours):
+    """kvzip-global-skip (KVzip(skip_prefix="chat")) scores and keeps as the bench's wrapper of
+    kvpress's reading does; the patched model's "chat_prefix" tokens are the bench's prefix."""
+    model, tokenizer = default_model
+    with kvcache_ext.patch(model, make_policy("kvzip-global-skip", 8), tokenizer=tokenizer) as handle:
+        assert handle.tokens("chat_prefix") == kvzip_vs_kvpress.chat_prefix(tokenizer)
+    with torch.no_grad():
+        scores, kept = kvzip_vs_kvpress.our_scores(model, tokenizer, context, KEEP, "rebuild", "kvzip-global-skip")
+    torch.testing.assert_close(scores, ours["drop"][0], atol=1e-6, rtol=1e-5)
+    assert torch.equal(kept, ours["drop"][1])
 
 
 def test_kvpress_scores_equal_ours_under_its_reading(default_model, context, ours):

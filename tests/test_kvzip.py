@@ -33,17 +33,21 @@ def kvzip(**kw):
 @pytest.mark.parametrize("allocation", [Uniform(), AdaKV(), Pyramid(beta=4),
                                         AdaKV(alpha=1.0, layers=AcrossLayers()), AcrossLayers()],
                          ids=repr)
-@pytest.mark.parametrize("chunk,softmax", [(64, "chunk"), (16, "chunk"), (16, "context"), (7, "chunk")])
-def test_ragged_path_equals_reference_path(allocation, chunk, softmax):
-    ragged, _ = assert_paths_agree(Policy(kvzip(chunk=chunk, softmax=softmax), budget=20,
+@pytest.mark.parametrize("chunk,softmax,skip", [(64, "chunk", False), (16, "chunk", False), (16, "context", False),
+                                                (7, "chunk", False), (16, "chunk", True), (64, "context", True)])
+def test_ragged_path_equals_reference_path(allocation, chunk, softmax, skip):
+    # skip: the first row of assert_paths_agree's batch opens with the skipped prefix.
+    prefix = tuple(inputs(batch=2, length=60, pad=(0, 7))[0][0, :5].tolist()) if skip else None
+    ragged, _ = assert_paths_agree(Policy(kvzip(chunk=chunk, softmax=softmax, skip_prefix=prefix), budget=20,
                                           allocation=allocation))
     # What is held is the budget, spread over the layers when they share it.
     kept = sum(int(t.sum()) for t in ragged.kept_tokens())
     assert abs(kept - 3 * 2 * 2 * (20 + 8)) <= 3 * 2 * 2
 
 
-def _independent_scores(model, ids, passes, softmax, sinks):
-    """Per layer [H, n]: the unpatched model's eager attention of each pass over the context."""
+def _independent_scores(model, ids, passes, softmax, sinks, rated=None):
+    """Per layer [H, n]: the unpatched model's eager attention of each pass over the context
+    (``rated`` [n] bool: the columns that may score, None: all)."""
     n = ids.shape[1]
     cfg = model.config
     G = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -63,7 +67,7 @@ def _independent_scores(model, ids, passes, softmax, sinks):
                     cols = torch.zeros(n, dtype=torch.bool)
                     cols[lo:hi] = True
                 else:
-                    cols = torch.ones(n, dtype=torch.bool)
+                    cols = torch.ones(n, dtype=torch.bool) if rated is None else rated
                 s = a[..., :n].amax(dim=1).view(-1, G, n).amax(dim=1) * cols
                 per_layer.append(s)
             scores = per_layer if scores is None else [torch.maximum(x, y) for x, y in zip(scores, per_layer)]
@@ -72,36 +76,53 @@ def _independent_scores(model, ids, passes, softmax, sinks):
     return scores
 
 
+@pytest.mark.parametrize("skip", [0, 6], ids=["whole", "skip6"])
 @pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
-def test_scores_equal_an_independent_implementation(chunk, softmax):
+def test_scores_equal_an_independent_implementation(chunk, softmax, skip):
+    """``skip``: the context opens with ``skip_prefix`` (6 tokens): the passes rebuild what
+    follows, in chunks from there, and the prefix scores 0 past the sinks (kvpress's reading)."""
     model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
     ids, _ = inputs(batch=1, length=40, seed=4)
-    scorer = kvzip(chunk=chunk, softmax=softmax)
+    scorer = kvzip(chunk=chunk, softmax=softmax, skip_prefix=tuple(ids[0, :skip].tolist()) if skip else None)
     policy = Policy(scorer, budget=10)
+    rebuilt = torch.ones_like(ids, dtype=torch.bool)
+    rebuilt[:, :skip] = False
+    rated = rebuilt[0] | (torch.arange(40) < scorer.sinks)
     with kvcache_ext.patch(model, policy) as handle:
         cache = handle.new_cache()
         model(ids, past_key_values=cache, use_cache=True)   # the forward's end runs the passes
-        passes = scorer.passes(ids, torch.ones_like(ids, dtype=torch.bool), handle.tokens)
-        assert len(passes) == -(-40 // chunk)
+        assert torch.equal(scorer.rebuilt(ids, torch.ones_like(rebuilt), handle.tokens), rebuilt)
+        passes = scorer.passes(ids, rebuilt, handle.tokens, skip)
+        assert len(passes) == -(-(40 - skip) // chunk)
+        assert passes[0][2] == skip and passes[0][0][0, -min(chunk, 40 - skip):].tolist() == \
+            ids[0, skip:skip + chunk].tolist()
     # The scores of a cache are not kept; compute them again through the same entry point.
     from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
     recorded = record_prefill(model, ids)
     with kvcache_ext.patch(model, policy) as handle:
         got = handle.score_prompt(compressed_cache(policy, recorded), ids)
-    expected = _independent_scores(model, ids, passes, softmax, scorer.sinks)
+    expected = _independent_scores(model, ids, passes, softmax, scorer.sinks, rated)
     for layer, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g[0].double(), e, atol=1e-5, rtol=1e-4, msg=f"layer {layer}")
+        assert bool((g[0][:, ~rated] == 0).all()) and bool((g[0][:, rebuilt[0]] > 0).all())
 
 
+@pytest.mark.parametrize("skip", [None, 0, 1], ids=["whole", "skip-row0", "skip-row1"])
 @pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
-def test_a_left_padded_batch_scores_each_row_as_alone(chunk, softmax):
+def test_a_left_padded_batch_scores_each_row_as_alone(chunk, softmax, skip):
     """Batch 2, the second row left-padded by 9: each row's scores (its real tokens) are those
     of the row scored alone, so padding neither scores nor is scored (its pass is left-padded
     too); the independent test above covers batch 1. Chunks split the padded columns, so with
-    several passes only the unpadded row is rebuilt in the same chunks as alone."""
+    several passes only the unpadded row is rebuilt in the same chunks as alone. ``skip``: the
+    row whose 5 first real tokens are ``skip_prefix`` (the other row does not open with them;
+    for row 1 the prefix lies inside the batch's first chunk, where its keys are seen but not rated;
+    with no sinks, as sinks go by position and the padded row's positions start at 9 here)."""
     model = tiny_model("llama", heads=6, kv_heads=2, layers=2)
     ids, mask = inputs(batch=2, length=31, pad=(0, 9), seed=5)
-    policy = Policy(kvzip(chunk=chunk, softmax=softmax), budget=10)
+    assert ids[1, 9:14].tolist() != ids[0, :5].tolist()
+    prefix = None if skip is None else tuple(ids[skip, 9 * skip:9 * skip + 5].tolist())
+    policy = Policy(kvzip(chunk=chunk, softmax=softmax, skip_prefix=prefix, sinks=0 if skip == 1 else 4),
+                    budget=10)
     from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 
     def scores(ids_, mask_):
@@ -292,6 +313,8 @@ def test_errors_name_what_is_wrong():
         KVzip(softmax="window")
     with pytest.raises(ValueError, match="prompt"):
         KVzip(prompt=[1, 2])
+    with pytest.raises(ValueError, match="skip_prefix must be a string or a tuple of token ids"):
+        KVzip(skip_prefix=5)
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="tokenizer"):
         kvcache_ext.patch(model, Policy(KVzip(), budget=16, schedule=OneShot()))

@@ -54,6 +54,11 @@ class KVzip(Scorer):
       docs/results.md measures both.
     - ``gqa``: how the G query heads of a KV head combine ("max", KVzip's; or "mean").
     - ``sinks``: the first tokens, kept always (KVzip's 4).
+    - ``skip_prefix``: tokens a context may open with that the passes do not rebuild and the
+      scores leave out (kept only where they are sinks), kvpress's reading of the chat
+      template's prefix: ``"chat"`` (the template's text before a user's message) or text /
+      token ids; ``None`` (the default): the whole context is rebuilt and scored. A row that
+      does not open with them is rebuilt whole. docs/results.md measures both readings.
     """
 
     chunk: int = 2048
@@ -64,6 +69,7 @@ class KVzip(Scorer):
     softmax: str = "chunk"
     gqa: str = "max"
     sinks: int = 4
+    skip_prefix: PromptText | None = None
 
     reconstructs = True   # the engine runs ``kvcache_ext.reconstruction`` to score a prompt
 
@@ -75,6 +81,8 @@ class KVzip(Scorer):
                 raise ValueError(f"KVzip {name} must be an integer >= {low}, got {value!r}")
         for name in ("prompt", "continue_prompt", "suffix"):
             _check_text(name, getattr(self, name))
+        if self.skip_prefix is not None:
+            _check_text("skip_prefix", self.skip_prefix)
         if self.softmax not in SOFTMAX_KEYS:
             raise ValueError(f"KVzip softmax must be one of {SOFTMAX_KEYS}, got {self.softmax!r}")
         if self.gqa not in ("max", "mean"):
@@ -82,7 +90,7 @@ class KVzip(Scorer):
 
     @property
     def needs_tokenizer(self) -> bool:
-        return any(isinstance(t, str) for t in (self.prompt, self.continue_prompt, self.suffix))
+        return any(isinstance(t, str) for t in (self.prompt, self.continue_prompt, self.suffix, self.skip_prefix))
 
     def default_protection(self) -> Protection:
         return Protection(sinks=self.sinks)
@@ -100,15 +108,30 @@ class KVzip(Scorer):
         raise RuntimeError("KVzip evicts once, after the prompt (one-shot schedule only)")
 
     # --- the reconstruction passes ----------------------------------------------------------
-    def passes(self, ids: torch.Tensor, valid: torch.Tensor, tokens) -> list:
-        """The reconstruction inputs of a context ``ids`` [B, n] (``valid`` False on padding):
-        a list of ``(inputs [B, r], real [B, r], lo, hi)``, one per chunk of context indices
-        ``lo .. hi``, each row's instruction, suffix and real chunk tokens, left-padded.
-        ``tokens(text) -> list[int]`` tokenizes; ``tokens("chat")`` gives the chat suffix."""
+    def rebuilt(self, ids: torch.Tensor, valid: torch.Tensor, tokens) -> torch.Tensor:
+        """[B, n] bool: the context tokens the passes rebuild and the scores rate: ``valid``,
+        less the ``skip_prefix`` tokens of each row whose real tokens open with them."""
+        if self.skip_prefix is None:
+            return valid
+        prefix = self._ids("chat_prefix" if self.skip_prefix == "chat" else self.skip_prefix, tokens)
+        out = valid.clone()
+        for b in range(ids.shape[0]):
+            columns = valid[b].nonzero().flatten()
+            if 0 < len(prefix) < len(columns) and ids[b, columns[:len(prefix)]].tolist() == prefix:
+                out[b, columns[:len(prefix)]] = False
+        return out
+
+    def passes(self, ids: torch.Tensor, valid: torch.Tensor, tokens, start: int = 0) -> list:
+        """The reconstruction inputs of a context ``ids`` [B, n] (``valid``: the tokens to
+        rebuild, False on padding and a skipped prefix): a list of ``(inputs [B, r], real [B, r],
+        lo, hi)``, one per chunk of context indices ``lo .. hi`` from column ``start`` on (after
+        a skipped prefix, as kvpress chunks), each row's instruction, suffix and chunk tokens,
+        left-padded. ``tokens(text) -> list[int]`` tokenizes; ``tokens("chat")`` gives the chat
+        suffix."""
         n = ids.shape[1]
         prompt, again, suffix = (self._ids(x, tokens) for x in (self.prompt, self.continue_prompt, self.suffix))
         out = []
-        for lo in range(0, n, self.chunk):
+        for lo in range(start, n, self.chunk):
             hi = min(lo + self.chunk, n)
             rows = []
             for b in range(ids.shape[0]):
