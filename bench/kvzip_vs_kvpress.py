@@ -103,7 +103,8 @@ def main(argv=None) -> int:
                      "ours_only": int((ours_kept & ~theirs_kept).sum()),
                      "kvpress_only": int((~ours_kept & theirs_kept).sum())})
     print(f"{args.task}, {context.shape[1]} context tokens (chat prefix {skip}), keep {args.keep:g}\n")
-    print("| our reading | max |score diff| after the prefix | kept: ours | kvpress | both | ours only | kvpress only |")
+    print("| our reading | max |score diff| after the prefix | kept: ours | kvpress | both | ours only "
+          "| kvpress only |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['reading']} | {r['max_abs_score_diff_after_prefix']:.2e} | {r['kept_ours']} | "

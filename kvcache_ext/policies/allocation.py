@@ -6,8 +6,9 @@ import torch
 
 class Allocation:
     """``layer_budget``: tokens per KV head for one layer (fixed when the layer's prompt is
-    compressed; int64, or float64 from ``layer_budgets``: see ``layer_total``). ``head_budgets``: the split of a layer's budget over its KV heads at an
-    eviction step. Budgets include the protected tokens (sinks, recent window).
+    compressed; int64, or float64 from ``layer_budgets``: see ``layer_total``).
+    ``head_budgets``: the split of a layer's budget over its KV heads at an eviction step.
+    Budgets include the protected tokens (sinks, recent window).
     ``whole_model``: the layers' budgets come from every layer's scores at once
     (``layer_budgets``, AcrossLayers), which only a reconstructing scorer gives."""
 
