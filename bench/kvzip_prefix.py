@@ -3,23 +3,26 @@
 A chat prompt opens with the template's prefix (SmolLM2: its system prompt and the user turn's
 header, 24 tokens) before the user's text. The sources treat it differently:
 
-- ``rebuild`` (ours, ``policies.KVzip``): the passes rebuild the whole context, prefix included,
-  and the prefix is scored like every other token;
-- ``drop`` (kvpress 0.5.5's ``KVzipPress``): the passes rebuild the text after the prefix only;
-  the prefix's tokens score 0, so all but the sinks go first;
+- ``rebuild`` (``KVzip(skip_prefix=None)``, the library's default before 2026-11-26): the passes
+  rebuild the whole context, prefix included, and the prefix is scored like every other token;
+- ``drop`` (kvpress 0.5.5's ``KVzipPress``, and the library's default ``skip_prefix="chat"``): the
+  passes rebuild the text after the prefix only; the prefix's tokens score 0, so all but the
+  sinks go first;
 - ``hold`` (the KVzip authors' code, its ``evict_range``): the passes rebuild the text after the
   prefix only; the prefix is always held (here inside the same budget, so that every reading
   holds the same bytes).
 
 Each reading answers the agnostic passkey and needle prompts of ``bench/agnostic.py`` (same
-seeds for the same lengths and depths) with ``kvzip-global`` at every ``--keep``:
+seeds for the same lengths and depths) with KVzip's own selection at every ``--keep``:
 
     PYTHONPATH=$PWD python bench/kvzip_prefix.py [--lengths 1024,2048,4096] [--depths 0.5]
         [--keep 0.25,0.1,0.05] [--readings rebuild,drop,hold] [--out bench/results/kvzip-prefix-cpu-DATE.json]
 
-``drop`` and ``hold`` are measured by wrapping ``KVzip.passes`` (the passes start after the
-prefix) and ``reconstruction.finish`` (the prefix's scores set before the budgets are kept), for
-the length of the run: batch 1 only, which is what these prompts are.
+All three run ``kvzip-global-rebuild``; ``drop`` and ``hold`` are measured by wrapping
+``KVzip.passes`` (the passes start after the prefix) and ``reconstruction.finish`` (the prefix's
+scores set before the budgets are kept), for the length of the run: batch 1 only, which is what
+these prompts are. (``tests/test_bench_kvzip_vs_kvpress.py`` checks that ``drop`` scores and
+keeps exactly as the library's ``skip_prefix="chat"``.)
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def reading(name: str, prefix: list[int]):
     plain_passes, plain_finish = KVzip.passes, reconstruction.finish
     skipped = {"tokens": 0}
 
-    def passes(self, ids, valid, tokens, start=0):   # the library's start: 0 (no skip_prefix)
+    def passes(self, ids, valid, tokens, start=0):   # start: 0 (skip_prefix=None)
         p = len(prefix)
         if ids.shape[0] != 1 or ids.shape[1] <= p or ids[0, :p].tolist() != prefix:
             raise ValueError("this bench's readings need one chat prompt that opens with the template's prefix")
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
             seed += 1
             for name in readings:
                 with reading(name, prefix):
-                    runs = run_prompt(model, tokenizer, prompt, task, "agnostic", ["kvzip-global"], keeps)
+                    runs = run_prompt(model, tokenizer, prompt, task, "agnostic", ["kvzip-global-rebuild"], keeps)
                 for r in runs:
                     records.append({"reading": name, "task": task, "length": prompt.length, "depth": depth,
                                     "seed": prompt.seed, "keep": r.budget, "correct": r.correct,

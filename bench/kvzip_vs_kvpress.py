@@ -6,9 +6,9 @@
 
 kvpress runs its press around the prefill of the prompt's context (as ``bench/agnostic.py`` does);
 its scores (``score_val``, one per layer, KV head and context token) and the tokens it masks are
-read as it compresses. Ours scores the same context with ``kvzip-global`` under two readings of
-the chat template's prefix (``bench/kvzip_prefix.py``): ``rebuild`` (the library's) and ``drop``
-(kvpress's). Printed per reading: the largest score difference on the tokens after the prefix,
+read as it compresses. Ours scores the same context with ``kvzip-global-rebuild`` under two
+readings of the chat template's prefix (``bench/kvzip_prefix.py``): ``rebuild`` (``skip_prefix=None``)
+and ``drop`` (kvpress's, the library's default since 2026-11-26). Printed per reading: the largest score difference on the tokens after the prefix,
 and the kept (layer, head, token) entries that both, only ours or only kvpress hold.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def kvpress_scores(model, tokenizer, context, keep):
     return seen["scores"], kept
 
 
-def our_scores(model, tokenizer, context, keep, name, method="kvzip-global"):
+def our_scores(model, tokenizer, context, keep, name, method="kvzip-global-rebuild"):
     """Our ``method``'s scores [L, H, n] and kept mask [L, H, n] under prefix reading ``name``."""
     n = context.shape[1]
     policy = make_policy(method, budget_tokens(keep, n))

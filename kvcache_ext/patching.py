@@ -153,7 +153,8 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     reserve_new_tokens = boolean(reserve_new_tokens, "patch reserve_new_tokens")
     if policy.scorer.reconstructs and policy.scorer.needs_tokenizer and tokenizer is None:
         raise ValueError(f"{type(policy.scorer).__name__} prompts the model with text instructions: pass the "
-                         "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids")
+                         "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids "
+                         "(and skip_prefix as token ids or None)")
     config = getattr(model, "config", None)
     model_type = getattr(config.get_text_config() if config is not None else None, "model_type", None)
     if model_type not in SUPPORTED_MODELS:

@@ -1,5 +1,5 @@
 """bench/kvzip_prefix.py's readings of the chat prefix, on a tiny model with token-id
-instructions: ``rebuild`` is the library's KVzip as it is; ``drop`` and ``hold`` rebuild only
+instructions: ``rebuild`` is the library's KVzip with ``skip_prefix=None``, as it is; ``drop`` and ``hold`` rebuild only
 the text after the prefix and give the prefix's tokens score 0 or an infinite one; the library
 is itself again after each block, and a prompt without the prefix is refused."""
 import os

@@ -46,14 +46,14 @@ def test_ours_holds_the_budget_of_the_whole_model_exactly(default_model, context
     assert not torch.allclose(ours["rebuild"][0], ours["drop"][0])
 
 
-def test_the_skip_prefix_parameter_is_the_benchs_drop_reading(default_model, context, ours):
-    """kvzip-global-skip (KVzip(skip_prefix="chat")) scores and keeps as the bench's wrapper of
-    kvpress's reading does; the patched model's "chat_prefix" tokens are the bench's prefix."""
+def test_the_default_skip_prefix_is_the_benchs_drop_reading(default_model, context, ours):
+    """kvzip-global (KVzip(), whose skip_prefix is "chat") scores and keeps as the bench's wrapper
+    of kvpress's reading does; the patched model's "chat_prefix" tokens are the bench's prefix."""
     model, tokenizer = default_model
-    with kvcache_ext.patch(model, make_policy("kvzip-global-skip", 8), tokenizer=tokenizer) as handle:
+    with kvcache_ext.patch(model, make_policy("kvzip-global", 8), tokenizer=tokenizer) as handle:
         assert handle.tokens("chat_prefix") == kvzip_vs_kvpress.chat_prefix(tokenizer)
     with torch.no_grad():
-        scores, kept = kvzip_vs_kvpress.our_scores(model, tokenizer, context, KEEP, "rebuild", "kvzip-global-skip")
+        scores, kept = kvzip_vs_kvpress.our_scores(model, tokenizer, context, KEEP, "rebuild", "kvzip-global")
     torch.testing.assert_close(scores, ours["drop"][0], atol=1e-6, rtol=1e-5)
     assert torch.equal(kept, ours["drop"][1])
 

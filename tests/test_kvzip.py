@@ -22,8 +22,8 @@ from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Token ids for the instructions: the tiny models have no tokenizer.
-IDS = dict(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,))
+# Token ids for the instructions: the tiny models have no tokenizer (so no chat prefix either).
+IDS = dict(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None)
 
 
 def kvzip(**kw):

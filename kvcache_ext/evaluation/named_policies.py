@@ -73,8 +73,9 @@ _RECIPES = {
     # KVzip's own selection: one top-k over every head of every layer.
     "kvzip-global": (lambda b: KVzip(), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     "kvzip-global-context": (lambda b: KVzip(softmax="context"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
-    # kvpress's reading of the chat template's prefix: not rebuilt, not rated (its sinks apart).
-    "kvzip-global-skip": (lambda b: KVzip(skip_prefix="chat"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # The chat template's prefix rebuilt and rated like the rest (skip_prefix=None; the default,
+    # "chat", is kvpress's reading: neither rebuilt nor rated, its sinks apart).
+    "kvzip-global-rebuild": (lambda b: KVzip(skip_prefix=None), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.
     "snapkv-nopool": (lambda b: SnapKV(kernel=1), None),
     "ahakv-nopool": (lambda b: AhaKV(score_pool=None), None),

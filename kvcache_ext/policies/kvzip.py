@@ -56,9 +56,10 @@ class KVzip(Scorer):
     - ``sinks``: the first tokens, kept always (KVzip's 4).
     - ``skip_prefix``: tokens a context may open with that the passes do not rebuild and the
       scores leave out (kept only where they are sinks), kvpress's reading of the chat
-      template's prefix: ``"chat"`` (the template's text before a user's message) or text /
-      token ids; ``None`` (the default): the whole context is rebuilt and scored. A row that
-      does not open with them is rebuilt whole. docs/results.md measures both readings.
+      template's prefix: ``"chat"`` (the default: the template's text before a user's message,
+      nothing without a template) or text / token ids; ``None``: the whole context is rebuilt
+      and scored. A row that does not open with them is rebuilt whole. docs/results.md
+      measures both readings ("chat" answered more at keep 0.05: 16 of 32 prompts against 10).
     """
 
     chunk: int = 2048
@@ -69,7 +70,7 @@ class KVzip(Scorer):
     softmax: str = "chunk"
     gqa: str = "max"
     sinks: int = 4
-    skip_prefix: PromptText | None = None
+    skip_prefix: PromptText | None = "chat"
 
     reconstructs = True   # the engine runs ``kvcache_ext.reconstruction`` to score a prompt
 

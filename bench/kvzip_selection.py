@@ -1,0 +1,169 @@
+"""KVzip at small keep fractions: the chat prefix's two readings and ways of selecting by the scores.
+
+Each prompt (agnostic passkey and needle, held-out seeds from ``--seed`` on) is prefilled once
+and reconstructed once per reading of the chat template's prefix (``KVzip(skip_prefix=...)``:
+``chat``, the default, kvpress's reading; ``rebuild``, ``skip_prefix=None``); each selection then
+compresses the same recorded prefill by the same scores at every ``--keep``, and the question
+comes over the compressed cache (as ``kvcache-ext eval --mode agnostic`` runs it):
+
+- ``global``: KVzip's own selection, ``AdaKV(alpha=1.0, layers=AcrossLayers())`` (``kvzip-global``);
+- ``pool3`` / ``pool5`` / ``pool7`` / ``avg5``: the same after pooling the scores along positions
+  (``policies.Pooling``, max or mean, that kernel), as SnapKV pools its own;
+- ``alpha0.5``: the layers' shares from the global top-k, Ada-KV's safeguard within each layer;
+- ``recent16`` / ``sinks16``: the global top-k with the last 16 context tokens, or the first 16
+  instead of 4, always held (inside the budget).
+
+    PYTHONPATH=$PWD python bench/kvzip_selection.py [--tasks passkey,needle] [--lengths 1024,2048,4096]
+        [--depths 0.1,0.5,0.9] [--seed 100] [--keep 0.1,0.05] [--readings chat,rebuild]
+        [--selections global,pool3,...] [--out bench/results/kvzip-selection-cpu-DATE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
+import kvcache_ext  # noqa: E402
+from kvcache_ext.evaluation.decoding import full_cache_from, greedy_continue  # noqa: E402
+from kvcache_ext.evaluation.retrieval import budget_tokens, split_prompt  # noqa: E402
+from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
+from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.policies import AcrossLayers, AdaKV, KVzip, Policy, Pooling, Protection  # noqa: E402
+from kvcache_ext.reconstruction import finish  # noqa: E402
+from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt  # noqa: E402
+
+MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
+READINGS = {"chat": "chat", "rebuild": None}   # name -> KVzip's skip_prefix
+GLOBAL = dict(alpha=1.0, layers=AcrossLayers)
+# name -> (pooling of the scores or None, AdaKV's arguments, protection or None for KVzip's sinks)
+SELECTIONS = {
+    "global": (None, GLOBAL, None),
+    "pool3": (Pooling(3), GLOBAL, None),
+    "pool5": (Pooling(5), GLOBAL, None),
+    "pool7": (Pooling(7), GLOBAL, None),
+    "avg5": (Pooling(5, "avg"), GLOBAL, None),
+    "alpha0.5": (None, dict(alpha=0.5, layers=AcrossLayers), None),
+    "recent16": (None, GLOBAL, Protection(sinks=4, recent=16)),
+    "sinks16": (None, GLOBAL, Protection(sinks=16)),
+}
+
+
+def policy(skip_prefix, selection: str, budget: int) -> Policy:
+    _, ada, protection = SELECTIONS[selection]
+    allocation = AdaKV(alpha=ada["alpha"], layers=ada["layers"]())
+    extra = {"protection": protection} if protection is not None else {}
+    return Policy(KVzip(skip_prefix=skip_prefix), budget=budget, allocation=allocation, **extra)
+
+
+def pooled(scores: list, pooling: Pooling | None, skipped: int) -> list:
+    """Each layer's scores [B, H, n] pooled along positions; a skipped prefix takes no part."""
+    if pooling is None:
+        return [s.clone() for s in scores]
+    live = torch.ones_like(scores[0], dtype=torch.bool)
+    live[..., :skipped] = False
+    return [pooling(s, live) for s in scores]
+
+
+def answer(model, tokenizer, cache, question, prompt) -> tuple[bool, str]:
+    logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+    new, _ = greedy_continue(model, cache, logits, 8, tokenizer.eos_token_id)
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return check_answer(text, prompt.answer), text
+
+
+def run_prompt(model, tokenizer, prompt, readings, selections, keeps) -> list[dict]:
+    context, question = split_prompt(prompt, "agnostic")
+    recorded = record_prefill(model, context)
+    ok, text = answer(model, tokenizer, full_cache_from(model, recorded), question, prompt)
+    out = [{"reading": None, "selection": "full", "keep": None, "correct": ok, "output": text}]
+    n = context.shape[1]
+    for reading in readings:
+        scores = None
+        for selection in selections:
+            for keep in keeps:
+                pol = policy(READINGS[reading], selection, budget_tokens(keep, n))
+                with kvcache_ext.patch(model, pol, tokenizer=tokenizer) as handle:
+                    cache = compressed_cache(pol, recorded)
+                    if scores is None:   # the passes run once per reading; every selection reuses them
+                        start = time.perf_counter()
+                        scores = [s.clone() for s in handle.score_prompt(compressed_cache(pol, recorded), context)]
+                        passes_s = time.perf_counter() - start
+                        skipped = len(handle.tokens("chat_prefix")) if READINGS[reading] == "chat" else 0
+                    finish(cache, pooled(scores, SELECTIONS[selection][0], skipped))
+                    ok, text = answer(model, tokenizer, cache, question, prompt)
+                    out.append({"reading": reading, "selection": selection, "keep": keep, "correct": ok,
+                                "output": text, "kv_bytes": cache.nbytes, "passes_s": passes_s})
+    return out
+
+
+def table(records, readings, selections, keeps) -> str:
+    prompts = len([r for r in records if r["selection"] == "full"])
+    full = sum(r["correct"] for r in records if r["selection"] == "full")
+    lines = [f"{prompts} prompts; the full cache answers {full}", "",
+             "| reading | selection | " + " | ".join(f"keep {k:g}" for k in keeps) + " |",
+             "| --- | --- |" + " --- |" * len(keeps)]
+    for reading in readings:
+        for selection in selections:
+            cells = [sum(r["correct"] for r in records if (r["reading"], r["selection"], r["keep"]) ==
+                         (reading, selection, k)) for k in keeps]
+            lines.append(f"| {reading} | {selection} | " + " | ".join(f"{c}/{prompts}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _names(text: str, known, flag: str, parser) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or (unknown := [x for x in names if x not in known]):
+        parser.error(f"{flag}: unknown {text!r}; accepted: {', '.join(known)}")
+    return names
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="passkey,needle")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--seed", type=int, default=100, help="the first prompt's seed (bench/agnostic.py uses 0 on)")
+    p.add_argument("--keep", default="0.1,0.05")
+    p.add_argument("--readings", default=",".join(READINGS))
+    p.add_argument("--selections", default=",".join(SELECTIONS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    tasks = _names(args.tasks, MAKERS, "--tasks", p)
+    readings = _names(args.readings, READINGS, "--readings", p)
+    selections = _names(args.selections, SELECTIONS, "--selections", p)
+    keeps = [float(x) for x in args.keep.split(",")]
+    if any(not 0 < k < 1 for k in keeps):
+        p.error(f"--keep: fractions in (0, 1), got {args.keep!r}")
+    if args.out:
+        open(args.out, "a").close()   # an unwritable path fails now, not after an hour
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model()
+    records, seed = [], args.seed
+    for task in tasks:
+        for length in (int(x) for x in args.lengths.split(",")):
+            for depth in (float(x) for x in args.depths.split(",")):
+                prompt = MAKERS[task](tokenizer, length, depth, seed=seed)
+                key = dict(task=task, length=prompt.length, depth=depth, seed=seed)
+                seed += 1
+                runs = [{**key, **r} for r in run_prompt(model, tokenizer, prompt, readings, selections, keeps)]
+                records += runs
+                print(f"{task} {prompt.length} depth {depth:g}: " + " ".join(
+                    f"{r['reading'] or ''}/{r['selection']}@{r['keep']}:{'ok' if r['correct'] else 'miss'}"
+                    for r in runs), flush=True)
+    print("\n" + table(records, readings, selections, keeps))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": {"args": vars(args), "commit": common.git_commit(), "torch": torch.__version__,
+                                "build": common.build_description()}, "records": records}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""bench/kvzip_selection.py on the default model and a short prompt: its ``global`` selection
+under the default reading is the harness's ``kvzip-global`` (same answer, same bytes), under
+``rebuild`` it is ``kvzip-global-rebuild``; a selection that pools the scores keeps other tokens
+than one that does not; unknown names are refused."""
+import os
+import sys
+
+import pytest
+import torch
+
+from kvcache_ext.evaluation.retrieval import run_prompt
+from kvcache_ext.tasks import make_passkey_prompt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import kvzip_selection  # noqa: E402
+
+KEEPS = [0.25, 0.1]
+
+
+@pytest.fixture(scope="module")
+def runs(default_model):
+    model, tokenizer = default_model
+    prompt = make_passkey_prompt(tokenizer, 320, 0.5, seed=3)
+    with torch.no_grad():
+        bench = kvzip_selection.run_prompt(model, tokenizer, prompt, ["chat", "rebuild"], ["global", "pool7"], KEEPS)
+        harness = run_prompt(model, tokenizer, prompt, "passkey", "agnostic",
+                             ["full", "kvzip-global", "kvzip-global-rebuild"], KEEPS)
+    return bench, harness
+
+
+def test_global_is_the_harness_kvzip_global_under_both_readings(runs):
+    bench, harness = runs
+    names = {"chat": "kvzip-global", "rebuild": "kvzip-global-rebuild"}
+    for reading, name in names.items():
+        for keep in KEEPS:
+            ours = next(r for r in bench if (r["reading"], r["selection"], r["keep"]) == (reading, "global", keep))
+            theirs = next(r for r in harness if (r.policy, r.budget) == (name, keep))
+            assert (ours["output"], ours["correct"], ours["kv_bytes"]) == (theirs.output, theirs.correct,
+                                                                           theirs.kv_bytes)
+    full = next(r for r in bench if r["selection"] == "full")
+    assert full["output"] == next(r for r in harness if r.policy == "full").output
+
+
+def test_every_reading_selection_and_keep_is_run_and_timed(runs):
+    bench, _ = runs
+    rows = [(r["reading"], r["selection"], r["keep"]) for r in bench if r["selection"] != "full"]
+    assert rows == [(a, s, k) for a in ("chat", "rebuild") for s in ("global", "pool7") for k in KEEPS]
+    assert all(r["passes_s"] > 0 and r["kv_bytes"] > 0 for r in bench if r["selection"] != "full")
+
+
+def test_pooled_scores_leave_the_skipped_prefix_out_and_spread_over_neighbours():
+    scores = [torch.tensor([[[0.0, 0.0, 0.125, 0.75, 0.125, 0.25, 0.125]]])]
+    out = kvzip_selection.pooled(scores, kvzip_selection.Pooling(3), skipped=2)[0]
+    assert out.tolist() == [[[0.0, 0.0, 0.75, 0.75, 0.75, 0.25, 0.25]]]
+    plain = kvzip_selection.pooled(scores, None, skipped=2)[0]
+    assert torch.equal(plain, scores[0]) and plain is not scores[0]
+
+
+@pytest.mark.parametrize("argv,message", [(["--selections", "global,pool4"], "--selections: unknown"),
+                                          (["--readings", "drop"], "--readings: unknown"),
+                                          (["--keep", "0.1,1.5"], "--keep: fractions in (0, 1)")])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        kvzip_selection.main(argv)
+    assert message in capsys.readouterr().err
