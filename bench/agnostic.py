@@ -83,8 +83,9 @@ def timed_prefill(model, ids, cache, press=None) -> dict:
     return {"prefill_s": seconds, "extra_peak_bytes": mem.extra, "logits": out.logits[:, -1]}
 
 
-def kvpress_kvzip(model, tokenizer, prompt, keep: float) -> dict:
-    """kvpress's KVzipPress at ``keep`` on the prompt's context, then the question and 8 tokens."""
+def kvpress_kvzip(model, tokenizer, prompt, keep: float, plus: bool = False) -> dict:
+    """kvpress's KVzipPress at ``keep`` on the prompt's context, then the question and 8 tokens.
+    ``plus``: with its ``kvzip_plus_normalization`` (method ``kvpress-kvzip-plus``)."""
     from kvpress import KVzipPress
     from kvpress.presses import kvzip_press
     from transformers import DynamicCache
@@ -93,7 +94,7 @@ def kvpress_kvzip(model, tokenizer, prompt, keep: float) -> dict:
     ids = prompt.input_ids[None]
     context, question = ids[:, :prompt.haystack_end], ids[:, prompt.haystack_end:]
     cache = DynamicCache(config=model.config)
-    run = timed_prefill(model, context, cache, KVzipPress(compression_ratio=1 - keep))
+    run = timed_prefill(model, context, cache, KVzipPress(compression_ratio=1 - keep, kvzip_plus_normalization=plus))
     try:
         logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
         new, _ = greedy_continue(model, cache, logits, 8, tokenizer.eos_token_id)
@@ -101,7 +102,7 @@ def kvpress_kvzip(model, tokenizer, prompt, keep: float) -> dict:
         for layer in model.model.layers:
             layer.self_attn.masked_key_indices = None
     text = tokenizer.decode(new, skip_special_tokens=True)
-    return {"method": "kvpress-kvzip", "keep": keep, "prefill_s": run["prefill_s"],
+    return {"method": "kvpress-kvzip-plus" if plus else "kvpress-kvzip", "keep": keep, "prefill_s": run["prefill_s"],
             "extra_peak_bytes": run["extra_peak_bytes"], "kv_bytes": cache_bytes(cache),
             "output": text, "correct": check_answer(text, prompt.answer)}
 

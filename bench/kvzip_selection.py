@@ -13,13 +13,21 @@ comes over the compressed cache (as ``kvcache-ext eval --mode agnostic`` runs it
 - ``recent16`` / ``sinks16``: the global top-k with the last 16 context tokens, or the first 16
   instead of 4, always held (inside the budget).
 
+With ``--kvpress`` (kvpress 0.5.5 importable: the venv of ``pip install ".[bench]"``), kvpress's
+``KVzipPress`` runs on the same prompts at every ``--keep`` too, as it is (``kvpress``) and with
+its ``kvzip_plus_normalization`` (``kvpress-plus``: each probability divided by the norm of the
+query token's hidden state and multiplied by that of the key's value through the output
+projection), and the table counts the prompts where our ``chat``/``global`` gives kvpress's
+very output.
+
     PYTHONPATH=$PWD python bench/kvzip_selection.py [--tasks passkey,needle] [--lengths 1024,2048,4096]
         [--depths 0.1,0.5,0.9] [--seed 100] [--keep 0.1,0.05] [--readings chat,rebuild]
-        [--selections global,pool3,...] [--out bench/results/kvzip-selection-cpu-DATE.json]
+        [--selections global,pool3,...] [--kvpress] [--out bench/results/kvzip-selection-cpu-DATE.json]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -77,6 +85,17 @@ def answer(model, tokenizer, cache, question, prompt) -> tuple[bool, str]:
     return check_answer(text, prompt.answer), text
 
 
+def kvpress_runs(model, tokenizer, prompt, keeps) -> list[dict]:
+    from agnostic import kvpress_kvzip   # imports kvpress when called
+    out = []
+    for keep in keeps:
+        for plus in (False, True):
+            r = kvpress_kvzip(model, tokenizer, prompt, keep, plus)
+            out.append({"reading": None, "selection": "kvpress-plus" if plus else "kvpress", "keep": keep,
+                        "correct": r["correct"], "output": r["output"], "kv_bytes": r["kv_bytes"]})
+    return out
+
+
 def run_prompt(model, tokenizer, prompt, readings, selections, keeps) -> list[dict]:
     context, question = split_prompt(prompt, "agnostic")
     recorded = record_prefill(model, context)
@@ -113,6 +132,17 @@ def table(records, readings, selections, keeps) -> str:
             cells = [sum(r["correct"] for r in records if (r["reading"], r["selection"], r["keep"]) ==
                          (reading, selection, k)) for k in keeps]
             lines.append(f"| {reading} | {selection} | " + " | ".join(f"{c}/{prompts}" for c in cells) + " |")
+    for name in ("kvpress", "kvpress-plus"):
+        runs = {(r["seed"], r["keep"]): r for r in records if r["selection"] == name}
+        if not runs:
+            continue
+        cells = [sum(r["correct"] for (_, k), r in runs.items() if k == keep) for keep in keeps]
+        lines.append(f"| kvpress 0.5.5 | {name} | " + " | ".join(f"{c}/{prompts}" for c in cells) + " |")
+    ours = {(r["seed"], r["keep"]): r["output"] for r in records if (r["reading"], r["selection"]) == ("chat", "global")}
+    theirs = {(r["seed"], r["keep"]): r["output"] for r in records if r["selection"] == "kvpress"}
+    if ours and theirs:
+        same = sum(ours.get(key) == out for key, out in theirs.items())
+        lines.append(f"\nchat/global's output is kvpress's, word for word, in {same} of {len(theirs)} runs")
     return "\n".join(lines)
 
 
@@ -132,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", default="0.1,0.05")
     p.add_argument("--readings", default=",".join(READINGS))
     p.add_argument("--selections", default=",".join(SELECTIONS))
+    p.add_argument("--kvpress", action="store_true", help="kvpress's KVzipPress too (plain and KVzip+)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     tasks = _names(args.tasks, MAKERS, "--tasks", p)
@@ -140,6 +171,8 @@ def main(argv=None) -> int:
     keeps = [float(x) for x in args.keep.split(",")]
     if any(not 0 < k < 1 for k in keeps):
         p.error(f"--keep: fractions in (0, 1), got {args.keep!r}")
+    if args.kvpress and importlib.util.find_spec("kvpress") is None:
+        p.error('--kvpress: kvpress does not import in this python (pip install ".[bench]")')
     if args.out:
         open(args.out, "a").close()   # an unwritable path fails now, not after an hour
     torch.set_grad_enabled(False)
@@ -151,7 +184,8 @@ def main(argv=None) -> int:
                 prompt = MAKERS[task](tokenizer, length, depth, seed=seed)
                 key = dict(task=task, length=prompt.length, depth=depth, seed=seed)
                 seed += 1
-                runs = [{**key, **r} for r in run_prompt(model, tokenizer, prompt, readings, selections, keeps)]
+                runs = run_prompt(model, tokenizer, prompt, readings, selections, keeps)
+                runs = [{**key, **r} for r in runs + (kvpress_runs(model, tokenizer, prompt, keeps) if args.kvpress else [])]
                 records += runs
                 print(f"{task} {prompt.length} depth {depth:g}: " + " ".join(
                     f"{r['reading'] or ''}/{r['selection']}@{r['keep']}:{'ok' if r['correct'] else 'miss'}"

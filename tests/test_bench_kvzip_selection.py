@@ -2,6 +2,7 @@
 under the default reading is the harness's ``kvzip-global`` (same answer, same bytes), under
 ``rebuild`` it is ``kvzip-global-rebuild``; a selection that pools the scores keeps other tokens
 than one that does not; unknown names are refused."""
+import importlib.util
 import os
 import sys
 
@@ -63,3 +64,25 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         kvzip_selection.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_kvpress_without_kvpress_is_refused(capsys):
+    if importlib.util.find_spec("kvpress") is not None:
+        pytest.skip("kvpress imports here: --kvpress would run the whole bench")
+    with pytest.raises(SystemExit):
+        kvzip_selection.main(["--kvpress"])
+    assert "--kvpress: kvpress does not import" in capsys.readouterr().err
+
+
+def test_table_counts_answers_and_kvpress_outputs_that_are_ours():
+    def run(seed, reading, selection, keep, correct, output):
+        return dict(seed=seed, reading=reading, selection=selection, keep=keep, correct=correct, output=output)
+    records = [run(1, None, "full", None, True, "12345"), run(2, None, "full", None, True, "54321"),
+               run(1, "chat", "global", 0.05, True, "12345"), run(2, "chat", "global", 0.05, False, "1."),
+               run(1, None, "kvpress", 0.05, True, "12345"), run(2, None, "kvpress", 0.05, False, "2."),
+               run(1, None, "kvpress-plus", 0.05, False, "x"), run(2, None, "kvpress-plus", 0.05, False, "y")]
+    text = kvzip_selection.table(records, ["chat"], ["global"], [0.05])
+    assert "2 prompts; the full cache answers 2" in text
+    assert "| chat | global | 1/2 |" in text
+    assert "| kvpress 0.5.5 | kvpress | 1/2 |" in text and "| kvpress 0.5.5 | kvpress-plus | 0/2 |" in text
+    assert "word for word, in 1 of 2 runs" in text
