@@ -223,11 +223,7 @@ def main(argv=None) -> int:
     rows = summarize(records)
     print(format_table(rows, records))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"args": vars(args), "torch": torch.__version__,
-                                "threads": torch.get_num_threads(), "build": common.build_description()},
-                       "records": records, "rows": rows}, f, indent=1)
-        print(f"wrote {args.out}")
+        common.write_out(args.out, args, records=records, rows=rows)
     return 0
 
 

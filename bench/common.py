@@ -102,6 +102,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_out(path: str, args, meta: dict | None = None, **payload) -> None:
+    """Writes a bench's ``--out`` JSON: ``meta`` (its arguments, the commit, torch, the build and
+    ``meta``) and ``payload`` (records, rows), and says where."""
+    import json
+
+    import torch
+    head = {"args": vars(args), "commit": git_commit(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "build": build_description(), **(meta or {})}
+    with open(path, "w") as f:
+        json.dump({"meta": head, **payload}, f, indent=1)
+    print(f"wrote {path}")
+
+
 def write_results(name: str, device: str, rows: list[dict], extra: dict | None = None) -> str:
     """Writes bench/results/<name>-<cpu|gpu name>-<date>.json and returns its path."""
     os.makedirs(RESULTS, exist_ok=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 
@@ -121,11 +120,7 @@ def main(argv=None) -> int:
         total = len([r for r in records if r["reading"] == name and r["keep"] == keeps[0]])
         print(f"| {name} | " + " | ".join(f"{c}/{total}" for c in cells) + " |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"args": vars(args), "prefix_tokens": len(prefix), "commit": common.git_commit(),
-                                "torch": torch.__version__, "build": common.build_description()},
-                       "records": records}, f, indent=1)
-        print(f"wrote {args.out}")
+        common.write_out(args.out, args, {"prefix_tokens": len(prefix)}, records=records)
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -192,10 +191,7 @@ def main(argv=None) -> int:
                     for r in runs), flush=True)
     print("\n" + table(records, readings, selections, keeps))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"args": vars(args), "commit": common.git_commit(), "torch": torch.__version__,
-                                "build": common.build_description()}, "records": records}, f, indent=1)
-        print(f"wrote {args.out}")
+        common.write_out(args.out, args, records=records)
     return 0
 
 

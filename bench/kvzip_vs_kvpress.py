@@ -14,7 +14,6 @@ and the kept (layer, head, token) entries that both, only ours or only kvpress h
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -110,10 +109,7 @@ def main(argv=None) -> int:
         print(f"| {r['reading']} | {r['max_abs_score_diff_after_prefix']:.2e} | {r['kept_ours']} | "
               f"{r['kept_kvpress']} | {r['kept_both']} | {r['ours_only']} | {r['kvpress_only']} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"args": vars(args), "commit": common.git_commit(), "torch": torch.__version__,
-                                "build": common.build_description()}, "rows": rows}, f, indent=1)
-        print(f"wrote {args.out}")
+        common.write_out(args.out, args, rows=rows)
     return 0
 
 

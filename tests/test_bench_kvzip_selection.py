@@ -86,3 +86,17 @@ def test_table_counts_answers_and_kvpress_outputs_that_are_ours():
     assert "| chat | global | 1/2 |" in text
     assert "| kvpress 0.5.5 | kvpress | 1/2 |" in text and "| kvpress 0.5.5 | kvpress-plus | 0/2 |" in text
     assert "word for word, in 1 of 2 runs" in text
+
+
+def test_out_json_carries_the_arguments_commit_and_build(tmp_path, capsys):
+    import argparse
+    import json
+
+    import common
+    path = tmp_path / "out.json"
+    common.write_out(str(path), argparse.Namespace(keep="0.05"), {"prefix_tokens": 24}, records=[{"correct": True}])
+    doc = json.loads(path.read_text())
+    assert doc["records"] == [{"correct": True}]
+    assert doc["meta"]["args"] == {"keep": "0.05"} and doc["meta"]["prefix_tokens"] == 24
+    assert doc["meta"]["commit"] and doc["meta"]["torch"] == torch.__version__ and "path" in doc["meta"]["build"]
+    assert f"wrote {path}" in capsys.readouterr().out
