@@ -94,7 +94,8 @@ def main() -> None:
     print(f"{args.model} fp32, context {args.context} x batch {args.batch}, keep 12.5 %, "
           f"{args.steps} steps per policy in turns of {TURN}{', pages reserved' if args.reserve else ''}, "
           f"{torch.get_num_threads()} threads")
-    print("| policy | call µs (median) | calls adding pages | their µs | other calls' µs | step ms | outside the calls ms |")
+    print("| policy | call µs (median) | calls adding pages | their µs | other calls' µs | step ms "
+          "| outside the calls ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, record in steps.items():
         every = [(t * 1e6, added) for _, step_calls in record for t, added in step_calls]

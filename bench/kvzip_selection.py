@@ -137,7 +137,8 @@ def table(records, readings, selections, keeps) -> str:
             continue
         cells = [sum(r["correct"] for (_, k), r in runs.items() if k == keep) for keep in keeps]
         lines.append(f"| kvpress 0.5.5 | {name} | " + " | ".join(f"{c}/{prompts}" for c in cells) + " |")
-    ours = {(r["seed"], r["keep"]): r["output"] for r in records if (r["reading"], r["selection"]) == ("chat", "global")}
+    ours = {(r["seed"], r["keep"]): r["output"] for r in records
+            if (r["reading"], r["selection"]) == ("chat", "global")}
     theirs = {(r["seed"], r["keep"]): r["output"] for r in records if r["selection"] == "kvpress"}
     if ours and theirs:
         same = sum(ours.get(key) == out for key, out in theirs.items())
@@ -184,7 +185,9 @@ def main(argv=None) -> int:
                 key = dict(task=task, length=prompt.length, depth=depth, seed=seed)
                 seed += 1
                 runs = run_prompt(model, tokenizer, prompt, readings, selections, keeps)
-                runs = [{**key, **r} for r in runs + (kvpress_runs(model, tokenizer, prompt, keeps) if args.kvpress else [])]
+                if args.kvpress:
+                    runs += kvpress_runs(model, tokenizer, prompt, keeps)
+                runs = [{**key, **r} for r in runs]
                 records += runs
                 print(f"{task} {prompt.length} depth {depth:g}: " + " ".join(
                     f"{r['reading'] or ''}/{r['selection']}@{r['keep']}:{'ok' if r['correct'] else 'miss'}"

@@ -7,9 +7,10 @@
 kvpress runs its press around the prefill of the prompt's context (as ``bench/agnostic.py`` does);
 its scores (``score_val``, one per layer, KV head and context token) and the tokens it masks are
 read as it compresses. Ours scores the same context with ``kvzip-global-rebuild`` under two
-readings of the chat template's prefix (``bench/kvzip_prefix.py``): ``rebuild`` (``skip_prefix=None``)
-and ``drop`` (kvpress's, the library's default since 2026-11-26). Printed per reading: the largest score difference on the tokens after the prefix,
-and the kept (layer, head, token) entries that both, only ours or only kvpress hold.
+readings of the chat template's prefix (``bench/kvzip_prefix.py``): ``rebuild``
+(``skip_prefix=None``) and ``drop`` (kvpress's, the library's default since 2026-11-26). Printed
+per reading: the largest score difference on the tokens after the prefix, and the kept (layer,
+head, token) entries that both, only ours or only kvpress hold.
 """
 from __future__ import annotations
 
