@@ -39,6 +39,7 @@ import kvcache_ext.evaluation.shared_prefill as shared_prefill  # noqa: E402
 import kvcache_ext.reconstruction as reconstruction  # noqa: E402
 from kvcache_ext.evaluation.retrieval import run_prompt  # noqa: E402
 from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.patching import chat_template_tokens  # noqa: E402
 from kvcache_ext.policies import KVzip  # noqa: E402
 from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt  # noqa: E402
 
@@ -47,10 +48,8 @@ MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
 
 
 def chat_prefix(tokenizer) -> list[int]:
-    """The tokens the chat template puts before a user's text."""
-    mark = "\x00kvzip_prefix\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
-    return tokenizer.encode(text.split(mark, 1)[0], add_special_tokens=False)
+    """The tokens the chat template puts before a user's text (what ``skip_prefix="chat"`` skips)."""
+    return chat_template_tokens(tokenizer, "prefix")
 
 
 @contextlib.contextmanager

@@ -68,13 +68,12 @@ def policy(skip_prefix, selection: str, budget: int) -> Policy:
     return Policy(KVzip(skip_prefix=skip_prefix), budget=budget, allocation=allocation, **extra)
 
 
-def pooled(scores: list, pooling: Pooling | None, skipped: int) -> list:
-    """Each layer's scores [B, H, n] pooled along positions; a skipped prefix takes no part."""
+def pooled(scores: list, pooling: Pooling | None, rebuilt: torch.Tensor) -> list:
+    """Each layer's scores [B, H, n] pooled along positions over the tokens the passes rebuilt
+    (``rebuilt`` [B, n]: a skipped prefix takes no part)."""
     if pooling is None:
         return [s.clone() for s in scores]
-    live = torch.ones_like(scores[0], dtype=torch.bool)
-    live[..., :skipped] = False
-    return [pooling(s, live) for s in scores]
+    return [pooling(s, rebuilt[:, None, :]) for s in scores]
 
 
 def answer(model, tokenizer, cache, question, prompt) -> tuple[bool, str]:
@@ -112,8 +111,9 @@ def run_prompt(model, tokenizer, prompt, readings, selections, keeps) -> list[di
                         start = time.perf_counter()
                         scores = [s.clone() for s in handle.score_prompt(compressed_cache(pol, recorded), context)]
                         passes_s = time.perf_counter() - start
-                        skipped = len(handle.tokens("chat_prefix")) if READINGS[reading] == "chat" else 0
-                    finish(cache, pooled(scores, SELECTIONS[selection][0], skipped))
+                        rebuilt = pol.scorer.rebuilt(context, torch.ones_like(context, dtype=torch.bool),
+                                                     handle.tokens)
+                    finish(cache, pooled(scores, SELECTIONS[selection][0], rebuilt))
                     ok, text = answer(model, tokenizer, cache, question, prompt)
                     out.append({"reading": reading, "selection": selection, "keep": keep, "correct": ok,
                                 "output": text, "kv_bytes": cache.nbytes, "passes_s": passes_s})

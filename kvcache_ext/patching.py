@@ -66,6 +66,19 @@ def _register() -> None:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[dense])
 
 
+def chat_template_tokens(tokenizer, part: str) -> list[int]:
+    """Token ids of the tokenizer's chat template around one user message: ``"prefix"``, what
+    comes before the user's text (nothing without a template); ``"suffix"``, what follows it up
+    to the assistant's answer (a newline without a template)."""
+    text = "\n" if part == "suffix" else ""
+    if getattr(tokenizer, "chat_template", None):
+        mark = "\x00kvcache_ext\x00"
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                             tokenize=False)
+        text = turn.split(mark, 1)[0 if part == "prefix" else 1]
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
 class PatchHandle:
     """What ``patch`` returns; also a context manager that unpatches on exit."""
 
@@ -80,18 +93,11 @@ class PatchHandle:
         self._hooks = []
 
     def tokens(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens); ``"chat"``: what follows a user turn in
-        the tokenizer's chat template up to the assistant's answer (a newline without one);
-        ``"chat_prefix"``: what comes before a user's text in it (nothing without one)."""
-        tok = self.tokenizer
+        """Token ids of ``text`` (no special tokens); ``"chat"`` and ``"chat_prefix"``: the parts
+        of the tokenizer's chat template after and before a user's text (``chat_template_tokens``)."""
         if text in ("chat", "chat_prefix"):
-            side, text = (1, "\n") if text == "chat" else (0, "")
-            if getattr(tok, "chat_template", None):
-                mark = "\x00kvcache_ext\x00"
-                turn = tok.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
-                                               tokenize=False)
-                text = turn.split(mark, 1)[side]
-        return tok.encode(text, add_special_tokens=False) if text else []
+            return chat_template_tokens(self.tokenizer, "prefix" if text == "chat_prefix" else "suffix")
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, forward=None):
         """Runs the reconstruction passes of a scorer that needs them (KVzip) on a cache that

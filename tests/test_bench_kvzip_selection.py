@@ -51,9 +51,10 @@ def test_every_reading_selection_and_keep_is_run_and_timed(runs):
 
 def test_pooled_scores_leave_the_skipped_prefix_out_and_spread_over_neighbours():
     scores = [torch.tensor([[[0.0, 0.0, 0.125, 0.75, 0.125, 0.25, 0.125]]])]
-    out = kvzip_selection.pooled(scores, kvzip_selection.Pooling(3), skipped=2)[0]
+    rebuilt = torch.tensor([[False, False, True, True, True, True, True]])
+    out = kvzip_selection.pooled(scores, kvzip_selection.Pooling(3), rebuilt)[0]
     assert out.tolist() == [[[0.0, 0.0, 0.75, 0.75, 0.75, 0.25, 0.25]]]
-    plain = kvzip_selection.pooled(scores, None, skipped=2)[0]
+    plain = kvzip_selection.pooled(scores, None, rebuilt)[0]
     assert torch.equal(plain, scores[0]) and plain is not scores[0]
 
 
