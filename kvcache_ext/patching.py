@@ -7,6 +7,7 @@ Uses transformers' public extension points only: an attention function registere
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import weakref
 
@@ -157,6 +158,9 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
     check_page_size(page_size)
     reserve_new_tokens = boolean(reserve_new_tokens, "patch reserve_new_tokens")
+    if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(f"patch tokenizer must be the model's tokenizer (with an encode method), "
+                        f"got {type(tokenizer).__name__}")
     if policy.scorer.reconstructs and policy.scorer.needs_tokenizer and tokenizer is None:
         raise ValueError(f"{type(policy.scorer).__name__} prompts the model with text instructions: pass the "
                          "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids "
@@ -167,7 +171,8 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise ValueError(f"kvcache_ext.patch supports the model types {', '.join(SUPPORTED_MODELS)}; "
                          f"got {model_type!r} ({type(model).__name__})")
     if not hasattr(model, "generate") or not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"kvcache_ext.patch needs an HF PreTrainedModel, got {type(model).__name__}")
+        raise TypeError(f"kvcache_ext.patch needs an HF causal LM with generate (such as LlamaForCausalLM), "
+                        f"got {type(model).__name__}")
     _check_cuda_head_dim(model)
     # Everything the engine would refuse later is refused now, before the model changes.
     policy.check(ModelShape.of(model))
@@ -187,7 +192,17 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     prepare_signature = inspect.signature(prepare)
 
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
-        if (model_kwargs.get(key) is None and generation_config.use_cache is not False
+        given = model_kwargs.get(key)
+        if generation_config.use_cache is not False and not isinstance(given, RaggedCache):
+            # Another cache runs the model's own attention over everything: say so, since the
+            # user patched the model to evict (HF tutorials pass cache_implementation="static").
+            asked = (f"cache_implementation={generation_config.cache_implementation!r}" if given is None
+                     else f"a {type(given).__name__}")
+            if given is not None or generation_config.cache_implementation is not None:
+                warnings.warn(f"kvcache_ext: this generate call was given {asked}, so it keeps every token "
+                              "(the patched model evicts only into a RaggedCache: leave the cache to generate, "
+                              "or pass handle.new_cache())", UserWarning, stacklevel=4)
+        if (given is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
             length = None
             if handle.reserve_new_tokens:   # generate's own bound on the sequence, prompt included

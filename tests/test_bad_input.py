@@ -221,6 +221,11 @@ def test_patch_refuses_what_the_model_cannot_run_and_leaves_it_unpatched():
     with pytest.raises(TypeError, match="reserve_new_tokens"):
         kvcache_ext.patch(model, Policy(H2O(), budget=8), reserve_new_tokens="yes")
     assert not kvcache_ext.is_patched(model)
+    with pytest.raises(TypeError, match="patch tokenizer .* got int"):   # not deep inside generate
+        kvcache_ext.patch(model, Policy(H2O(), budget=8), tokenizer=5)
+    assert not kvcache_ext.is_patched(model)
+    with pytest.raises(TypeError, match="causal LM .* got LlamaModel"):
+        kvcache_ext.patch(model.model, Policy(H2O(), budget=8))
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2**31, 1.5, "100", True])
@@ -553,6 +558,7 @@ ARGS = [
     (["eval", "--task", "passkey", "--plot", "/proc/no/such/dir/x.png"], "--plot"),
     (["eval", "--task", "passkey", "--json", "/tmp"], "--json"),
     (["eval", "--task", "passkey", "--policy", "snapkv", "--budget", "16"], "--budget"),
+    (["eval", "--task", "passkey", "--budget", "64", "--keep", "0.1"], "--keep"),
     (["eval", "--task", "ppl", "--policy", "kvec"], "--policy"),
     (["eval", "--task", "sudoku"], "--task"),
     (["demo", "--budget", "0"], "--budget"),

@@ -265,6 +265,29 @@ def test_patched_model_without_our_cache_runs_its_own_attention():
         torch.testing.assert_close(model(ids, attention_mask=mask, use_cache=False).logits, expected)
 
 
+def test_generate_with_another_cache_warns_that_it_keeps_every_token():
+    """A patched model given a cache of its own kind (or asked for one by name) cannot evict:
+    it says so, and the generation equals the unpatched model's."""
+    import warnings
+
+    from transformers import DynamicCache
+    model = tiny_model("llama")
+    ids, mask = inputs(length=30)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with kvcache_ext.patch(model, Policy(H2O(), budget=8, schedule=EveryStep())) as handle:
+        for kwargs, named in (({"cache_implementation": "static"}, "cache_implementation='static'"),
+                              ({"past_key_values": DynamicCache(config=model.config)}, "a DynamicCache")):
+            with pytest.warns(UserWarning, match=f"given {named}, so it keeps every token") as caught:
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **kwargs)
+            assert torch.equal(out, plain)
+            assert any(w.filename == __file__ for w in caught)   # pointed at the caller's line
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # our own caches, or none at all: no warning
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, past_key_values=handle.new_cache())
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, use_cache=False)
+
+
 def test_stores_hold_only_the_kept_tokens():
     model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
     ids, mask = inputs(batch=2, length=200)

