@@ -335,8 +335,8 @@ def fmt_g(value):
 
 def print_table(rows: list[dict]) -> None:
     head = ("| case | dtype | lengths | B × Hkv, mean len | max/mean | live MiB | ours ms | GB/s | "
-            "of copy | stats ms | stats/off | stats/off, no gaps | SDPA-gqa ms | gqa/ours | SDPA-packed ms | packed/ours "
-            "| max abs diff |")
+            "of copy | stats ms | stats/off | stats/off, no gaps | SDPA-gqa ms | gqa/ours | SDPA-packed ms "
+            "| packed/ours | max abs diff |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
@@ -420,7 +420,8 @@ def main(argv=None):
         print(f"ours {fmt_ms(row['seconds'])} ms ({row['GBps']:.1f} GB/s = {row['fraction_of_copy']:.0%} "
               f"of copy), stats {row['stats_overhead']:.2f}×, SDPA-gqa {fmt_x(row['sdpa_gqa_over_ours'])} "
               f"[{row['sdpa_gqa_backend']}], SDPA-packed {fmt_x(row['sdpa_packed_over_ours'])} "
-              f"[{row['sdpa_packed_backend']}], others' CPU {fmt_pct(row['other_processes_cpu'])}, max|diff| {fmt_g(row['max_abs_diff_vs_sdpa'])}"
+              f"[{row['sdpa_packed_backend']}], others' CPU {fmt_pct(row['other_processes_cpu'])}, "
+              f"max|diff| {fmt_g(row['max_abs_diff_vs_sdpa'])}"
               + (f"; without the gaps: ours {fmt_ms(row['shrunk_seconds'])} ms, stats "
                  f"{row['shrunk_stats_overhead']:.2f}×" if "shrunk_seconds" in row else ""), flush=True)
     print()
@@ -452,7 +453,8 @@ def main(argv=None):
     print(f"SDPA-packed / ours: targets {({f'{c} {l}': round(t, 2) for (c, l), t in SPEED_TARGETS.items()})}; "
           f"missed: {missed or 'none'}")
     if not quick:
-        extra = {"copy_GBps": copy_gbps, "other_processes_cpu": other_cpu, "copy_MiB": copy_bytes / 2**20, "sdpa_enable_gqa": enable_gqa,
+        extra = {"copy_GBps": copy_gbps, "other_processes_cpu": other_cpu, "copy_MiB": copy_bytes / 2**20,
+                 "sdpa_enable_gqa": enable_gqa,
                  "threads": torch.get_num_threads() if not gpu else None,
                  "skew": {"target_max_over_mean": SKEW_TARGET, "floor": SKEW_FLOOR, "seed": SKEW_SEED,
                           "generator": "per batch item: floor*mean + (1-floor)*H*mean*softmax(sigma*z), "

@@ -624,7 +624,8 @@ def main(argv=None) -> int:
     kvpress = importlib.metadata.version("kvpress") if any(m in KVPRESS for m in args.methods) else None
     print(f"e2e on {device_name(device)}: {args.model} ({dtype}), contexts {args.contexts}, batches "
           f"{args.batches}, " + (f"budgets {args.budgets}" if args.budgets else f"keep {args.keep}") +
-          f", {args.steps} decode steps (after {args.warmup}, median of {args.repeats} interleaved runs), commit {git_commit()}, kvcache_ext from {package}, transformers "
+          f", {args.steps} decode steps (after {args.warmup}, median of {args.repeats} interleaved runs), "
+          f"commit {git_commit()}, kvcache_ext from {package}, transformers "
           f"{transformers.__version__}" + (f", kvpress {kvpress}" if kvpress else ""))
     rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
     largest = derive(rows)

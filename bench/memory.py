@@ -259,8 +259,9 @@ def verify(model, policy: Policy, ids: torch.Tensor, replayed: dict, decode_step
         with torch.no_grad():
             out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             per_head = kept(cache)
-            result = {"policy": repr(policy), "allocation": type(policy.allocation).__name__ + (
-                          f"({type(policy.allocation.layers).__name__})" if hasattr(policy.allocation, "layers") else ""),
+            layers = getattr(policy.allocation, "layers", None)
+            allocation = type(policy.allocation).__name__ + (f"({type(layers).__name__})" if layers is not None else "")
+            result = {"policy": repr(policy), "allocation": allocation,
                       "budget": budget, "prompt_len": ids.shape[1],
                       "nbytes": cache.nbytes, "same_kept_as_replay": per_head == replayed["kept_per_head"],
                       "same_nbytes_as_replay": cache.nbytes == replayed["nbytes"]}

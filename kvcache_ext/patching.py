@@ -201,7 +201,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
             if given is not None or generation_config.cache_implementation is not None:
                 warnings.warn(f"kvcache_ext: this generate call was given {asked}, so it keeps every token "
                               "(the patched model evicts only into a RaggedCache: leave the cache to generate, "
-                              "or pass handle.new_cache())", UserWarning, stacklevel=4)
+                              "or pass handle.new_cache())", UserWarning, stacklevel=_user_stacklevel())
         if (given is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
             length = None
@@ -218,6 +218,22 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         _score_prompts_after_forward(model, handle, key)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called from the caller of this function, that
+    points at the first frame outside transformers, torch and this package (the user's
+    ``generate`` call): how many frames lie between differs between transformers versions."""
+    import os
+
+    import torch
+    import transformers
+    inside = tuple(os.path.dirname(module.__file__) + os.sep for module in (transformers, torch))
+    inside += (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    frame, level = inspect.currentframe().f_back, 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _score_prompts_after_forward(model, handle: PatchHandle, key: str) -> None:

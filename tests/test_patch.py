@@ -268,15 +268,18 @@ def test_patched_model_without_our_cache_runs_its_own_attention():
 def test_generate_with_another_cache_warns_that_it_keeps_every_token():
     """A patched model given a cache of its own kind (or asked for one by name) cannot evict:
     it says so, and the generation equals the unpatched model's."""
+    import inspect
     import warnings
 
     from transformers import DynamicCache
     model = tiny_model("llama")
     ids, mask = inputs(length=30)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    # transformers >= 5.24 calls generate's cache argument `cache` (`past_key_values` before).
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     with kvcache_ext.patch(model, Policy(H2O(), budget=8, schedule=EveryStep())) as handle:
         for kwargs, named in (({"cache_implementation": "static"}, "cache_implementation='static'"),
-                              ({"past_key_values": DynamicCache(config=model.config)}, "a DynamicCache")):
+                              ({key: DynamicCache(config=model.config)}, "a DynamicCache")):
             with pytest.warns(UserWarning, match=f"given {named}, so it keeps every token") as caught:
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **kwargs)
             assert torch.equal(out, plain)
@@ -284,7 +287,7 @@ def test_generate_with_another_cache_warns_that_it_keeps_every_token():
         with warnings.catch_warnings():
             warnings.simplefilter("error")   # our own caches, or none at all: no warning
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-            model.generate(ids, attention_mask=mask, max_new_tokens=4, past_key_values=handle.new_cache())
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, **{key: handle.new_cache()})
             model.generate(ids, attention_mask=mask, max_new_tokens=4, use_cache=False)
 
 

@@ -31,7 +31,9 @@ COLUMNS = [
 
 
 def short_name(name: str) -> str:
-    """'void ns::(anonymous namespace)::attend_split<c10::BFloat16, 128, 1>(...)' -> 'attend_split<c10::BFloat16, 128, 1>'."""
+    """A kernel's name without its return type, namespaces and arguments:
+    'void ns::(anonymous namespace)::attend_split<c10::BFloat16, 128, 1>(...)'
+    -> 'attend_split<c10::BFloat16, 128, 1>'."""
     name = re.sub(r"^void\s+", "", name.strip())
     depth, cut = 0, len(name)
     for i, ch in enumerate(name):  # drop the parameter list: the first '(' outside <...>

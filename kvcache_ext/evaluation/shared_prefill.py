@@ -5,8 +5,9 @@ attention and compresses each layer's keys and values right after: the prefill i
 layer's queries, keys, values and the prompt's logits) does not depend on the policy. The
 harness therefore runs it once per prompt, recording each layer's dense prompt, and builds
 each policy's cache from the recording exactly as the patched prefill would
-(``eviction.store_dense_prompt``, the patched model's own path, on the same tensors). ``tests/test_evaluation.py`` checks that
-this gives the same tokens and logits as running the patched model on the prompt.
+(``eviction.store_dense_prompt``, the patched model's own path, on the same tensors).
+``tests/test_evaluation.py`` checks that this gives the same tokens and logits as running the
+patched model on the prompt.
 """
 from __future__ import annotations
 

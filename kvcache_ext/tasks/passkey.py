@@ -262,4 +262,5 @@ def run_passkey(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 1
     return text, check_answer(text, prompt.answer)
 
 
-__all__ = ["PasskeyPrompt", "PromptTexts", "make_retrieval_prompt", "make_passkey_prompt", "check_answer", "run_passkey", "corpus_text"]
+__all__ = ["PasskeyPrompt", "PromptTexts", "make_retrieval_prompt", "make_passkey_prompt", "check_answer",
+           "run_passkey", "corpus_text"]
