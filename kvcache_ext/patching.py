@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-
 import weakref
 
 from transformers import AttentionInterface
