@@ -7,9 +7,12 @@ Uses transformers' public extension points only: an attention function registere
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 import weakref
 
+import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -20,7 +23,7 @@ from kvcache_ext.cache import RaggedCache, enter_patched_forward, exit_patched_f
 from kvcache_ext.layer_kv import check_page_size
 from kvcache_ext.eviction import layer_forward
 from kvcache_ext.policies.policy import ModelShape, Policy
-from kvcache_ext.reconstruction import awaiting, reconstruct
+from kvcache_ext.reconstruction import awaiting, cache_argument, reconstruct
 
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # The model's own dense attention runs the prefill; each gets its own registered name so that
@@ -185,24 +188,24 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     _hook_forwards(handle)
 
     prepare = model._prepare_cache_for_generation   # bound method of the class
-    # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
-    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    key = cache_argument(type(model).forward)
 
     prepare_signature = inspect.signature(prepare)
 
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
-        given = model_kwargs.get(key)
-        if generation_config.use_cache is not False and not isinstance(given, RaggedCache):
-            # Another cache runs the model's own attention over everything: say so, since the
-            # user patched the model to evict (HF tutorials pass cache_implementation="static").
-            asked = (f"cache_implementation={generation_config.cache_implementation!r}" if given is None
-                     else f"a {type(given).__name__}")
-            if given is not None or generation_config.cache_implementation is not None:
-                warnings.warn(f"kvcache_ext: this generate call was given {asked}, so it keeps every token "
-                              "(the patched model evicts only into a RaggedCache: leave the cache to generate, "
-                              "or pass handle.new_cache())", UserWarning, stacklevel=_user_stacklevel())
-        if (given is None and generation_config.use_cache is not False
-                and generation_config.cache_implementation is None):
+        given, implementation = model_kwargs.get(key), generation_config.cache_implementation
+        # Another cache runs the model's own attention over everything: say so, since the user
+        # patched the model to evict (HF tutorials pass cache_implementation="static").
+        other = None
+        if given is not None and not isinstance(given, RaggedCache):
+            other = f"a {type(given).__name__}"
+        elif given is None and implementation is not None:
+            other = f"cache_implementation={implementation!r}"
+        if other is not None and generation_config.use_cache is not False:
+            warnings.warn(f"kvcache_ext: this generate call was given {other}, so it keeps every token (the "
+                          "patched model evicts only into a RaggedCache: leave the cache to generate, or pass "
+                          "handle.new_cache())", UserWarning, stacklevel=_user_stacklevel())
+        if given is None and implementation is None and generation_config.use_cache is not False:
             length = None
             if handle.reserve_new_tokens:   # generate's own bound on the sequence, prompt included
                 length = prepare_signature.bind(generation_config, model_kwargs, *args, **kwargs) \
@@ -223,10 +226,6 @@ def _user_stacklevel() -> int:
     """The ``stacklevel`` of ``warnings.warn``, called from the caller of this function, that
     points at the first frame outside transformers, torch and this package (the user's
     ``generate`` call): how many frames lie between differs between transformers versions."""
-    import os
-
-    import torch
-    import transformers
     inside = tuple(os.path.dirname(module.__file__) + os.sep for module in (transformers, torch))
     inside += (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
     frame, level = inspect.currentframe().f_back, 1

@@ -203,6 +203,12 @@ def score_pass(ctx, scorer, q, norm, scored: ScoredKeys, real):
     ctx.scores[..., lo:hi] = torch.maximum(ctx.scores[..., lo:hi], scorer.pass_scores(probs, G))
 
 
+def cache_argument(forward) -> str:
+    """The name under which ``forward`` (a model's forward) takes its cache: transformers >= 5.24
+    calls it ``cache``, ``past_key_values`` before (generate takes the same name)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def hold_context(state, k, v, pos, valid, scale) -> None:
     """Instead of compressing a fresh prompt now: keep it for the reconstruction passes."""
     B, H, n, _ = k.shape
@@ -228,8 +234,7 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
         raise ValueError("KVzip's reconstruction needs the prompt's input_ids (not inputs_embeds)")
     valid = (attention_mask.bool() if attention_mask is not None
              else torch.ones_like(input_ids, dtype=torch.bool))
-    # transformers >= 5.24 calls the cache argument `cache` (`past_key_values` before).
-    key = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    key = cache_argument(forward)
     newest = states[0].context.pos.masked_fill(~states[0].context.valid, -1).max(dim=1).values   # [B]
     # A skipped prefix (KVzip's skip_prefix) is neither rebuilt nor rated, its sinks apart.
     rebuilt = scorer.rebuilt(input_ids, valid, tokens)

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kvcache_ext import ops  # noqa: F401  (the ops below, as torch ops: torch.compile traces them)
+from kvcache_ext.ops import ops   # torch ops, not the pybind functions: torch.compile traces them
 from kvcache_ext.checks import INT32_MAX, integer, tensor
 
 
@@ -18,7 +18,7 @@ def segmented_topk(scores: torch.Tensor, pos: torch.Tensor, start: torch.Tensor,
     k >= len keeps the whole segment.
     """
     _check_slots(scores, pos, start, len)
-    return torch.ops.kvcache_ext.segmented_topk(scores, pos, start, len, _per(k, start.shape[0], start.device))
+    return ops.segmented_topk(scores, pos, start, len, _per(k, start.shape[0], start.device))
 
 
 def grouped_topk(scores: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, len: torch.Tensor,
@@ -30,7 +30,7 @@ def grouped_topk(scores: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, l
     _check_slots(scores, pos, start, len)
     group_size = integer(group_size, "group_size", 1)
     groups = start.shape[0] // group_size
-    return torch.ops.kvcache_ext.grouped_topk(scores, pos, start, len, group_size, _per(k, groups, start.device))
+    return ops.grouped_topk(scores, pos, start, len, group_size, _per(k, groups, start.device))
 
 
 def _check_slots(scores, pos, start, len) -> None:

@@ -268,15 +268,15 @@ def test_patched_model_without_our_cache_runs_its_own_attention():
 def test_generate_with_another_cache_warns_that_it_keeps_every_token():
     """A patched model given a cache of its own kind (or asked for one by name) cannot evict:
     it says so, and the generation equals the unpatched model's."""
-    import inspect
     import warnings
 
     from transformers import DynamicCache
+
+    from kvcache_ext.reconstruction import cache_argument
     model = tiny_model("llama")
     ids, mask = inputs(length=30)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    # transformers >= 5.24 calls generate's cache argument `cache` (`past_key_values` before).
-    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    key = cache_argument(type(model).forward)
     with kvcache_ext.patch(model, Policy(H2O(), budget=8, schedule=EveryStep())) as handle:
         for kwargs, named in (({"cache_implementation": "static"}, "cache_implementation='static'"),
                               ({key: DynamicCache(config=model.config)}, "a DynamicCache")):
