@@ -72,6 +72,8 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
         raise TypeError(f"store must be a kvcache_ext.RaggedKVStore, got {type(store).__name__}")
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a tensor [batch, query heads, n, head_dim], got {type(q).__name__}")
+    if store._device.type == "cuda":   # the op crashed on a size it lacks (H100, 2026-11-26)
+        check_head_dim(store._head_dim, store._device)
     # Every decode step of every layer comes here, mostly without statistics: that case
     # builds nothing.
     flags = _NO_STATS if stats is False or stats is None else _stat_flags(stats)
