@@ -12,9 +12,13 @@
 #             binary (CMake, same arch), side by side; skipped when .gpucarry/build holds a
 #             build of the same sources for the same torch and Python (what an earlier call
 #             brought back: see --pack and bench/README.md "GPU check")
+#   probe     bench/gpu_probe.py --gdb: does an error raised in C++ reach Python (torch's own,
+#             our CPU op, our CUDA ops, through pybind11), each in its own process, with a
+#             cuda-gdb backtrace of each crash (two CUDA bad inputs crashed on 2026-11-26)
 #   test      pytest on the kernel tests (store, selection, attention, the custom ops' opcheck
 #             and the review's paths, the gtest cases, patched tiny models on CUDA): the cases
-#             named cuda or build
+#             named cuda or build, one pytest process per file, so that a crash in one file
+#             does not hide the others
 #   sanitize  compute-sanitizer memcheck, then racecheck and synccheck, on the gtest CUDA cases
 #   bench     bench/kernels.py and bench/attention.py on cuda
 #   ncu       bench/nsight/profile.sh --set detailed (attention and compaction kernels)
@@ -35,8 +39,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
 cd "$root"
 
-ALL_STAGES="env build test sanitize bench ncu e2e"
-stages="env,build,test,sanitize,bench,ncu"
+ALL_STAGES="env build probe test sanitize bench ncu e2e"
+stages="env,build,probe,test,sanitize,bench,ncu"
 dry=0
 pack=0
 e2e_args="--contexts 8192,32768 --batches 1,4,16 --budgets 1024 --steps 64"
@@ -48,7 +52,7 @@ results="$root/bench/results"
 logs="$results/gpu-check"
 
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
-usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -182,11 +186,26 @@ stage_build() {
 assert info['cuda'], 'built without CUDA'"
 }
 
+TEST_FILES="tests/test_build.py tests/test_store.py tests/test_select.py tests/test_attention.py
+  tests/test_ops.py tests/test_review.py tests/test_cpp_kernels.py tests/test_cuda_model.py"
+
+stage_probe() {
+  "$PYTHON" bench/gpu_probe.py --gdb
+}
+
 stage_test() {
-  KVCACHE_EXT_GTEST_BIN="$gtest_bin" "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs \
-    tests/test_build.py tests/test_store.py tests/test_select.py tests/test_attention.py \
-    tests/test_ops.py tests/test_review.py tests/test_cpp_kernels.py tests/test_cuda_model.py \
-    -k "cuda or build" ${pytest_args}
+  local rc=0 f frc
+  for f in $TEST_FILES; do
+    echo "--- $f"
+    # shellcheck disable=SC2086  # pytest_args is a list
+    KVCACHE_EXT_GTEST_BIN="$gtest_bin" "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs "$f" \
+      -k "cuda or build" ${pytest_args}
+    frc=$?
+    # 5: no test selected in the file; 139 (128 + SIGSEGV) and the like: the process died.
+    [ $frc -eq 0 ] || [ $frc -eq 5 ] || rc=1
+    echo "--- $f: exit $frc"
+  done
+  return $rc
 }
 
 stage_sanitize() {
@@ -225,10 +244,9 @@ for s in "${stage_list[@]}"; do
       build) run_stage build "TORCH_CUDA_ARCH_LIST=<gpu arch> $PYTHON setup.py build_ext --inplace &" \
                "cmake -S . -B build/gtest -G Ninja -DKVCACHE_EXT_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=<arch>" \
                "&& cmake --build build/gtest (or reuse .gpucarry/build when its key matches)" ;;
-      test) run_stage test "KVCACHE_EXT_GTEST_BIN=$gtest_bin $PYTHON -m pytest tests/test_build.py" \
-              "tests/test_store.py tests/test_select.py tests/test_attention.py tests/test_ops.py" \
-              "tests/test_review.py tests/test_cpp_kernels.py tests/test_cuda_model.py -k 'cuda or build'" \
-              "$pytest_args" ;;
+      probe) run_stage probe "$PYTHON bench/gpu_probe.py --gdb" ;;
+      test) run_stage test "for f in" $TEST_FILES "; do KVCACHE_EXT_GTEST_BIN=$gtest_bin" \
+              "$PYTHON -m pytest \$f -k 'cuda or build' $pytest_args; done" ;;
       sanitize) run_stage sanitize "compute-sanitizer --tool memcheck|racecheck|synccheck $gtest_bin --gtest_filter=*Cuda*" ;;
       bench) run_stage bench "$PYTHON bench/kernels.py --device cuda; $PYTHON bench/attention.py --device cuda" ;;
       ncu) run_stage ncu "bench/nsight/profile.sh --set detailed" ;;

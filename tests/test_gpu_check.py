@@ -1,11 +1,15 @@
 """bench/gpu_check.sh on a machine without a GPU: --dry-run walks every stage and prints what it
 would run; bad arguments are refused with the accepted values."""
+import json
 import pathlib
 import subprocess
+import sys
+
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-STAGES = ["env", "build", "test", "sanitize", "bench", "ncu", "e2e"]
+STAGES = ["env", "build", "probe", "test", "sanitize", "bench", "ncu", "e2e"]
 
 
 def run(*args):
@@ -22,6 +26,8 @@ def test_dry_run_walks_every_stage():
     assert "dry run: would write" in out.stdout
     # The test stage runs the custom ops' opcheck and the review's tests on CUDA too.
     assert "tests/test_ops.py" in out.stdout and "tests/test_review.py" in out.stdout
+    # One pytest process per test file: a crash in one does not hide the others.
+    assert "for f in tests/test_build.py" in out.stdout and "bench/gpu_probe.py --gdb" in out.stdout
 
 
 def test_default_stages_leave_out_e2e():
@@ -39,3 +45,21 @@ def test_bad_arguments_are_refused():
     assert out.returncode == 2 and "--deadline needs seconds" in out.stderr
     out = run("--deadline", "5m")
     assert out.returncode == 2 and "whole seconds" in out.stderr and "'5m'" in out.stderr
+
+
+def test_probe_runs_each_case_in_its_own_process():
+    """bench/gpu_probe.py: here the CPU op's bad input raises; the CUDA cases are skipped
+    without a GPU and run (each in a subprocess, a crash recorded as such) with one."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_probe.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results["cpu_op_dtype"]["verdict"] == "raised"
+    assert "must have dtype Half, got Float" in results["cpu_op_dtype"]["output"][-1]
+    cuda = torch.cuda.is_available()
+    for name in ("torch_cuda_error", "cuda_op_dtype", "cuda_op_shape", "cuda_kernel_head_dim",
+                 "cuda_pybind_dtype"):
+        assert results[name]["verdict"] == ("raised" if cuda else "skipped (no CUDA here)"), name
+    one = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_probe.py"), "--case", "nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 2 and "invalid choice: 'nope'" in one.stderr
