@@ -1,10 +1,12 @@
 """Which errors raised in C++ reach Python on this machine, and which kill the process.
 
 On the first GPU run (H100, torch 2.11, 2026-11-26) two bad inputs handed to the CUDA
-attention op crashed pytest with a segmentation fault instead of raising: a float32 q for a
-float16 store (a TORCH_CHECK in csrc/ops.cpp) and head_dim 8 (a TORCH_CHECK in
-csrc/attention/attention_cuda.cu). The same checks raise on CPU. Each case below raises one
-error in its own process, so that one crash does not hide the others:
+attention op crashed pytest with a segmentation fault instead of raising: head_dim 8 (a
+ValueError from csrc/attention/attention_cuda.cu), and a q of the wrong batch (a ValueError
+from csrc/ops.cpp), right after a float32 q for a float16 store had raised its TypeError from
+the same op. The same checks raise on CPU, and in the gtest binary (no Python) the head_dim
+check raised on CUDA too. Each case below raises one error in its own process, so that one
+crash does not hide the others:
 
     python bench/gpu_probe.py                 # every case; a table and a JSON line
     python bench/gpu_probe.py --case NAME     # one case in this process (what the table runs)
@@ -53,9 +55,34 @@ def cpu_op_dtype():
     _attention_op(_store("cpu"), torch.randn(1, 2, 1, 64))
 
 
+def cpu_op_batch():
+    store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=torch.float16)
+    k = torch.randn(2, 2, 8, 64, dtype=torch.float16)
+    store.append(k, k.clone(), torch.arange(8))
+    _attention_op(store, torch.randn(1, 4, 2, 64, dtype=torch.float16))
+
+
 def cuda_op_dtype():
     """The crash of 2026-11-26: ops.cpp's check_query, the op dispatched to its CUDA kernel."""
     _attention_op(_store("cuda"), torch.randn(1, 2, 1, 64, device="cuda"))
+
+
+def cuda_op_batch():
+    """The crash of 2026-11-26 (runs 2 and 3 both stopped on this line of test_bad_input, right
+    after the dtype case raised its TypeError): q of batch 1 for a store of batch 1 + 1."""
+    store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=torch.float16, device="cuda")
+    k = torch.randn(2, 2, 8, 64, dtype=torch.float16, device="cuda")
+    store.append(k, k.clone(), torch.arange(8))
+    _attention_op(store, torch.randn(1, 4, 2, 64, dtype=torch.float16, device="cuda"))
+
+
+def cuda_op_dtype_then_batch():
+    """The two in one process, as test_bad_input ran them: is it the second error that kills?"""
+    try:
+        cuda_op_dtype()
+    except TypeError:
+        pass
+    cuda_op_batch()
 
 
 def cuda_op_shape():
@@ -82,7 +109,10 @@ def cuda_pybind_dtype():
 CASES = {
     "torch_cuda_error": (torch_cuda_error, RuntimeError),
     "cpu_op_dtype": (cpu_op_dtype, TypeError),
+    "cpu_op_batch": (cpu_op_batch, ValueError),
     "cuda_op_dtype": (cuda_op_dtype, TypeError),
+    "cuda_op_batch": (cuda_op_batch, ValueError),
+    "cuda_op_dtype_then_batch": (cuda_op_dtype_then_batch, ValueError),
     "cuda_op_shape": (cuda_op_shape, ValueError),
     "cuda_kernel_head_dim": (cuda_kernel_head_dim, ValueError),
     "cuda_pybind_dtype": (cuda_pybind_dtype, TypeError),

@@ -54,11 +54,13 @@ def test_probe_runs_each_case_in_its_own_process():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert results["cpu_op_dtype"]["verdict"] == "raised"
+    assert results["cpu_op_dtype"]["verdict"] == results["cpu_op_batch"]["verdict"] == "raised"
     assert "must have dtype Half, got Float" in results["cpu_op_dtype"]["output"][-1]
+    assert "q has batch 1 but the store has batch 2" in results["cpu_op_batch"]["output"][-1]
     cuda = torch.cuda.is_available()
-    for name in ("torch_cuda_error", "cuda_op_dtype", "cuda_op_shape", "cuda_kernel_head_dim",
-                 "cuda_pybind_dtype"):
+    cuda_cases = [name for name in results if "cuda" in name]
+    assert len(cuda_cases) == 7
+    for name in cuda_cases:
         assert results[name]["verdict"] == ("raised" if cuda else "skipped (no CUDA here)"), name
     one = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_probe.py"), "--case", "nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
