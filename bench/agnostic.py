@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy, parse_policies  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, run_prompt  # noqa: E402
@@ -78,7 +79,7 @@ def timed_prefill(model, ids, cache, press=None) -> dict:
     with PeakRSS() as mem:
         start = time.perf_counter()
         with press(model) if press is not None else contextlib.nullcontext():
-            out = model(ids, past_key_values=cache, use_cache=True)
+            out = model(ids, **with_cache(model, cache), use_cache=True)
         seconds = time.perf_counter() - start
     return {"prefill_s": seconds, "extra_peak_bytes": mem.extra, "logits": out.logits[:, -1]}
 
@@ -96,7 +97,7 @@ def kvpress_kvzip(model, tokenizer, prompt, keep: float, plus: bool = False) -> 
     cache = DynamicCache(config=model.config)
     run = timed_prefill(model, context, cache, KVzipPress(compression_ratio=1 - keep, kvzip_plus_normalization=plus))
     try:
-        logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
         new, _ = greedy_continue(model, cache, logits, 8, tokenizer.eos_token_id)
     finally:
         for layer in model.model.layers:

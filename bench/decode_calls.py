@@ -24,6 +24,7 @@ import common  # noqa: F401  (puts the checkout first on sys.path)
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import AdaKV, Policy, SnapKV
 from kvcache_ext.store import RaggedKVStore
 from e2e import build_model
@@ -69,7 +70,7 @@ def main() -> None:
             # --reserve: the cache is told the run's length, as the patched generate tells it,
             # so the prefill leaves every head pages for all the steps.
             cache = handle.new_cache(max_cache_len=args.context + args.steps if args.reserve else None)
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
             handle.unpatch()
             caches[name] = (policy, cache)
         token = torch.full((args.batch, 1), min(1234, vocab - 1))
@@ -85,7 +86,7 @@ def main() -> None:
                         calls.clear()
                         position = torch.full_like(token, args.context + len(steps[name]))
                         start = time.perf_counter()
-                        model(token, past_key_values=cache, use_cache=True, position_ids=position)
+                        model(token, **with_cache(model, cache), use_cache=True, position_ids=position)
                         steps[name].append((time.perf_counter() - start, list(calls)))
                     kvcache_ext.unpatch(model)
         finally:

@@ -88,6 +88,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, git_commit, sync, write_results  # noqa: E402
 
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
 from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
 
@@ -282,7 +283,7 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         sync(device)
         t0 = time.perf_counter()
         with press(model) if press is not None else contextlib.nullcontext():
-            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         sync(device)
         record["prefill_s"] = time.perf_counter() - t0
@@ -300,7 +301,7 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
                 sync(device)
                 t0 = time.perf_counter()
             position = torch.full_like(token, ids.shape[1] + step)
-            out = model(tokens[-1], past_key_values=cache, use_cache=True, position_ids=position)
+            out = model(tokens[-1], **with_cache(model, cache), use_cache=True, position_ids=position)
             tokens.append(out.logits[:, -1].argmax(dim=-1, keepdim=True))
         sync(device)
         record["decode_s"] = time.perf_counter() - t0

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.decoding import full_cache_from, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, split_prompt  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
@@ -77,7 +78,7 @@ def pooled(scores: list, pooling: Pooling | None, rebuilt: torch.Tensor) -> list
 
 
 def answer(model, tokenizer, cache, question, prompt) -> tuple[bool, str]:
-    logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
     new, _ = greedy_continue(model, cache, logits, 8, tokenizer.eos_token_id)
     text = tokenizer.decode(new, skip_special_tokens=True)
     return check_answer(text, prompt.answer), text

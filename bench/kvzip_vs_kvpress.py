@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
@@ -47,7 +48,7 @@ def kvpress_scores(model, tokenizer, context, keep):
     KVzipPress.compress_post = recording
     try:
         with KVzipPress(compression_ratio=1 - keep)(model):
-            model(context, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(context, **with_cache(model, DynamicCache(config=model.config)), use_cache=True)
     finally:
         KVzipPress.compress_post = compress
         for layer in model.model.layers:

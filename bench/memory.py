@@ -67,6 +67,7 @@ import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an i
 import kvcache_ext  # noqa: E402
 from common import device_name, git_commit, write_results  # noqa: E402
 from kvcache_ext.cache import patched_forward  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +175,7 @@ def record_prefill(model, ids: torch.Tensor):
     try:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     finally:
         model.set_attn_implementation(original)
     return cache, recorder.calls
@@ -257,7 +258,7 @@ def verify(model, policy: Policy, ids: torch.Tensor, replayed: dict, decode_step
     try:
         cache = handle.new_cache()
         with torch.no_grad():
-            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
             per_head = kept(cache)
             layers = getattr(policy.allocation, "layers", None)
             allocation = type(policy.allocation).__name__ + (f"({type(layers).__name__})" if layers is not None else "")
@@ -267,7 +268,7 @@ def verify(model, policy: Policy, ids: torch.Tensor, replayed: dict, decode_step
                       "same_nbytes_as_replay": cache.nbytes == replayed["nbytes"]}
             token = out.logits[:, -1:].argmax(dim=-1)
             for _ in range(decode_steps):
-                out = model(token, past_key_values=cache, use_cache=True)
+                out = model(token, **with_cache(model, cache), use_cache=True)
                 token = out.logits[:, -1:].argmax(dim=-1)
             per_layer = [sum(map(sum, layer)) for layer in kept(cache)]
     finally:

@@ -51,9 +51,10 @@ def demo_policies(budget: int) -> dict:
 @torch.no_grad()
 def greedy(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_id: int | None):
     """Greedy decoding by hand: returns (new token ids, prefill seconds, decode seconds per token)."""
+    from kvcache_ext.cache_argument import with_cache
     from kvcache_ext.evaluation.decoding import greedy_continue
     start = time.perf_counter()
-    out = model(input_ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids, **with_cache(model, cache), use_cache=True)
     prefill = time.perf_counter() - start
     new, decode = greedy_continue(model, cache, out.logits[:, -1], max_new_tokens, eos_id)
     return new, prefill, decode

@@ -17,10 +17,12 @@ values; nothing grows with the number of passes.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
+
+from kvcache_ext.cache_argument import cache_argument
+
 
 @dataclass
 class Context:
@@ -201,12 +203,6 @@ def score_pass(ctx, scorer, q, norm, scored: ScoredKeys, real):
         best = top if best is None else torch.maximum(best, top)
     probs = best.exp_()[:, :, None]                                                 # [B, Hq, 1, hi - lo]
     ctx.scores[..., lo:hi] = torch.maximum(ctx.scores[..., lo:hi], scorer.pass_scores(probs, G))
-
-
-def cache_argument(forward) -> str:
-    """The name under which ``forward`` (a model's forward) takes its cache: transformers >= 5.24
-    calls it ``cache``, ``past_key_values`` before (generate takes the same name)."""
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def hold_context(state, k, v, pos, valid, scale) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext import RaggedKVStore, ragged_attention, reference
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.checks import INT32_MAX, INT64_MAX
 from kvcache_ext.policies import (CAOTE, H2O, KVEC, TOVA, AdaKV, AhaKV, BlockwisePrefill, EveryNSteps,
                                   EveryStep, OneShot, Policy, Pooled, Pooling, Protection, Pyramid, Random,
@@ -264,7 +265,7 @@ def test_a_cache_refuses_another_model_or_an_unpatched_one_before_it_changes(lay
     cache = kvcache_ext.patch(a, policy).new_cache()
     ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
     if filled:
-        a(ids, past_key_values=cache, use_cache=True)
+        a(ids, **with_cache(a, cache), use_cache=True)
     if unpatch:
         kvcache_ext.unpatch(a)
         user = a
@@ -273,7 +274,7 @@ def test_a_cache_refuses_another_model_or_an_unpatched_one_before_it_changes(lay
         user = b
     before = cache_state(cache)
     differs = layers[0] != layers[1] or (filled and (heads[0] != heads[1] or dims[0] != dims[1]))
-    err = refused(lambda: user(ids[:, -1:] if filled else ids, past_key_values=cache, use_cache=True),
+    err = refused(lambda: user(ids[:, -1:] if filled else ids, **with_cache(user, cache), use_cache=True),
                   "past_key_values")
     if unpatch:
         assert isinstance(err, RuntimeError) if err is not None else False, "an unpatched model used the cache"

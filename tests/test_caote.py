@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.eviction import LayerState, attend_block, attend_in_blocks
 from kvcache_ext.layer_kv import RaggedLayerKV
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView, EveryStep, OneShot, Policy,
@@ -437,7 +438,7 @@ def test_output_after_eviction_changes_block_outputs():
         policy = Policy(CAOTE(TOVA(), output_after_eviction=after), budget=20, schedule=BlockwisePrefill(16))
         with kvcache_ext.patch(model, policy) as handle:
             with torch.no_grad():
-                out.append(model(ids, attention_mask=mask, past_key_values=handle.new_cache()).logits)
+                out.append(model(ids, attention_mask=mask, **with_cache(model, handle.new_cache())).logits)
     real = mask.bool()
     first_block = real.cumsum(dim=1) <= 16               # no eviction yet: identical
     torch.testing.assert_close(out[0][first_block & real], out[1][first_block & real])

@@ -8,6 +8,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation import (
     POLICY_NAMES,
     compressed_cache,
@@ -58,15 +59,15 @@ def test_shared_prefill_equals_the_patched_prefill(policy, layout):
         assert not kvcache_ext.is_patched(model)
         with kvcache_ext.patch(model, policy) as handle:
             direct = handle.new_cache()
-            direct_logits = [model(prompt, past_key_values=direct, use_cache=True).logits[:, -1]]
+            direct_logits = [model(prompt, **with_cache(model, direct), use_cache=True).logits[:, -1]]
             shared = compressed_cache(policy, recorded)
             # The same bytes as the patched model holds (one prefill path: the slack released alike).
             assert shared.nbytes == direct.nbytes
             shared_logits = [recorded.logits[:, -1]]
             for t in range(fed.shape[1]):   # decode steps over each cache (with eviction, for some)
                 tok = fed[:, t:t + 1]
-                direct_logits.append(model(tok, past_key_values=direct, use_cache=True).logits[:, -1])
-                shared_logits.append(model(tok, past_key_values=shared, use_cache=True).logits[:, -1])
+                direct_logits.append(model(tok, **with_cache(model, direct), use_cache=True).logits[:, -1])
+                shared_logits.append(model(tok, **with_cache(model, shared), use_cache=True).logits[:, -1])
     assert shared.get_seq_length() == direct.get_seq_length() == 46
     assert shared.nbytes == direct.nbytes
     for a, b in zip(direct.kept_tokens(), shared.kept_tokens()):

@@ -15,6 +15,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext import cli
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, AcrossLayers, AdaKV, BlockwisePrefill, EveryStep, KVzip, OneShot,
                                   Policy, Pyramid, Uniform)
 from test_patch import assert_paths_agree, inputs
@@ -90,7 +91,7 @@ def test_scores_equal_an_independent_implementation(chunk, softmax, skip):
     rated = rebuilt[0] | (torch.arange(40) < scorer.sinks)
     with kvcache_ext.patch(model, policy) as handle:
         cache = handle.new_cache()
-        model(ids, past_key_values=cache, use_cache=True)   # the forward's end runs the passes
+        model(ids, **with_cache(model, cache), use_cache=True)   # the forward's end runs the passes
         assert torch.equal(scorer.rebuilt(ids, torch.ones_like(rebuilt), handle.tokens), rebuilt)
         passes = scorer.passes(ids, rebuilt, handle.tokens, skip)
         assert len(passes) == -(-(40 - skip) // chunk)

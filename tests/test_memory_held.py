@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import H2O, AdaKV, BlockwisePrefill, EveryStep, Policy, SnapKV
 from tiny_models import VOCAB, tiny_model
 
@@ -38,7 +39,7 @@ def prefill(model, cache, length=200, pad=(0, 9)):
         mask[row, :p] = 0
     pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
     with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, position_ids=pos, **with_cache(model, cache), use_cache=True)
     return mask, pos[:, -1:]
 
 
@@ -48,7 +49,7 @@ def decode(model, cache, mask, last_pos, steps, after_step):
         for t in range(steps):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             model(fed[:, t:t + 1], attention_mask=mask, position_ids=last_pos + t + 1,
-                  past_key_values=cache, use_cache=True)
+                  **with_cache(model, cache), use_cache=True)
             after_step(t)
 
 

@@ -7,6 +7,7 @@ from torch.library import opcheck
 
 import kvcache_ext
 from kvcache_ext import reference
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.ops import OPS, ops
 from conftest import DEVICES
 
@@ -300,10 +301,10 @@ def test_patched_tiny_model_under_torch_compile(policy_name):
         try:
             cache = handle.new_cache()
             forward = torch.compile(model, backend=backend) if compile_it else model
-            logits = [forward(input_ids=ids, past_key_values=cache).logits[:, -1]]
+            logits = [forward(input_ids=ids, **with_cache(model, cache)).logits[:, -1]]
             token = logits[-1].argmax(-1, keepdim=True)
             for _ in range(4):
-                logits.append(forward(input_ids=token, past_key_values=cache).logits[:, -1])
+                logits.append(forward(input_ids=token, **with_cache(model, cache)).logits[:, -1])
                 token = logits[-1].argmax(-1, keepdim=True)
             return torch.stack(logits)
         finally:

@@ -7,6 +7,7 @@ Without the model package these tests fail with the install command (they are no
 import pytest
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (CAOTE, KVEC, TOVA, AdaKV, AhaKV, BlockwisePrefill, EveryStep, Policy,
                                   RoCo, ScissorHands, SnapKV, caote_policy)
 from kvcache_ext.tasks import make_passkey_prompt, run_passkey
@@ -31,7 +32,7 @@ def test_passkey_2k(model_and_tokenizer, policy):
         for depth, seed in CASES:
             prompt = make_passkey_prompt(tokenizer, 2000, depth, seed=seed)
             cache = handle.new_cache()
-            text, correct = run_passkey(model, tokenizer, prompt, past_key_values=cache)
+            text, correct = run_passkey(model, tokenizer, prompt, **with_cache(model, cache))
             assert correct, f"{policy}: depth {depth}, expected {prompt.answer}, got {text!r}"
             # Every layer held the budget per KV head (plus what was generated), not the prompt.
             generated = cache.get_seq_length() - prompt.length
@@ -59,7 +60,7 @@ def test_passkey_short_per_family(model_and_tokenizer, name):
     prompt = make_passkey_prompt(tokenizer, 640, 0.7, seed=5)
     with kvcache_ext.patch(model, policy) as handle:
         cache = handle.new_cache()
-        text, correct = run_passkey(model, tokenizer, prompt, past_key_values=cache)
+        text, correct = run_passkey(model, tokenizer, prompt, **with_cache(model, cache))
     assert correct, f"{name}: expected {prompt.answer}, got {text!r}"
     generated = cache.get_seq_length() - prompt.length
     for lens in cache.kept_tokens():

@@ -15,6 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot,
                                   Policy, Pyramid, Random, SnapKV, StreamingLLM, Uniform)
 from kvcache_ext.reference.masked_cache import MaskedCache
@@ -48,14 +49,14 @@ def teacher_forced(model, cache, ids, mask, steps=6, fed=None):
     # Positions as generate computes them: left padding does not shift a row's positions.
     pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
     with torch.no_grad():
-        kwargs = {} if cache is None else {"past_key_values": cache}
+        kwargs = {} if cache is None else with_cache(model, cache)
         o = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
         cache = o.past_key_values
         out.append(o.logits[:, -1])
         for t in range(steps):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             o = model(fed[:, t:t + 1], attention_mask=mask, position_ids=pos[:, -1:] + t + 1,
-                      past_key_values=cache, use_cache=True)
+                      **with_cache(model, cache), use_cache=True)
             out.append(o.logits[:, -1])
     return torch.stack(out, dim=1)
 
@@ -299,8 +300,8 @@ def test_stores_hold_only_the_kept_tokens():
     with kvcache_ext.patch(model, policy) as handle:
         ragged, masked = handle.new_cache(), handle.new_cache(reference=True)
         with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=ragged, use_cache=True)
-            model(ids, attention_mask=mask, past_key_values=masked, use_cache=True)
+            model(ids, attention_mask=mask, **with_cache(model, ragged), use_cache=True)
+            model(ids, attention_mask=mask, **with_cache(model, masked), use_cache=True)
     H, D, B = 2, 16, 2
     for layer in range(3):
         kv = ragged.layer_kv(layer)
@@ -342,7 +343,7 @@ def test_a_cache_held_at_its_budget_keeps_no_prefill_slack(schedule):
             for t in range(7):
                 step_mask = torch.cat([mask, torch.ones(B, t + 1, dtype=mask.dtype)], dim=1)
                 model(fed[:, t:t + 1], attention_mask=step_mask, position_ids=pos + t + 1,
-                      past_key_values=cache, use_cache=True)
+                      **with_cache(model, cache), use_cache=True)
         assert cache.nbytes == after_prefill                      # no regrowth while decoding
         assert all(store.capacity == B * H * pages * store.page_size for store in stores)
     with kvcache_ext.patch(model, Policy(H2O(), budget=budget, schedule=BlockwisePrefill(16))) as handle:
@@ -410,7 +411,7 @@ def decode_logits(model, cache, fed):
     """Tokens fed one at a time without a mask (no padding: HF then gives the attention no
     mask, the decode's usual case): logits [B, steps, V]."""
     with torch.no_grad():
-        return torch.stack([model(fed[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        return torch.stack([model(fed[:, t:t + 1], **with_cache(model, cache), use_cache=True).logits[:, -1]
                             for t in range(fed.shape[1])], dim=1)
 
 
@@ -428,7 +429,7 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
         general, fast = handle.new_cache(), handle.new_cache()
         with torch.no_grad():
             for cache in (general, fast):
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, **with_cache(model, cache), use_cache=True)
         with monkeypatch.context() as m:
             m.setattr(eviction, "appends_only", lambda *args: False)
             want = decode_logits(model, general, fed)

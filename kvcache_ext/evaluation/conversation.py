@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from, greedy_continue
 from kvcache_ext.evaluation.retrieval import RetrievalRecord, prompt_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
@@ -26,7 +27,7 @@ def ask_in_turns(model, cache, prompt, eos: int | None, max_new_tokens: int):
         ids = turn[None].to(device)
         if unfed is not None and unfed != eos:   # the answer's last token was not fed back yet
             ids = torch.cat([torch.tensor([[unfed]], device=device), ids], dim=1)
-        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(ids, **with_cache(model, cache), use_cache=True).logits[:, -1]
         new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
         answers.append((new, decode_s))
         unfed = new[-1]

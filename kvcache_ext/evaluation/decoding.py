@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from kvcache_ext.cache_argument import with_cache
+
 
 @torch.no_grad()
 def greedy_continue(model, cache, logits: torch.Tensor, max_new_tokens: int, eos_id: int | None):
@@ -16,7 +18,7 @@ def greedy_continue(model, cache, logits: torch.Tensor, max_new_tokens: int, eos
     for _ in range(max_new_tokens - 1):
         if eos_id is not None and new[-1] == eos_id:
             break
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = model(token, **with_cache(model, cache), use_cache=True)
         token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         new.append(int(token))
     return new, (time.perf_counter() - start) / max(len(new) - 1, 1)

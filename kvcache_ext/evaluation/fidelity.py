@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from
 from kvcache_ext.evaluation.named_policies import policy_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
@@ -39,8 +40,8 @@ class FidelityRecord:
 def _feed(model, cache, tokens: torch.Tensor, one_call: bool) -> torch.Tensor:
     """Logits [C, V] after each of ``tokens`` [1, C] fed over ``cache``."""
     if one_call:
-        return model(tokens, past_key_values=cache, use_cache=True).logits[0]
-    return torch.cat([model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0]
+        return model(tokens, **with_cache(model, cache), use_cache=True).logits[0]
+    return torch.cat([model(tokens[:, i:i + 1], **with_cache(model, cache), use_cache=True).logits[0]
                       for i in range(tokens.shape[1])])
 
 
@@ -67,7 +68,7 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
                 cache = compressed_cache(policy, recorded)
             else:
                 cache = handle.new_cache()
-                model(context, past_key_values=cache, use_cache=True)
+                model(context, **with_cache(model, cache), use_cache=True)
             one_call = sched.prefill_block is None and sched.decode_every is None
             q_log = torch.log_softmax(_feed(model, cache, continuation, one_call).float(), dim=-1)
         kl = (p_log.exp() * (p_log - q_log)).sum(dim=-1)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes
 from kvcache_ext.evaluation.named_policies import policy_runs
 
@@ -46,7 +47,7 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
         raise ValueError("ppl needs a block-wise prefill schedule (e.g. --prefill-block 128)")
     n = ids.shape[1]
     full = DynamicCache(config=model.config)
-    full_nll = _mean_nll(model(ids, past_key_values=full, use_cache=True).logits, ids)
+    full_nll = _mean_nll(model(ids, **with_cache(model, full), use_cache=True).logits, ids)
     full_bytes = cache_bytes(full)
     del full
     out = []
@@ -57,7 +58,7 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
     for name, budget, policy in policy_runs(policies, budgets, schedule):
         with kvcache_ext.patch(model, policy) as handle:
             cache = handle.new_cache()
-            nll = _mean_nll(model(ids, past_key_values=cache, use_cache=True).logits, ids)
+            nll = _mean_nll(model(ids, **with_cache(model, cache), use_cache=True).logits, ids)
         out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,
                                     cache_bytes(cache), full_bytes))
         on_run and on_run(out[-1])

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import kvcache_ext
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import (
     cache_bytes,
     full_cache_from,
@@ -94,7 +95,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
     def last_logits(cache, recorded_logits):
         if question is None:
             return recorded_logits[:, -1]
-        return model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
 
     def record(name, budget, new, decode_s, held, tokens=None, prefill_s=None):
         text = tokenizer.decode(new, skip_special_tokens=True)
@@ -125,10 +126,10 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                 else:
                     cache = handle.new_cache()
                     start = time.perf_counter()
-                    logits = model(context, past_key_values=cache, use_cache=True).logits[:, -1]
+                    logits = model(context, **with_cache(model, cache), use_cache=True).logits[:, -1]
                     prefill_s = time.perf_counter() - start
                     if question is not None:
-                        logits = model(question, past_key_values=cache, use_cache=True).logits[:, -1]
+                        logits = model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
                 new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
                 out.append(record(name, label, new, decode_s, cache_bytes(cache), budget, prefill_s))
             on_run and on_run(out[-1])

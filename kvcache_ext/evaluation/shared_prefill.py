@@ -18,6 +18,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.cache import RaggedCache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.eviction import store_dense_prompt
 from kvcache_ext.policies import Policy, Scorer
 from kvcache_ext.policies.views import PromptView
@@ -57,7 +58,7 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     recorder = _Recorder()
     with kvcache_ext.patch(model, Policy(recorder, budget=input_ids.shape[1])) as handle:
         start = time.perf_counter()
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=handle.new_cache(),
+        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, handle.new_cache()),
                     use_cache=True)
         seconds = time.perf_counter() - start
     return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, rotary=handle.rotary)
