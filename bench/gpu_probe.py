@@ -31,9 +31,10 @@ import kvcache_ext  # noqa: E402
 from kvcache_ext.ops import ops  # noqa: E402
 
 
-def _store(device: str, head_dim: int = 64, dtype=torch.float16):
-    store = kvcache_ext.RaggedKVStore(1, 2, head_dim, dtype=dtype, device=device)
-    k = torch.randn(1, 2, 8, head_dim).to(dtype).to(device)
+def _store(device: str, batch: int = 1, head_dim: int = 64, dtype=torch.float16):
+    """A store of 2 KV heads holding 8 tokens per segment."""
+    store = kvcache_ext.RaggedKVStore(batch, 2, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, 2, 8, head_dim).to(dtype).to(device)
     store.append(k, k.clone(), torch.arange(8))
     return store
 
@@ -56,10 +57,7 @@ def cpu_op_dtype():
 
 
 def cpu_op_batch():
-    store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=torch.float16)
-    k = torch.randn(2, 2, 8, 64, dtype=torch.float16)
-    store.append(k, k.clone(), torch.arange(8))
-    _attention_op(store, torch.randn(1, 4, 2, 64, dtype=torch.float16))
+    _attention_op(_store("cpu", batch=2), torch.randn(1, 4, 2, 64, dtype=torch.float16))
 
 
 def cuda_op_dtype():
@@ -69,11 +67,8 @@ def cuda_op_dtype():
 
 def cuda_op_batch():
     """The crash of 2026-11-26 (runs 2 and 3 both stopped on this line of test_bad_input, right
-    after the dtype case raised its TypeError): q of batch 1 for a store of batch 1 + 1."""
-    store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=torch.float16, device="cuda")
-    k = torch.randn(2, 2, 8, 64, dtype=torch.float16, device="cuda")
-    store.append(k, k.clone(), torch.arange(8))
-    _attention_op(store, torch.randn(1, 4, 2, 64, dtype=torch.float16, device="cuda"))
+    after the dtype case raised its TypeError): q of batch 1 for a store of batch 2."""
+    _attention_op(_store("cuda", batch=2), torch.randn(1, 4, 2, 64, dtype=torch.float16, device="cuda"))
 
 
 def cuda_op_dtype_then_batch():
@@ -123,7 +118,8 @@ def run_one(name: str) -> int:
     func, expected = CASES[name]
     try:
         func()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()   # an error of a kernel launched asynchronously shows here
     except expected as e:
         print(f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return 0

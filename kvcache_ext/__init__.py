@@ -17,7 +17,8 @@ def build_info() -> dict:
 # The model integration needs transformers; it is imported on first use so that the kernels
 # alone do not pay for it.
 _LAZY = {"patch": "kvcache_ext.patching", "unpatch": "kvcache_ext.patching", "is_patched": "kvcache_ext.patching",
-         "PatchHandle": "kvcache_ext.patching", "RaggedCache": "kvcache_ext.cache"}
+         "PatchHandle": "kvcache_ext.patching", "RaggedCache": "kvcache_ext.cache",
+         "with_cache": "kvcache_ext.cache_argument"}
 
 
 def __getattr__(name):
@@ -29,4 +30,4 @@ def __getattr__(name):
 
 __all__ = ["RaggedKVStore", "DenseView", "ragged_attention", "AttentionStats", "STAT_NAMES",
            "segmented_topk", "grouped_topk", "build_info", "patch", "unpatch", "is_patched",
-           "PatchHandle", "RaggedCache", "policies"]
+           "PatchHandle", "RaggedCache", "with_cache", "policies"]

@@ -25,6 +25,7 @@ class OldStyle(torch.nn.Module):
 
 
 def test_the_name_follows_the_forward_and_holds_no_model():
+    assert kvcache_ext.with_cache is with_cache   # the package exports it (README)
     assert cache_argument(NewStyle.forward) == "cache"
     assert cache_argument(OldStyle.forward) == "past_key_values"
     for cls in (NewStyle, OldStyle):
