@@ -130,6 +130,15 @@ def run_one(name: str) -> int:
     return 4
 
 
+def run_bounded(cmd: list[str], seconds: int, env: dict | None = None) -> tuple[int | None, list[str]]:
+    """Runs cmd; its exit code (None past ``seconds``: a device call has minutes, not hours) and lines."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds, env=env)
+    except subprocess.TimeoutExpired:
+        return None, [f"timed out after {seconds} s"]
+    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", choices=sorted(CASES), help="run one case in this process")
@@ -144,24 +153,18 @@ def main() -> int:
             print(f"{name:24s} skipped (no CUDA here)", flush=True)
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--case", name]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            rc, said = done.returncode, (done.stdout + done.stderr).strip().splitlines()
-        except subprocess.TimeoutExpired:
-            rc, said = None, ["timed out after 300 s"]
+        rc, said = run_bounded(cmd, 90)
         verdict = {0: "raised", 3: "wrong error", 4: "no error", None: "timeout"}.get(rc, f"crashed (exit {rc})")
         results[name] = {"rc": rc, "verdict": verdict, "output": said[-3:]}
         print(f"{name:24s} {verdict:20s} {said[-1] if said else ''}", flush=True)
         if rc not in (0, 3, 4, None):  # is it torch's C++ stack-trace capture? again without it
-            quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                                   env={**os.environ, "TORCH_SHOW_CPP_STACKTRACES": "0"})
-            results[name]["rc_without_cpp_stacktraces"] = quiet.returncode
-            print(f"    again with TORCH_SHOW_CPP_STACKTRACES=0: exit {quiet.returncode}", flush=True)
+            quiet_rc, _ = run_bounded(cmd, 90, env={**os.environ, "TORCH_SHOW_CPP_STACKTRACES": "0"})
+            results[name]["rc_without_cpp_stacktraces"] = quiet_rc
+            print(f"    again with TORCH_SHOW_CPP_STACKTRACES=0: exit {quiet_rc}", flush=True)
         gdb = shutil.which("cuda-gdb")
         if args.gdb and rc not in (0, 3, 4, None) and gdb:
-            trace = subprocess.run([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd],
-                                   capture_output=True, text=True, timeout=300)
-            frames = [line for line in trace.stdout.splitlines() if line.startswith("#")]
+            _, trace = run_bounded([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], 150)
+            frames = [line for line in trace if line.startswith("#")]
             results[name]["backtrace"] = frames
             print("\n".join("    " + f for f in frames), flush=True)
     env = {k: os.environ.get(k) for k in ("TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE")}
