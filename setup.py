@@ -8,6 +8,7 @@ Install with `pip install --no-build-isolation .` so that the build uses the tor
 import glob
 import os
 import shutil
+import subprocess
 
 from setuptools import find_packages, setup
 
@@ -89,6 +90,51 @@ def extension():
         extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags}, extra_link_args=link_flags)
 
 
+def loaded_libstdcxx():
+    """The libstdc++.so.6 this process (and so torch) runs with, or None where /proc says nothing."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so.6" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
+def shared_libstdcxx_flags(linker):
+    """Link flags that keep libstdc++ shared where ``linker`` would link it statically.
+
+    A g++ whose own library folder holds libstdc++.a but no libstdc++.so (a toolchain built
+    into /opt, as on the lent H100 of 2026-11-26) links a private copy of libstdc++ into _C.
+    Its locale facets are never set up in the process that torch's libstdc++ set up, so the
+    first error message that formats an integer (``TORCH_CHECK_VALUE(..., q.size(0))``)
+    crashed with SIGSEGV instead of raising. Where that g++ finds no libstdc++.so, link the
+    libstdc++.so.6 torch runs with.
+    """
+    try:
+        found = subprocess.run([linker, "-print-file-name=libstdc++.so"], capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []  # the usual case: -lstdc++ finds the shared library
+    loaded = loaded_libstdcxx()
+    if loaded is None:
+        return []
+    print(f"kvcache_ext: {linker} has no shared libstdc++ of its own: linking {loaded}")
+    # by its file name (libstdc++.so.6.0.N); its soname makes _C need libstdc++.so.6
+    return [f"-L{os.path.dirname(loaded)}", f"-l:{os.path.basename(loaded)}"]
+
+
+class Build(BuildExtension):
+    def build_extensions(self):
+        # distutils links a C++ extension with the C++ compiler ($CXX) in the linker's place
+        linker = getattr(self.compiler, "compiler_cxx", None) or self.compiler.linker_so
+        flags = shared_libstdcxx_flags(linker[0])
+        for ext in self.extensions:
+            ext.extra_link_args = list(ext.extra_link_args or []) + flags
+        super().build_extensions()
+
+
 setup(
     name="kvcache_ext",
     version="0.1.0",
@@ -112,6 +158,6 @@ setup(
     # + cmake and libgtest-dev from the system for the C++ tests
     entry_points={"console_scripts": ["kvcache-ext = kvcache_ext.cli:main"]},
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": Build},
     zip_safe=False,
 )
