@@ -9,6 +9,7 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvcache_ext.cache_argument import EITHER_NAME
 from kvcache_ext.eviction import LayerState
 from kvcache_ext.layer_kv import RaggedLayerKV, check_page_size
 from kvcache_ext.checks import integer
@@ -21,7 +22,7 @@ _pending = threading.local()
 # updated outside one belongs to a model whose attention would ignore it.
 _forward = threading.local()
 
-NOT_PATCHED = ("past_key_values is a kvcache_ext RaggedCache, but the model that uses it is not patched "
+NOT_PATCHED = (f"{EITHER_NAME} is a kvcache_ext RaggedCache, but the model that uses it is not patched "
                "by kvcache_ext (never patched, or unpatched since): its own attention would ignore the "
                "cache and every token would be lost. Patch the model (kvcache_ext.patch(model, policy)) "
                "or give it a transformers cache")
@@ -150,13 +151,14 @@ class RaggedCache(Cache):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""
         return functools.partial(self.storage, page_size=self.page_size)
 
-    def check_model(self, model: ModelShape) -> None:
+    def check_model(self, model: ModelShape, argument: str = EITHER_NAME) -> None:
         """Raises ValueError, before anything changes, when this cache cannot serve a model of
         this shape: another layer count, or (once it holds tokens) another KV head count, head
         dimension or number of query heads per KV head; or a policy the model cannot run. The
-        patched model calls it at every forward that is given the cache."""
+        patched model calls it at every forward that is given the cache, with the keyword the
+        cache came under as ``argument``."""
         if len(self.layers) != model.num_layers:
-            raise ValueError(f"past_key_values: this {type(self).__name__} has {len(self.layers)} layers but "
+            raise ValueError(f"{argument}: this {type(self).__name__} has {len(self.layers)} layers but "
                              f"the model has {model.num_layers}; make the cache for this model "
                              f"(handle.new_cache(), or {type(self).__name__}(policy, {model.num_layers}))")
         want = (model.kv_heads, model.head_dim, model.groups)
@@ -165,7 +167,7 @@ class RaggedCache(Cache):
             if state.kv is not None and state.layout != want:
                 H, D, G = state.layout
                 raise ValueError(
-                    f"past_key_values: this {type(self).__name__} holds tokens of a model with {H} KV heads "
+                    f"{argument}: this {type(self).__name__} holds tokens of a model with {H} KV heads "
                     f"of dimension {D} and {G} query heads per KV head, but this model has "
                     f"{model.kv_heads} KV heads of dimension {model.head_dim} and {model.groups} query "
                     f"heads per KV head; use a fresh cache (handle.new_cache())")

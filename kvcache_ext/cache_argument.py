@@ -10,6 +10,9 @@ from __future__ import annotations
 import functools
 import inspect
 
+# For messages raised where the keyword the cache came under is not known.
+EITHER_NAME = "the cache (past_key_values=, or cache= from transformers 5.24)"
+
 
 def cache_argument(forward) -> str:
     """``"cache"`` when ``forward`` (a model's forward) takes it, else ``"past_key_values"``."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache_ext.cache_argument import EITHER_NAME
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.views import CacheView, PromptView
 from kvcache_ext.reconstruction import attend_context, hold_context
@@ -82,13 +83,13 @@ def check_tokens(state: LayerState, q, k) -> None:
     have_H, have_D, have_G = state.layout
     have_B, dtype, device = state.tokens
     if (H, D, q.shape[1] // H) != state.layout:
-        raise ValueError(f"past_key_values: layer {state.layer_idx} of this cache holds {have_H} KV heads of "
+        raise ValueError(f"{EITHER_NAME}: layer {state.layer_idx} of this cache holds {have_H} KV heads of "
                          f"dimension {have_D} ({have_G} query heads each); the model gives {H} of dimension "
                          f"{D} ({q.shape[1] // H} each): a cache serves one model; use a fresh one")
     if B != have_B:
-        raise ValueError(f"past_key_values: layer {state.layer_idx} of this cache holds a batch of {have_B}; "
+        raise ValueError(f"{EITHER_NAME}: layer {state.layer_idx} of this cache holds a batch of {have_B}; "
                          f"the input has a batch of {B} (a cache serves one batch; use a fresh one)")
-    raise ValueError(f"past_key_values: layer {state.layer_idx} of this cache holds {dtype} tokens on "
+    raise ValueError(f"{EITHER_NAME}: layer {state.layer_idx} of this cache holds {dtype} tokens on "
                      f"{device}; the model gives {k.dtype} on {k.device}: use a fresh cache")
 
 

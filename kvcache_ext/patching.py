@@ -270,7 +270,10 @@ def _hook_forwards(handle: PatchHandle) -> None:
 
     def before(module, args, kwargs):
         enter_patched_forward()        # first: the always-called hook below undoes it on an error
-        for value in list(kwargs.values()) + list(args):
+        for name, value in kwargs.items():
+            if isinstance(value, RaggedCache):
+                value.check_model(shape, name)      # named as the caller named it
+        for value in args:
             if isinstance(value, RaggedCache):
                 value.check_model(shape)
 

@@ -274,12 +274,14 @@ def test_a_cache_refuses_another_model_or_an_unpatched_one_before_it_changes(lay
         user = b
     before = cache_state(cache)
     differs = layers[0] != layers[1] or (filled and (heads[0] != heads[1] or dims[0] != dims[1]))
+    (keyword,) = with_cache(user, cache)   # past_key_values, or cache from transformers 5.24
     err = refused(lambda: user(ids[:, -1:] if filled else ids, **with_cache(user, cache), use_cache=True),
-                  "past_key_values")
+                  keyword)
     if unpatch:
         assert isinstance(err, RuntimeError) if err is not None else False, "an unpatched model used the cache"
     elif differs:
         assert isinstance(err, ValueError), "a cache of another model's shape was taken"
+        assert str(err).startswith(f"{keyword}: "), f"not named as the caller named it ({keyword}=): {err}"
     else:
         assert err is None
         return
