@@ -48,6 +48,7 @@ from kvcache_ext.models import load_model  # noqa: E402
 from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt  # noqa: E402
 
 MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
+KVPRESS_CHUNK = 2048   # KVzipPress's chunk_size in kvpress 0.5.5 (ours: KVzip.chunk, 1024)
 
 
 class PeakRSS:

@@ -9,13 +9,15 @@ and its compression included) are timed in ``--rounds`` interleaved rounds, the 
 every round, and the medians' ratio is printed beside every run's seconds. Ours is also split
 into its reconstruction passes (``reconstruction.reconstruct``) and, inside them, the scores'
 products (``reconstruction.score_pass``), so that the table says where the extra time goes.
+``--chunks`` times ours at each of several chunk sizes (``KVzip(chunk=...)``) in the same rounds.
 
     PYTHONPATH=$PWD python bench/kvzip_prefill.py [--lengths 1024,2048,4096] [--rounds 3] [--keep 0.05]
-        [--out bench/results/kvzip-prefill-cpu-DATE.json]
+        [--chunks 1024,2048] [--out bench/results/kvzip-prefill-cpu-DATE.json]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,6 +35,7 @@ from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.policies import KVzip  # noqa: E402
 from kvcache_ext.tasks import make_passkey_prompt  # noqa: E402
 
 
@@ -65,8 +68,9 @@ def dense_prefill(model, ids) -> float:
     return time.perf_counter() - start
 
 
-def ours_prefill(model, tokenizer, ids, keep: float) -> dict:
+def ours_prefill(model, tokenizer, ids, keep: float, chunk: int = KVzip.chunk) -> dict:
     policy = make_policy("kvzip-global", budget_tokens(keep, ids.shape[1]))
+    policy = dataclasses.replace(policy, scorer=dataclasses.replace(policy.scorer, chunk=chunk))
     # patching calls reconstruct by the name it imported: timed there.
     with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle, \
             PartTimer(patching, "reconstruct") as passes, PartTimer(reconstruction, "score_pass") as scores:
@@ -83,39 +87,49 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--keep", type=float, default=0.05, help="the fraction ours keeps")
     parser.add_argument("--seed", type=int, default=0, help="the passkey prompt's seed (depth 0.5)")
+    parser.add_argument("--chunks", default=str(KVzip.chunk), help="ours' KVzip chunk sizes, each timed")
     parser.add_argument("--out", default=None, help="also write the runs to this JSON file")
     args = parser.parse_args(argv)
     if args.rounds < 1 or not 0 < args.keep <= 1:
         parser.error(f"--rounds must be >= 1 and --keep in (0, 1], got {args.rounds} and {args.keep}")
+    try:
+        chunks = [int(x) for x in args.chunks.split(",")]
+    except ValueError:
+        chunks = []
+    if not chunks or min(chunks) < 1:
+        parser.error(f"--chunks: comma-separated integers >= 1, got {args.chunks!r}")
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, commit {common.git_commit()}, "
           f"{args.rounds} rounds, ours = kvzip-global at keep {args.keep}")
-    print("| context tokens | dense prefill s (median) | ours s (median) | ours / dense | passes s | "
+    print("| context tokens | chunk | dense prefill s (median) | ours s (median) | ours / dense | passes s | "
           "scores s | dense runs | ours runs |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         prompt = make_passkey_prompt(tokenizer, length, 0.5, seed=args.seed)
         ids = prompt.input_ids[None, :prompt.haystack_end]
-        dense, ours = [], []
+        dense, ours = [], {chunk: [] for chunk in chunks}
         for r in range(args.rounds):
-            for which in (("dense", "ours") if r % 2 == 0 else ("ours", "dense")):
+            order = ["dense", *chunks]
+            for which in order if r % 2 == 0 else order[::-1]:
                 if which == "dense":
                     dense.append(dense_prefill(model, ids))
                 else:
-                    ours.append(ours_prefill(model, tokenizer, ids, args.keep))
-        d, o = statistics.median(dense), statistics.median(run["seconds"] for run in ours)
-        mid = sorted(ours, key=lambda run: run["seconds"])[len(ours) // 2]
-        row = {"context_tokens": ids.shape[1], "dense_s": dense, "ours": ours, "ratio": o / d}
-        rows.append(row)
-        print(f"| {ids.shape[1]} | {d:.2f} | {o:.2f} | {o / d:.2f}x | {mid['passes']:.2f} | {mid['scores']:.2f} | "
-              + ", ".join(f"{s:.2f}" for s in dense) + " | "
-              + ", ".join(f"{run['seconds']:.2f}" for run in ours) + " |", flush=True)
+                    ours[which].append(ours_prefill(model, tokenizer, ids, args.keep, which))
+        d = statistics.median(dense)
+        for chunk, runs in ours.items():
+            o = statistics.median(run["seconds"] for run in runs)
+            mid = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+            rows.append({"context_tokens": ids.shape[1], "chunk": chunk, "dense_s": dense, "ours": runs,
+                         "ratio": o / d})
+            print(f"| {ids.shape[1]} | {chunk} | {d:.2f} | {o:.2f} | {o / d:.2f}x | {mid['passes']:.2f} | "
+                  f"{mid['scores']:.2f} | " + ", ".join(f"{s:.2f}" for s in dense) + " | "
+                  + ", ".join(f"{run['seconds']:.2f}" for run in runs) + " |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"commit": common.git_commit(), "torch": torch.__version__, "keep": args.keep,
-                       "rounds": args.rounds, "seed": args.seed, "rows": rows}, f, indent=2)
+                       "rounds": args.rounds, "seed": args.seed, "chunks": chunks, "rows": rows}, f, indent=2)
     return 0
 
 

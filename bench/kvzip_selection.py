@@ -13,16 +13,20 @@ comes over the compressed cache (as ``kvcache-ext eval --mode agnostic`` runs it
 - ``recent16`` / ``sinks16``: the global top-k with the last 16 context tokens, or the first 16
   instead of 4, always held (inside the budget).
 
+``--chunks`` reconstructs each prompt once more per chunk size (``KVzip(chunk=...)``, context
+tokens per pass), so that the chunk's effect on the answers is measured on the same prompts.
+
 With ``--kvpress`` (kvpress 0.5.5 importable: the venv of ``pip install ".[bench]"``), kvpress's
-``KVzipPress`` runs on the same prompts at every ``--keep`` too, as it is (``kvpress``) and with
-its ``kvzip_plus_normalization`` (``kvpress-plus``: each probability divided by the norm of the
-query token's hidden state and multiplied by that of the key's value through the output
-projection), and the table counts the prompts where our ``chat``/``global`` gives kvpress's
-very output.
+``KVzipPress`` runs on the same prompts at every ``--kvpress-keep`` (default: ``--keep``) too, as
+it is (``kvpress``); with ``--kvpress-plus`` also with its ``kvzip_plus_normalization``
+(``kvpress-plus``: each probability divided by the norm of the query token's hidden state and
+multiplied by that of the key's value through the output projection). The table counts the
+prompts where our ``chat``/``global`` at kvpress's chunk (2048) gives kvpress's very output.
 
     PYTHONPATH=$PWD python bench/kvzip_selection.py [--tasks passkey,needle] [--lengths 1024,2048,4096]
         [--depths 0.1,0.5,0.9] [--seed 100] [--keep 0.1,0.05] [--readings chat,rebuild]
-        [--selections global,pool3,...] [--kvpress] [--out bench/results/kvzip-selection-cpu-DATE.json]
+        [--selections global,pool3,...] [--chunks 2048,1024] [--kvpress] [--kvpress-plus]
+        [--kvpress-keep 0.25,0.1] [--out bench/results/kvzip-selection-cpu-DATE.json]
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from kvcache_ext.models import load_model  # noqa: E402
 from kvcache_ext.policies import AcrossLayers, AdaKV, KVzip, Policy, Pooling, Protection  # noqa: E402
 from kvcache_ext.reconstruction import finish  # noqa: E402
 from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt  # noqa: E402
+from agnostic import KVPRESS_CHUNK  # noqa: E402
 
 MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
 READINGS = {"chat": "chat", "rebuild": None}   # name -> KVzip's skip_prefix
@@ -62,11 +67,11 @@ SELECTIONS = {
 }
 
 
-def policy(skip_prefix, selection: str, budget: int) -> Policy:
+def policy(skip_prefix, chunk: int, selection: str, budget: int) -> Policy:
     _, ada, protection = SELECTIONS[selection]
     allocation = AdaKV(alpha=ada["alpha"], layers=ada["layers"]())
     extra = {"protection": protection} if protection is not None else {}
-    return Policy(KVzip(skip_prefix=skip_prefix), budget=budget, allocation=allocation, **extra)
+    return Policy(KVzip(skip_prefix=skip_prefix, chunk=chunk), budget=budget, allocation=allocation, **extra)
 
 
 def pooled(scores: list, pooling: Pooling | None, rebuilt: torch.Tensor) -> list:
@@ -84,28 +89,28 @@ def answer(model, tokenizer, cache, question, prompt) -> tuple[bool, str]:
     return check_answer(text, prompt.answer), text
 
 
-def kvpress_runs(model, tokenizer, prompt, keeps) -> list[dict]:
+def kvpress_runs(model, tokenizer, prompt, keeps, plus_too: bool) -> list[dict]:
     from agnostic import kvpress_kvzip   # imports kvpress when called
     out = []
     for keep in keeps:
-        for plus in (False, True):
+        for plus in (False, True) if plus_too else (False,):
             r = kvpress_kvzip(model, tokenizer, prompt, keep, plus)
-            out.append({"reading": None, "selection": "kvpress-plus" if plus else "kvpress", "keep": keep,
+            out.append({"reading": None, "chunk": None, "selection": "kvpress-plus" if plus else "kvpress", "keep": keep,
                         "correct": r["correct"], "output": r["output"], "kv_bytes": r["kv_bytes"]})
     return out
 
 
-def run_prompt(model, tokenizer, prompt, readings, selections, keeps) -> list[dict]:
+def run_prompt(model, tokenizer, prompt, readings, chunks, selections, keeps) -> list[dict]:
     context, question = split_prompt(prompt, "agnostic")
     recorded = record_prefill(model, context)
     ok, text = answer(model, tokenizer, full_cache_from(model, recorded), question, prompt)
-    out = [{"reading": None, "selection": "full", "keep": None, "correct": ok, "output": text}]
+    out = [{"reading": None, "chunk": None, "selection": "full", "keep": None, "correct": ok, "output": text}]
     n = context.shape[1]
-    for reading in readings:
+    for reading, chunk in ((reading, chunk) for reading in readings for chunk in chunks):
         scores = None
         for selection in selections:
             for keep in keeps:
-                pol = policy(READINGS[reading], selection, budget_tokens(keep, n))
+                pol = policy(READINGS[reading], chunk, selection, budget_tokens(keep, n))
                 with kvcache_ext.patch(model, pol, tokenizer=tokenizer) as handle:
                     cache = compressed_cache(pol, recorded)
                     if scores is None:   # the passes run once per reading; every selection reuses them
@@ -116,30 +121,35 @@ def run_prompt(model, tokenizer, prompt, readings, selections, keeps) -> list[di
                                                      handle.tokens)
                     finish(cache, pooled(scores, SELECTIONS[selection][0], rebuilt))
                     ok, text = answer(model, tokenizer, cache, question, prompt)
-                    out.append({"reading": reading, "selection": selection, "keep": keep, "correct": ok,
+                    out.append({"reading": reading, "chunk": chunk, "selection": selection, "keep": keep, "correct": ok,
                                 "output": text, "kv_bytes": cache.nbytes, "passes_s": passes_s})
     return out
 
 
-def table(records, readings, selections, keeps) -> str:
+def table(records, readings, chunks, selections, keeps) -> str:
     prompts = len([r for r in records if r["selection"] == "full"])
     full = sum(r["correct"] for r in records if r["selection"] == "full")
+    keeps = sorted({r["keep"] for r in records if r["keep"] is not None} | set(keeps), reverse=True)
     lines = [f"{prompts} prompts; the full cache answers {full}", "",
-             "| reading | selection | " + " | ".join(f"keep {k:g}" for k in keeps) + " |",
-             "| --- | --- |" + " --- |" * len(keeps)]
+             "| reading | chunk | selection | " + " | ".join(f"keep {k:g}" for k in keeps) + " |",
+             "| --- | --- | --- |" + " --- |" * len(keeps)]
+
+    def cell(match, keep) -> str:
+        runs = [r for r in records if match(r) and r["keep"] == keep]
+        return f"{sum(r['correct'] for r in runs)}/{prompts}" if runs else "—"
+
     for reading in readings:
-        for selection in selections:
-            cells = [sum(r["correct"] for r in records if (r["reading"], r["selection"], r["keep"]) ==
-                         (reading, selection, k)) for k in keeps]
-            lines.append(f"| {reading} | {selection} | " + " | ".join(f"{c}/{prompts}" for c in cells) + " |")
+        for chunk in chunks:
+            for selection in selections:
+                row = (reading, chunk, selection)
+                cells = [cell(lambda r: (r["reading"], r["chunk"], r["selection"]) == row, k) for k in keeps]
+                lines.append(f"| {reading} | {chunk} | {selection} | " + " | ".join(cells) + " |")
     for name in ("kvpress", "kvpress-plus"):
-        runs = {(r["seed"], r["keep"]): r for r in records if r["selection"] == name}
-        if not runs:
-            continue
-        cells = [sum(r["correct"] for (_, k), r in runs.items() if k == keep) for keep in keeps]
-        lines.append(f"| kvpress 0.5.5 | {name} | " + " | ".join(f"{c}/{prompts}" for c in cells) + " |")
+        if any(r["selection"] == name for r in records):
+            cells = [cell(lambda r: r["selection"] == name, k) for k in keeps]
+            lines.append(f"| kvpress 0.5.5 | {KVPRESS_CHUNK} | {name} | " + " | ".join(cells) + " |")
     ours = {(r["seed"], r["keep"]): r["output"] for r in records
-            if (r["reading"], r["selection"]) == ("chat", "global")}
+            if (r["reading"], r["chunk"], r["selection"]) == ("chat", KVPRESS_CHUNK, "global")}
     theirs = {(r["seed"], r["keep"]): r["output"] for r in records if r["selection"] == "kvpress"}
     if ours and theirs:
         same = sum(ours.get(key) == out for key, out in theirs.items())
@@ -154,6 +164,21 @@ def _names(text: str, known, flag: str, parser) -> list[str]:
     return names
 
 
+def _numbers(text: str, flag: str, parser, kind, accepted: str, ok) -> list:
+    """Comma-separated numbers of ``kind`` each passing ``ok``; anything else exits with a usage error."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        parser.error(f"{flag}: comma-separated {accepted}, got {text!r}")
+    return values
+
+
+def _fractions(text: str, flag: str, parser) -> list[float]:
+    return _numbers(text, flag, parser, float, "fractions in (0, 1)", lambda k: 0 < k < 1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="passkey,needle")
@@ -163,15 +188,20 @@ def main(argv=None) -> int:
     p.add_argument("--keep", default="0.1,0.05")
     p.add_argument("--readings", default=",".join(READINGS))
     p.add_argument("--selections", default=",".join(SELECTIONS))
-    p.add_argument("--kvpress", action="store_true", help="kvpress's KVzipPress too (plain and KVzip+)")
+    p.add_argument("--chunks", default=str(KVzip.chunk), help="KVzip chunk sizes, each its own passes")
+    p.add_argument("--kvpress", action="store_true", help="kvpress's KVzipPress too")
+    p.add_argument("--kvpress-plus", action="store_true", help="with --kvpress: its KVzip+ as well")
+    p.add_argument("--kvpress-keep", default=None, help="kvpress's fractions (default: --keep)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     tasks = _names(args.tasks, MAKERS, "--tasks", p)
     readings = _names(args.readings, READINGS, "--readings", p)
     selections = _names(args.selections, SELECTIONS, "--selections", p)
-    keeps = [float(x) for x in args.keep.split(",")]
-    if any(not 0 < k < 1 for k in keeps):
-        p.error(f"--keep: fractions in (0, 1), got {args.keep!r}")
+    keeps = _fractions(args.keep, "--keep", p)
+    kvpress_keeps = keeps if args.kvpress_keep is None else _fractions(args.kvpress_keep, "--kvpress-keep", p)
+    chunks = _numbers(args.chunks, "--chunks", p, int, "integers >= 1", lambda c: c >= 1)
+    if args.kvpress_plus and not args.kvpress:
+        p.error("--kvpress-plus: runs kvpress's KVzip+ beside its plain press: give --kvpress too")
     if args.kvpress and importlib.util.find_spec("kvpress") is None:
         p.error('--kvpress: kvpress does not import in this python (pip install ".[bench]")')
     if args.out:
@@ -185,15 +215,15 @@ def main(argv=None) -> int:
                 prompt = MAKERS[task](tokenizer, length, depth, seed=seed)
                 key = dict(task=task, length=prompt.length, depth=depth, seed=seed)
                 seed += 1
-                runs = run_prompt(model, tokenizer, prompt, readings, selections, keeps)
+                runs = run_prompt(model, tokenizer, prompt, readings, chunks, selections, keeps)
                 if args.kvpress:
-                    runs += kvpress_runs(model, tokenizer, prompt, keeps)
+                    runs += kvpress_runs(model, tokenizer, prompt, kvpress_keeps, args.kvpress_plus)
                 runs = [{**key, **r} for r in runs]
                 records += runs
                 print(f"{task} {prompt.length} depth {depth:g}: " + " ".join(
-                    f"{r['reading'] or ''}/{r['selection']}@{r['keep']}:{'ok' if r['correct'] else 'miss'}"
-                    for r in runs), flush=True)
-    print("\n" + table(records, readings, selections, keeps))
+                    f"{r['reading'] or ''}/{r['chunk'] or ''}/{r['selection']}@{r['keep']}:"
+                    f"{'ok' if r['correct'] else 'miss'}" for r in runs), flush=True)
+    print("\n" + table(records, readings, chunks, selections, keeps))
     if args.out:
         common.write_out(args.out, args, records=records)
     return 0

@@ -15,6 +15,7 @@ head, token) entries that both, only ours or only kvpress hold.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -28,6 +29,7 @@ from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
 from kvcache_ext.models import load_model  # noqa: E402
+from agnostic import KVPRESS_CHUNK  # noqa: E402
 from kvzip_prefix import MAKERS, chat_prefix, reading  # noqa: E402
 
 
@@ -65,6 +67,8 @@ def our_scores(model, tokenizer, context, keep, name, method="kvzip-global-rebui
     """Our ``method``'s scores [L, H, n] and kept mask [L, H, n] under prefix reading ``name``."""
     n = context.shape[1]
     policy = make_policy(method, budget_tokens(keep, n))
+    # kvpress's chunk, not the library's default (1024): the same passes as kvpress's.
+    policy = dataclasses.replace(policy, scorer=dataclasses.replace(policy.scorer, chunk=KVPRESS_CHUNK))
     recorded = record_prefill(model, context)
     with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle, reading(name, chat_prefix(tokenizer)):
         cache = compressed_cache(policy, recorded)

@@ -1,5 +1,6 @@
-"""bench/kvzip_prefill.py runs on the default model: every length gets a row whose ratio is the
-medians' ratio of its runs, and ours is split into passes and scores that lie inside it."""
+"""bench/kvzip_prefill.py runs on the default model: every length and chunk size gets a row whose
+ratio is the medians' ratio of its runs over the same dense runs, and ours is split into passes
+and scores that lie inside it."""
 import json
 import os
 import re
@@ -15,22 +16,27 @@ SCRIPT = os.path.join(ROOT, "bench", "kvzip_prefill.py")
 
 def test_kvzip_prefill_rounds(tmp_path):
     out = tmp_path / "prefill.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--lengths", "256", "--rounds", "2", "--out", str(out)],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, SCRIPT, "--lengths", "256", "--rounds", "2", "--chunks", "2048,64",
+                           "--out", str(out)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", proc.stdout, re.M)
-    assert len(rows) == 1, proc.stdout
+    printed = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", proc.stdout, re.M)
+    assert [int(chunk) for _, chunk, *_ in printed] == [2048, 64], proc.stdout
     doc = json.loads(out.read_text())
-    (row,) = doc["rows"]
-    assert row["context_tokens"] == int(rows[0][0]) and len(row["dense_s"]) == len(row["ours"]) == 2
-    dense = statistics.median(row["dense_s"])
-    ours = statistics.median(run["seconds"] for run in row["ours"])
-    assert abs(row["ratio"] - ours / dense) < 1e-9 and abs(float(rows[0][3]) - ours / dense) < 0.006
-    for run in row["ours"]:
-        assert 0 < run["scores"] < run["passes"] < run["seconds"]
+    assert doc["chunks"] == [2048, 64] and [row["chunk"] for row in doc["rows"]] == [2048, 64]
+    for row, line in zip(doc["rows"], printed):
+        assert row["context_tokens"] == int(line[0]) and len(row["dense_s"]) == len(row["ours"]) == 2
+        assert row["dense_s"] == doc["rows"][0]["dense_s"]   # one dense run per round serves every chunk
+        dense = statistics.median(row["dense_s"])
+        ours = statistics.median(run["seconds"] for run in row["ours"])
+        assert abs(row["ratio"] - ours / dense) < 1e-9 and abs(float(line[4]) - ours / dense) < 0.006
+        for run in row["ours"]:
+            assert 0 < run["scores"] < run["passes"] < run["seconds"]
 
 
 def test_kvzip_prefill_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, SCRIPT, "--rounds", "0"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--rounds must be >= 1" in proc.stderr and "got 0" in proc.stderr
+    proc = subprocess.run([sys.executable, SCRIPT, "--chunks", "1024,zero"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--chunks: comma-separated integers >= 1, got '1024,zero'" in proc.stderr

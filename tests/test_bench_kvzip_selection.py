@@ -1,7 +1,8 @@
 """bench/kvzip_selection.py on the default model and a short prompt: its ``global`` selection
 under the default reading is the harness's ``kvzip-global`` (same answer, same bytes), under
 ``rebuild`` it is ``kvzip-global-rebuild``; a selection that pools the scores keeps other tokens
-than one that does not; unknown names are refused."""
+than one that does not; every chunk size asked for runs its own passes; unknown names and bad
+numbers are refused."""
 import importlib.util
 import os
 import sys
@@ -23,7 +24,8 @@ def runs(default_model):
     model, tokenizer = default_model
     prompt = make_passkey_prompt(tokenizer, 320, 0.5, seed=3)
     with torch.no_grad():
-        bench = kvzip_selection.run_prompt(model, tokenizer, prompt, ["chat", "rebuild"], ["global", "pool7"], KEEPS)
+        bench = kvzip_selection.run_prompt(model, tokenizer, prompt, ["chat", "rebuild"], [2048, 128],
+                                           ["global", "pool7"], KEEPS)
         harness = run_prompt(model, tokenizer, prompt, "passkey", "agnostic",
                              ["full", "kvzip-global", "kvzip-global-rebuild"], KEEPS)
     return bench, harness
@@ -34,7 +36,8 @@ def test_global_is_the_harness_kvzip_global_under_both_readings(runs):
     names = {"chat": "kvzip-global", "rebuild": "kvzip-global-rebuild"}
     for reading, name in names.items():
         for keep in KEEPS:
-            ours = next(r for r in bench if (r["reading"], r["selection"], r["keep"]) == (reading, "global", keep))
+            row = (reading, 2048, "global", keep)
+            ours = next(r for r in bench if (r["reading"], r["chunk"], r["selection"], r["keep"]) == row)
             theirs = next(r for r in harness if (r.policy, r.budget) == (name, keep))
             assert (ours["output"], ours["correct"], ours["kv_bytes"]) == (theirs.output, theirs.correct,
                                                                            theirs.kv_bytes)
@@ -42,10 +45,11 @@ def test_global_is_the_harness_kvzip_global_under_both_readings(runs):
     assert full["output"] == next(r for r in harness if r.policy == "full").output
 
 
-def test_every_reading_selection_and_keep_is_run_and_timed(runs):
+def test_every_reading_chunk_selection_and_keep_is_run_and_timed(runs):
     bench, _ = runs
-    rows = [(r["reading"], r["selection"], r["keep"]) for r in bench if r["selection"] != "full"]
-    assert rows == [(a, s, k) for a in ("chat", "rebuild") for s in ("global", "pool7") for k in KEEPS]
+    rows = [(r["reading"], r["chunk"], r["selection"], r["keep"]) for r in bench if r["selection"] != "full"]
+    assert rows == [(a, c, s, k) for a in ("chat", "rebuild") for c in (2048, 128) for s in ("global", "pool7")
+                    for k in KEEPS]
     assert all(r["passes_s"] > 0 and r["kv_bytes"] > 0 for r in bench if r["selection"] != "full")
 
 
@@ -60,7 +64,10 @@ def test_pooled_scores_leave_the_skipped_prefix_out_and_spread_over_neighbours()
 
 @pytest.mark.parametrize("argv,message", [(["--selections", "global,pool4"], "--selections: unknown"),
                                           (["--readings", "drop"], "--readings: unknown"),
-                                          (["--keep", "0.1,1.5"], "--keep: fractions in (0, 1)")])
+                                          (["--keep", "0.1,1.5"], "--keep: comma-separated fractions in (0, 1)"),
+                                          (["--kvpress-keep", "x"], "--kvpress-keep: comma-separated fractions"),
+                                          (["--chunks", "2048,0"], "--chunks: comma-separated integers >= 1"),
+                                          (["--kvpress-plus"], "--kvpress-plus: runs kvpress's KVzip+ beside")])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         kvzip_selection.main(argv)
@@ -76,16 +83,23 @@ def test_kvpress_without_kvpress_is_refused(capsys):
 
 
 def test_table_counts_answers_and_kvpress_outputs_that_are_ours():
-    def run(seed, reading, selection, keep, correct, output):
-        return dict(seed=seed, reading=reading, selection=selection, keep=keep, correct=correct, output=output)
+    def run(seed, reading, selection, keep, correct, output, chunk=2048):
+        chunk = chunk if reading else None
+        return dict(seed=seed, reading=reading, chunk=chunk, selection=selection, keep=keep, correct=correct,
+                    output=output)
     records = [run(1, None, "full", None, True, "12345"), run(2, None, "full", None, True, "54321"),
                run(1, "chat", "global", 0.05, True, "12345"), run(2, "chat", "global", 0.05, False, "1."),
                run(1, None, "kvpress", 0.05, True, "12345"), run(2, None, "kvpress", 0.05, False, "2."),
-               run(1, None, "kvpress-plus", 0.05, False, "x"), run(2, None, "kvpress-plus", 0.05, False, "y")]
-    text = kvzip_selection.table(records, ["chat"], ["global"], [0.05])
+               run(1, None, "kvpress-plus", 0.05, False, "x"), run(2, None, "kvpress-plus", 0.05, False, "y"),
+               run(1, "chat", "global", 0.05, True, "12345", 1024), run(2, "chat", "global", 0.05, True, "54321", 1024),
+               run(1, "chat", "global", 0.1, True, "12345", 1024)]
+    text = kvzip_selection.table(records, ["chat"], [2048, 1024], ["global"], [0.05])
     assert "2 prompts; the full cache answers 2" in text
-    assert "| chat | global | 1/2 |" in text
-    assert "| kvpress 0.5.5 | kvpress | 1/2 |" in text and "| kvpress 0.5.5 | kvpress-plus | 0/2 |" in text
+    assert "| reading | chunk | selection | keep 0.1 | keep 0.05 |" in text
+    assert "| chat | 2048 | global | — | 1/2 |" in text and "| chat | 1024 | global | 1/2 | 2/2 |" in text
+    assert "| kvpress 0.5.5 | 2048 | kvpress | — | 1/2 |" in text
+    assert "| kvpress 0.5.5 | 2048 | kvpress-plus | — | 0/2 |" in text
+    # kvpress's outputs are compared with ours at kvpress's chunk only (the 1024 runs answer both)
     assert "word for word, in 1 of 2 runs" in text
 
 
