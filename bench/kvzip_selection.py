@@ -95,8 +95,8 @@ def kvpress_runs(model, tokenizer, prompt, keeps, plus_too: bool) -> list[dict]:
     for keep in keeps:
         for plus in (False, True) if plus_too else (False,):
             r = kvpress_kvzip(model, tokenizer, prompt, keep, plus)
-            out.append({"reading": None, "chunk": None, "selection": "kvpress-plus" if plus else "kvpress", "keep": keep,
-                        "correct": r["correct"], "output": r["output"], "kv_bytes": r["kv_bytes"]})
+            out.append({"reading": None, "chunk": None, "selection": "kvpress-plus" if plus else "kvpress",
+                        "keep": keep, "correct": r["correct"], "output": r["output"], "kv_bytes": r["kv_bytes"]})
     return out
 
 
@@ -107,13 +107,13 @@ def run_prompt(model, tokenizer, prompt, readings, chunks, selections, keeps) ->
     out = [{"reading": None, "chunk": None, "selection": "full", "keep": None, "correct": ok, "output": text}]
     n = context.shape[1]
     for reading, chunk in ((reading, chunk) for reading in readings for chunk in chunks):
-        scores = None
+        scores = None   # the passes run once per reading and chunk; every selection reuses them
         for selection in selections:
             for keep in keeps:
                 pol = policy(READINGS[reading], chunk, selection, budget_tokens(keep, n))
                 with kvcache_ext.patch(model, pol, tokenizer=tokenizer) as handle:
                     cache = compressed_cache(pol, recorded)
-                    if scores is None:   # the passes run once per reading; every selection reuses them
+                    if scores is None:
                         start = time.perf_counter()
                         scores = [s.clone() for s in handle.score_prompt(compressed_cache(pol, recorded), context)]
                         passes_s = time.perf_counter() - start
@@ -121,8 +121,8 @@ def run_prompt(model, tokenizer, prompt, readings, chunks, selections, keeps) ->
                                                      handle.tokens)
                     finish(cache, pooled(scores, SELECTIONS[selection][0], rebuilt))
                     ok, text = answer(model, tokenizer, cache, question, prompt)
-                    out.append({"reading": reading, "chunk": chunk, "selection": selection, "keep": keep, "correct": ok,
-                                "output": text, "kv_bytes": cache.nbytes, "passes_s": passes_s})
+                    out.append({"reading": reading, "chunk": chunk, "selection": selection, "keep": keep,
+                                "correct": ok, "output": text, "kv_bytes": cache.nbytes, "passes_s": passes_s})
     return out
 
 
