@@ -17,7 +17,6 @@ products (``reconstruction.score_pass``), so that the table says where the extra
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -69,8 +68,7 @@ def dense_prefill(model, ids) -> float:
 
 
 def ours_prefill(model, tokenizer, ids, keep: float, chunk: int = KVzip.chunk) -> dict:
-    policy = make_policy("kvzip-global", budget_tokens(keep, ids.shape[1]))
-    policy = dataclasses.replace(policy, scorer=dataclasses.replace(policy.scorer, chunk=chunk))
+    policy = common.at_chunk(make_policy("kvzip-global", budget_tokens(keep, ids.shape[1])), chunk)
     # patching calls reconstruct by the name it imported: timed there.
     with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle, \
             PartTimer(patching, "reconstruct") as passes, PartTimer(reconstruction, "score_pass") as scores:
@@ -92,12 +90,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or not 0 < args.keep <= 1:
         parser.error(f"--rounds must be >= 1 and --keep in (0, 1], got {args.rounds} and {args.keep}")
-    try:
-        chunks = [int(x) for x in args.chunks.split(",")]
-    except ValueError:
-        chunks = []
-    if not chunks or min(chunks) < 1:
-        parser.error(f"--chunks: comma-separated integers >= 1, got {args.chunks!r}")
+    lengths = common.comma_list(args.lengths, "--lengths", parser, int, "integers >= 1", lambda n: n >= 1)
+    chunks = common.comma_list(args.chunks, "--chunks", parser, int, "integers >= 1", lambda c: c >= 1)
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, commit {common.git_commit()}, "
@@ -106,7 +100,7 @@ def main(argv=None) -> int:
           "scores s | dense runs | ours runs |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
+    for length in lengths:
         prompt = make_passkey_prompt(tokenizer, length, 0.5, seed=args.seed)
         ids = prompt.input_ids[None, :prompt.haystack_end]
         dense, ours = [], {chunk: [] for chunk in chunks}

@@ -164,19 +164,8 @@ def _names(text: str, known, flag: str, parser) -> list[str]:
     return names
 
 
-def _numbers(text: str, flag: str, parser, kind, accepted: str, ok) -> list:
-    """Comma-separated numbers of ``kind`` each passing ``ok``; anything else exits with a usage error."""
-    try:
-        values = [kind(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        parser.error(f"{flag}: comma-separated {accepted}, got {text!r}")
-    return values
-
-
 def _fractions(text: str, flag: str, parser) -> list[float]:
-    return _numbers(text, flag, parser, float, "fractions in (0, 1)", lambda k: 0 < k < 1)
+    return common.comma_list(text, flag, parser, float, "fractions in (0, 1)", lambda k: 0 < k < 1)
 
 
 def main(argv=None) -> int:
@@ -199,7 +188,7 @@ def main(argv=None) -> int:
     selections = _names(args.selections, SELECTIONS, "--selections", p)
     keeps = _fractions(args.keep, "--keep", p)
     kvpress_keeps = keeps if args.kvpress_keep is None else _fractions(args.kvpress_keep, "--kvpress-keep", p)
-    chunks = _numbers(args.chunks, "--chunks", p, int, "integers >= 1", lambda c: c >= 1)
+    chunks = common.comma_list(args.chunks, "--chunks", p, int, "integers >= 1", lambda c: c >= 1)
     if args.kvpress_plus and not args.kvpress:
         p.error("--kvpress-plus: runs kvpress's KVzip+ beside its plain press: give --kvpress too")
     if args.kvpress and importlib.util.find_spec("kvpress") is None:

@@ -15,7 +15,6 @@ head, token) entries that both, only ours or only kvpress hold.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -66,9 +65,8 @@ def kvpress_scores(model, tokenizer, context, keep):
 def our_scores(model, tokenizer, context, keep, name, method="kvzip-global-rebuild"):
     """Our ``method``'s scores [L, H, n] and kept mask [L, H, n] under prefix reading ``name``."""
     n = context.shape[1]
-    policy = make_policy(method, budget_tokens(keep, n))
     # kvpress's chunk, not the library's default (1024): the same passes as kvpress's.
-    policy = dataclasses.replace(policy, scorer=dataclasses.replace(policy.scorer, chunk=KVPRESS_CHUNK))
+    policy = common.at_chunk(make_policy(method, budget_tokens(keep, n)), KVPRESS_CHUNK)
     recorded = record_prefill(model, context)
     with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle, reading(name, chat_prefix(tokenizer)):
         cache = compressed_cache(policy, recorded)

@@ -40,3 +40,6 @@ def test_kvzip_prefill_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, SCRIPT, "--chunks", "1024,zero"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--chunks: comma-separated integers >= 1, got '1024,zero'" in proc.stderr
+    proc = subprocess.run([sys.executable, SCRIPT, "--lengths", "1024,0"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--lengths: comma-separated integers >= 1, got '1024,0'" in proc.stderr
