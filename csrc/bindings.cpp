@@ -4,6 +4,7 @@
 #include <torch/version.h>
 
 #include "attention/attention_cpu_tiles.h"
+#include "attention/cuda_head_dims.h"
 #include "attention/ragged_attention.h"
 #include "ops.h"
 #include "select/topk.h"
@@ -109,4 +110,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &kvcache_ext::attention::cpu_isa);
   m.def("set_cpu_isa", &kvcache_ext::attention::set_cpu_isa, py::arg("isa"));
   m.def("build_info", &kvcache_ext::build_info);
+  // The head_dim sizes of the CUDA attention kernel (cuda_head_dims.h), also in a CPU-only build.
+  {
+    using kvcache_ext::attention::CudaHeadDims;
+    m.attr("CUDA_HEAD_DIMS") = std::vector<int64_t>(CudaHeadDims::values,
+                                                    CudaHeadDims::values + CudaHeadDims::count);
+  }
 }

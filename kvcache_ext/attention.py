@@ -7,13 +7,15 @@ from typing import Iterable
 
 import torch
 
+from kvcache_ext import _C
 from kvcache_ext.checks import real
 from kvcache_ext.ops import ops
 from kvcache_ext.store import RaggedKVStore
 
 STAT_NAMES = ("mass", "last", "sum_sq", "count")
-# head_dim of the CUDA attention kernel (one instantiation each; the CPU kernels take any).
-CUDA_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+# head_dim of the CUDA attention kernel (one instantiation each; the CPU kernels take any),
+# from the list the kernel is compiled from (csrc/attention/cuda_head_dims.h).
+CUDA_HEAD_DIMS = tuple(_C.CUDA_HEAD_DIMS)
 
 
 def check_head_dim(head_dim: int, device) -> None:

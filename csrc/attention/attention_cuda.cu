@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "attention/cuda_head_dims.h"
 
 namespace kvcache_ext::attention {
 
@@ -642,21 +643,17 @@ void run(const Problem& p, Result& r) {
   }
 }
 
+// Runs the instantiation for q's head_dim, one of Sizes; false when there is none.
+template <typename T, int... Sizes>
+bool run_sized(HeadDims<Sizes...>, const Problem& p, Result& r) {
+  return ((p.q.size(3) == Sizes && (run<T, Sizes>(p, r), true)) || ...);
+}
+
 template <typename T>
 void run_head_dim(const Problem& p, Result& r) {
-  switch (p.q.size(3)) {
-    case 64: run<T, 64>(p, r); break;
-    case 80: run<T, 80>(p, r); break;
-    case 96: run<T, 96>(p, r); break;
-    case 112: run<T, 112>(p, r); break;
-    case 128: run<T, 128>(p, r); break;
-    case 192: run<T, 192>(p, r); break;
-    case 256: run<T, 256>(p, r); break;
-    default:
-      TORCH_CHECK_VALUE(false, "the CUDA attention kernel supports head_dim 64, 80, 96, 112, 128, ",
-                        "192 and 256, got ", p.q.size(3),
-                        "; run this model's attention on the CPU or ask for the size");
-  }
+  TORCH_CHECK_VALUE(run_sized<T>(CudaHeadDims{}, p, r), "the CUDA attention kernel supports head_dim ",
+                    cuda_head_dims_text(), ", got ", p.q.size(3),
+                    "; run this model's attention on the CPU or ask for the size");
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 // Every case runs on the CPU and is checked against the reference, asking for every
 // statistic, for none and for a subset. Its *Cuda twin builds a CUDA store by the same
 // operations, runs the same inputs on it and compares the CUDA result with the CPU result
-// (counts exactly). The CUDA kernel takes head_dim 64, 80, 96, 112, 128, 192 and 256 only
+// (counts exactly). The CUDA kernel takes the head_dim sizes of attention/cuda_head_dims.h only
 // (kvcache_ext.attention.CUDA_HEAD_DIMS): for other sizes the twin checks that it raises a
 // ValueError instead.
 #include <gtest/gtest.h>
@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "attention/attention_cpu_tiles.h"
+#include "attention/cuda_head_dims.h"
 #include "attention/ragged_attention.h"
 #include "store/ragged_store.h"
 #include "tests/store_util.h"
@@ -34,12 +35,7 @@ using kvtest::Throws;
 const at::Device kCuda(at::kCUDA, 0);
 constexpr int64_t kBatchOffset = 1000;  // per-batch position offset, as with left padding
 
-bool cuda_head_dim(int64_t D) {
-  for (const int64_t supported : {64, 80, 96, 112, 128, 192, 256}) {
-    if (D == supported) return true;
-  }
-  return false;
-}
+bool cuda_head_dim(int64_t D) { return kvcache_ext::attention::is_cuda_head_dim(D); }
 
 // ---- cases ----------------------------------------------------------------------------
 
