@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli_args import choice_list, depth_list, fraction_list, int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy, parse_policies  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, run_prompt  # noqa: E402
@@ -160,22 +161,25 @@ def format_table(rows: list[dict], records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _floats(text):
-    return [float(x) for x in text.split(",") if x.strip()]
+def _fractions_or_none(text: str) -> list[float]:
+    """--kvpress-keep: fractions in (0, 1], or '' for none."""
+    return fraction_list(text) if text.strip() else []
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="passkey,needle")
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--depths", default="0.1,0.5,0.9")
-    p.add_argument("--seeds", type=int, default=1, help="prompts per (length, depth)")
-    p.add_argument("--keep", default="0.25,0.1,0.05", help="fractions of the context kept (ours)")
+    p.add_argument("--tasks", type=choice_list(MAKERS), default="passkey,needle")
+    p.add_argument("--lengths", type=int_list, default="1024,2048,4096")
+    p.add_argument("--depths", type=depth_list, default="0.1,0.5,0.9")
+    p.add_argument("--seeds", type=int_range(1), default=1, help="prompts per (length, depth)")
+    p.add_argument("--keep", type=fraction_list, default="0.25,0.1,0.05",
+                   help="fractions of the context kept (ours)")
     p.add_argument("--methods", default="kvzip-global", help="our methods (kvcache-ext eval names)")
-    p.add_argument("--kvpress-keep", default="0.25,0.1", help="fractions for kvpress's KVzip ('' for none)")
+    p.add_argument("--kvpress-keep", type=_fractions_or_none, default="0.25,0.1",
+                   help="fractions for kvpress's KVzip ('' for none)")
     p.add_argument("--out", default=None, help="JSON of every record and the summary, written after each prompt")
     args = p.parse_args(argv)
-    keeps, kvp_keeps = _floats(args.keep), _floats(args.kvpress_keep)
+    keeps, kvp_keeps = args.keep, args.kvpress_keep
     methods = parse_policies(args.methods)
     try:
         import kvpress  # noqa: F401
@@ -189,9 +193,9 @@ def main(argv=None) -> int:
     model, tokenizer = load_model()
     from transformers import DynamicCache
     records, seed = [], 0
-    for task in args.tasks.split(","):
-        for length in (int(x) for x in args.lengths.split(",")):
-            for depth in _floats(args.depths):
+    for task in args.tasks:
+        for length in args.lengths:
+            for depth in args.depths:
                 for _ in range(args.seeds):
                     prompt = MAKERS[task](tokenizer, length, depth, seed=seed)
                     key = dict(task=task, length=prompt.length, depth=depth, seed=seed)

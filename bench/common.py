@@ -1,6 +1,7 @@
 """Timing, bandwidth and result-file helpers shared by the benchmarks."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import glob
 import json
@@ -102,21 +103,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def comma_list(text: str, flag: str, parser, kind, accepted: str, ok=lambda value: True) -> list:
-    """Comma-separated values of ``kind`` each passing ``ok``; anything else exits with a usage
-    error that names ``flag``, the text and what is ``accepted``."""
-    try:
-        values = [kind(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        parser.error(f"{flag}: comma-separated {accepted}, got {text!r}")
-    return values
-
-
 def at_chunk(policy, chunk: int):
     """``policy`` with its KVzip scorer's reconstruction chunk set to ``chunk`` tokens."""
-    import dataclasses
     return dataclasses.replace(policy, scorer=dataclasses.replace(policy.scorer, chunk=chunk))
 
 

@@ -31,6 +31,7 @@ import kvcache_ext  # noqa: E402
 import kvcache_ext.patching as patching  # noqa: E402
 import kvcache_ext.reconstruction as reconstruction  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli_args import int_list  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.models import load_model  # noqa: E402
@@ -81,17 +82,15 @@ def ours_prefill(model, tokenizer, ids, keep: float, chunk: int = KVzip.chunk) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens")
+    parser.add_argument("--lengths", type=int_list, default="1024,2048,4096", help="prompt lengths in tokens")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--keep", type=float, default=0.05, help="the fraction ours keeps")
     parser.add_argument("--seed", type=int, default=0, help="the passkey prompt's seed (depth 0.5)")
-    parser.add_argument("--chunks", default=str(KVzip.chunk), help="ours' KVzip chunk sizes, each timed")
+    parser.add_argument("--chunks", type=int_list, default=str(KVzip.chunk), help="ours' KVzip chunk sizes, each timed")
     parser.add_argument("--out", default=None, help="also write the runs to this JSON file")
     args = parser.parse_args(argv)
     if args.rounds < 1 or not 0 < args.keep <= 1:
         parser.error(f"--rounds must be >= 1 and --keep in (0, 1], got {args.rounds} and {args.keep}")
-    lengths = common.comma_list(args.lengths, "--lengths", parser, int, "integers >= 1", lambda n: n >= 1)
-    chunks = common.comma_list(args.chunks, "--chunks", parser, int, "integers >= 1", lambda c: c >= 1)
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, commit {common.git_commit()}, "
@@ -100,12 +99,12 @@ def main(argv=None) -> int:
           "scores s | dense runs | ours runs |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for length in lengths:
+    for length in args.lengths:
         prompt = make_passkey_prompt(tokenizer, length, 0.5, seed=args.seed)
         ids = prompt.input_ids[None, :prompt.haystack_end]
-        dense, ours = [], {chunk: [] for chunk in chunks}
+        dense, ours = [], {chunk: [] for chunk in args.chunks}
         for r in range(args.rounds):
-            order = ["dense", *chunks]
+            order = ["dense", *args.chunks]
             for which in order if r % 2 == 0 else order[::-1]:
                 if which == "dense":
                     dense.append(dense_prefill(model, ids))
@@ -123,7 +122,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"commit": common.git_commit(), "torch": torch.__version__, "keep": args.keep,
-                       "rounds": args.rounds, "seed": args.seed, "chunks": chunks, "rows": rows}, f, indent=2)
+                       "rounds": args.rounds, "seed": args.seed, "chunks": args.chunks, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext.evaluation.shared_prefill as shared_prefill  # noqa: E402
 import kvcache_ext.reconstruction as reconstruction  # noqa: E402
+from kvcache_ext.cli_args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.retrieval import run_prompt  # noqa: E402
 from kvcache_ext.models import load_model  # noqa: E402
 from kvcache_ext.patching import chat_template_tokens  # noqa: E402
@@ -83,18 +84,13 @@ def reading(name: str, prefix: list[int]):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--depths", default="0.5")
-    p.add_argument("--keep", default="0.25,0.1,0.05")
-    p.add_argument("--readings", default=",".join(READINGS))
+    p.add_argument("--lengths", type=int_list, default="1024,2048,4096")
+    p.add_argument("--depths", type=depth_list, default="0.5")
+    p.add_argument("--keep", type=fraction_list, default="0.25,0.1,0.05")
+    p.add_argument("--readings", type=choice_list(READINGS), default=",".join(READINGS))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    depths = [float(x) for x in args.depths.split(",")]
-    keeps = [float(x) for x in args.keep.split(",")]
-    readings = args.readings.split(",")
-    if unknown := [r for r in readings if r not in READINGS]:
-        p.error(f"--readings: unknown {unknown}; accepted: {', '.join(READINGS)}")
+    lengths, depths, keeps, readings = args.lengths, args.depths, args.keep, args.readings
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     prefix = chat_prefix(tokenizer)

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli_args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import full_cache_from, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, split_prompt  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
@@ -157,38 +158,23 @@ def table(records, readings, chunks, selections, keeps) -> str:
     return "\n".join(lines)
 
 
-def _names(text: str, known, flag: str, parser) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names or (unknown := [x for x in names if x not in known]):
-        parser.error(f"{flag}: unknown {text!r}; accepted: {', '.join(known)}")
-    return names
-
-
-def _fractions(text: str, flag: str, parser) -> list[float]:
-    return common.comma_list(text, flag, parser, float, "fractions in (0, 1)", lambda k: 0 < k < 1)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="passkey,needle")
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--tasks", type=choice_list(MAKERS), default="passkey,needle")
+    p.add_argument("--lengths", type=int_list, default="1024,2048,4096")
+    p.add_argument("--depths", type=depth_list, default="0.1,0.5,0.9")
     p.add_argument("--seed", type=int, default=100, help="the first prompt's seed (bench/agnostic.py uses 0 on)")
-    p.add_argument("--keep", default="0.1,0.05")
-    p.add_argument("--readings", default=",".join(READINGS))
-    p.add_argument("--selections", default=",".join(SELECTIONS))
-    p.add_argument("--chunks", default=str(KVzip.chunk), help="KVzip chunk sizes, each its own passes")
+    p.add_argument("--keep", type=fraction_list, default="0.1,0.05")
+    p.add_argument("--readings", type=choice_list(READINGS), default=",".join(READINGS))
+    p.add_argument("--selections", type=choice_list(SELECTIONS), default=",".join(SELECTIONS))
+    p.add_argument("--chunks", type=int_list, default=str(KVzip.chunk), help="KVzip chunk sizes, each its own passes")
     p.add_argument("--kvpress", action="store_true", help="kvpress's KVzipPress too")
     p.add_argument("--kvpress-plus", action="store_true", help="with --kvpress: its KVzip+ as well")
-    p.add_argument("--kvpress-keep", default=None, help="kvpress's fractions (default: --keep)")
+    p.add_argument("--kvpress-keep", type=fraction_list, default=None, help="kvpress's fractions (default: --keep)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    tasks = _names(args.tasks, MAKERS, "--tasks", p)
-    readings = _names(args.readings, READINGS, "--readings", p)
-    selections = _names(args.selections, SELECTIONS, "--selections", p)
-    keeps = _fractions(args.keep, "--keep", p)
-    kvpress_keeps = keeps if args.kvpress_keep is None else _fractions(args.kvpress_keep, "--kvpress-keep", p)
-    chunks = common.comma_list(args.chunks, "--chunks", p, int, "integers >= 1", lambda c: c >= 1)
+    readings, chunks, selections, keeps = args.readings, args.chunks, args.selections, args.keep
+    kvpress_keeps = keeps if args.kvpress_keep is None else args.kvpress_keep
     if args.kvpress_plus and not args.kvpress:
         p.error("--kvpress-plus: runs kvpress's KVzip+ beside its plain press: give --kvpress too")
     if args.kvpress and importlib.util.find_spec("kvpress") is None:
@@ -198,9 +184,9 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     records, seed = [], args.seed
-    for task in tasks:
-        for length in (int(x) for x in args.lengths.split(",")):
-            for depth in (float(x) for x in args.depths.split(",")):
+    for task in args.tasks:
+        for length in args.lengths:
+            for depth in args.depths:
                 prompt = MAKERS[task](tokenizer, length, depth, seed=seed)
                 key = dict(task=task, length=prompt.length, depth=depth, seed=seed)
                 seed += 1

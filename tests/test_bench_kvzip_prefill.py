@@ -39,7 +39,7 @@ def test_kvzip_prefill_refuses_bad_arguments():
     assert proc.returncode == 2 and "--rounds must be >= 1" in proc.stderr and "got 0" in proc.stderr
     proc = subprocess.run([sys.executable, SCRIPT, "--chunks", "1024,zero"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--chunks: comma-separated integers >= 1, got '1024,zero'" in proc.stderr
+    assert proc.returncode == 2 and "argument --chunks: expected comma-separated positive integers, got 'zero' in '1024,zero'" in proc.stderr
     proc = subprocess.run([sys.executable, SCRIPT, "--lengths", "1024,0"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--lengths: comma-separated integers >= 1, got '1024,0'" in proc.stderr
+    assert proc.returncode == 2 and "argument --lengths: must be positive integers, got 0 in '1024,0'" in proc.stderr

@@ -60,3 +60,14 @@ def test_a_prompt_without_the_prefix_is_refused():
     with kvzip_prefix.reading("drop", other), pytest.raises(ValueError, match="template's prefix"):
         kvzip().passes(ids, torch.ones_like(ids, dtype=torch.bool), lambda text: [])
     assert library()[0] is KVzip.passes
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--readings", "rebuild,skip"], "argument --readings: takes rebuild, drop, hold (comma-separated)"),
+    (["--lengths", "0"], "argument --lengths: must be positive integers, got 0 in '0'"),
+    (["--depths", "-0.1"], "argument --depths: must be depths in [0, 1], got -0.1"),
+    (["--keep", "0.25,0"], "argument --keep: must be fractions in (0, 1], got 0 in '0.25,0'")])
+def test_bad_arguments_are_refused_before_the_model_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kvzip_prefix.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -62,12 +62,16 @@ def test_pooled_scores_leave_the_skipped_prefix_out_and_spread_over_neighbours()
     assert torch.equal(plain, scores[0]) and plain is not scores[0]
 
 
-@pytest.mark.parametrize("argv,message", [(["--selections", "global,pool4"], "--selections: unknown"),
-                                          (["--readings", "drop"], "--readings: unknown"),
-                                          (["--keep", "0.1,1.5"], "--keep: comma-separated fractions in (0, 1)"),
-                                          (["--kvpress-keep", "x"], "--kvpress-keep: comma-separated fractions"),
-                                          (["--chunks", "2048,0"], "--chunks: comma-separated integers >= 1"),
-                                          (["--kvpress-plus"], "--kvpress-plus: runs kvpress's KVzip+ beside")])
+@pytest.mark.parametrize("argv,message", [
+    (["--selections", "global,pool4"], "argument --selections: takes global, pool3,"),
+    (["--readings", "drop"], "argument --readings: takes chat, rebuild (comma-separated); got 'drop'"),
+    (["--tasks", "passkey,haystack"], "argument --tasks: takes passkey, needle (comma-separated)"),
+    (["--keep", "0.1,1.5"], "argument --keep: must be fractions in (0, 1], got 1.5 in '0.1,1.5'"),
+    (["--kvpress-keep", "x"], "argument --kvpress-keep: expected comma-separated fractions in (0, 1], got 'x'"),
+    (["--chunks", "2048,0"], "argument --chunks: must be positive integers, got 0 in '2048,0'"),
+    (["--lengths", "1024,x"], "argument --lengths: expected comma-separated positive integers, got 'x'"),
+    (["--depths", "0.5,1.2"], "argument --depths: must be depths in [0, 1], got 1.2"),
+    (["--kvpress-plus"], "--kvpress-plus: runs kvpress's KVzip+ beside")])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         kvzip_selection.main(argv)
