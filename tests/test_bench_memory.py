@@ -85,3 +85,13 @@ def test_real_forward_matches_and_decode_adds_tokens(doc):
         assert v["decode_steps"] == DECODE_STEPS
         assert v["kept_per_layer_after_decode"] == [heads * (v["budget"] + DECODE_STEPS) * batch] * len(
             v["kept_per_layer_after_decode"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lengths", "512,-1"], "argument --lengths: must be positive integers, got -1 in '512,-1'"),
+    (["--budgets", "64,y"], "argument --budgets: expected comma-separated positive integers, got 'y'")])
+def test_bad_lists_are_refused_at_the_parser(argv, message):
+    from test_bench_e2e import child_env
+    proc = subprocess.run([sys.executable, SCRIPT, *argv], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
