@@ -31,7 +31,7 @@ import kvcache_ext  # noqa: E402
 import kvcache_ext.patching as patching  # noqa: E402
 import kvcache_ext.reconstruction as reconstruction  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli_args import int_list  # noqa: E402
+from kvcache_ext.cli_args import int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.models import load_model  # noqa: E402
@@ -83,14 +83,15 @@ def ours_prefill(model, tokenizer, ids, keep: float, chunk: int = KVzip.chunk) -
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int_list, default="1024,2048,4096", help="prompt lengths in tokens")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int_range(1), default=3)
     parser.add_argument("--keep", type=float, default=0.05, help="the fraction ours keeps")
     parser.add_argument("--seed", type=int, default=0, help="the passkey prompt's seed (depth 0.5)")
-    parser.add_argument("--chunks", type=int_list, default=str(KVzip.chunk), help="ours' KVzip chunk sizes, each timed")
+    parser.add_argument("--chunks", type=int_list, default=str(KVzip.chunk),
+                        help="ours' KVzip chunk sizes, each timed")
     parser.add_argument("--out", default=None, help="also write the runs to this JSON file")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or not 0 < args.keep <= 1:
-        parser.error(f"--rounds must be >= 1 and --keep in (0, 1], got {args.rounds} and {args.keep}")
+    if not 0 < args.keep <= 1:
+        parser.error(f"--keep: a fraction in (0, 1], got {args.keep}")
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, commit {common.git_commit()}, "

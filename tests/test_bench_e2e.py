@@ -31,6 +31,14 @@ def child_env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
 
 
+def usage_error(script: str, argv: list[str]) -> str:
+    """The stderr of ``script`` run with ``argv``, which must stop at its parser (exit status 2)."""
+    proc = subprocess.run([sys.executable, script, *argv], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stderr
+
+
 def import_e2e():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
@@ -207,6 +215,4 @@ def test_report_reprints_runs_and_refuses_a_case_from_two_runs(run, tmp_path):
     (["--batches", "1,x"], "argument --batches: expected comma-separated positive integers, got 'x'"),
     (["--keep", "0.125,1.5"], "argument --keep: must be fractions in (0, 1], got 1.5 in '0.125,1.5'")])
 def test_bad_lists_are_refused_at_the_parser(argv, message):
-    proc = subprocess.run([sys.executable, SCRIPT, *argv], cwd=ROOT, env=child_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert message in usage_error(SCRIPT, argv)

@@ -8,7 +8,9 @@ import statistics
 import subprocess
 import sys
 
-from test_bench_e2e import child_env
+import pytest
+
+from test_bench_e2e import child_env, usage_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "kvzip_prefill.py")
@@ -33,13 +35,11 @@ def test_kvzip_prefill_rounds(tmp_path):
             assert 0 < run["scores"] < run["passes"] < run["seconds"]
 
 
-def test_kvzip_prefill_refuses_bad_arguments():
-    proc = subprocess.run([sys.executable, SCRIPT, "--rounds", "0"], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--rounds must be >= 1" in proc.stderr and "got 0" in proc.stderr
-    proc = subprocess.run([sys.executable, SCRIPT, "--chunks", "1024,zero"], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "argument --chunks: expected comma-separated positive integers, got 'zero' in '1024,zero'" in proc.stderr
-    proc = subprocess.run([sys.executable, SCRIPT, "--lengths", "1024,0"], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "argument --lengths: must be positive integers, got 0 in '1024,0'" in proc.stderr
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "0"], "argument --rounds: must be an integer >= 1, got 0"),
+    (["--keep", "1.5"], "--keep: a fraction in (0, 1], got 1.5"),
+    (["--chunks", "1024,zero"],
+     "argument --chunks: expected comma-separated positive integers, got 'zero' in '1024,zero'"),
+    (["--lengths", "1024,0"], "argument --lengths: must be positive integers, got 0 in '1024,0'")])
+def test_kvzip_prefill_refuses_bad_arguments(argv, message):
+    assert message in usage_error(SCRIPT, argv)
