@@ -54,7 +54,8 @@ def run(tmp_path_factory):
     png = out.with_suffix(".png")
     proc = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--device", "cpu", "--contexts", "200,300",
                            "--batches", "1,2", "--budgets", f"{SMALL},{LARGE}", "--steps", str(STEPS),
-                           "--warmup", str(WARMUP), "--repeats", str(REPEATS), "--no-progress", "--out", str(out), "--plot", str(png)],
+                           "--warmup", str(WARMUP), "--repeats", str(REPEATS), "--no-progress", "--out", str(out),
+                           "--plot", str(png)],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
@@ -83,7 +84,8 @@ def test_every_method_runs_and_the_json_says_what_ran(run):
         assert len(r["tokens"]) == r["batch"] and all(len(t) == DECODED + 1 for t in r["tokens"])
         assert r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["x_full"] > 0
         # The median of the interleaved runs, over the timed steps only.
-        assert len(r["decode_s_runs"]) == REPEATS and min(r["decode_s_runs"]) <= r["decode_s"] <= max(r["decode_s_runs"])
+        runs = r["decode_s_runs"]
+        assert len(runs) == REPEATS and min(runs) <= r["decode_s"] <= max(runs)
         assert r["decode_tokens_per_s"] == r["batch"] * STEPS / r["decode_s"]
     assert doc["largest_fit"]["full"] == {"batch": 2, "context": 300}
 

@@ -48,7 +48,8 @@ SHARED_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("policy", SHARED_POLICIES, ids=lambda p: f"{type(p.scorer).__name__}-{type(p.allocation).__name__}")
+@pytest.mark.parametrize("policy", SHARED_POLICIES,
+                         ids=lambda p: f"{type(p.scorer).__name__}-{type(p.allocation).__name__}")
 @pytest.mark.parametrize("layout", [(4, 2), (4, 1), (6, 3)], ids=["gqa", "mqa", "gqa3"])
 def test_shared_prefill_equals_the_patched_prefill(policy, layout):
     heads, kv_heads = layout

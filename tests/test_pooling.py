@@ -134,7 +134,8 @@ def test_pooled_pools_the_bases_cache_scores():
 
 def test_pooled_delegates_to_the_base():
     s = Pooled(RoCo())
-    assert s.channels == 3 and s.update_stats == RoCo().update_stats and s.default_protection() == RoCo().default_protection()
+    assert s.channels == 3 and s.update_stats == RoCo().update_stats
+    assert s.default_protection() == RoCo().default_protection()
     s = Pooled(SnapKV(window=5, kernel=1))
     assert s.stats_window == 5 and s.evict_stats == ("mass", "last")
     with pytest.raises(ValueError, match="pool_then_mean"):

@@ -17,8 +17,7 @@ import torch
 import kvcache_ext
 from kvcache_ext import reference
 from conftest import DEVICES
-
-OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+from test_attention import check_against_reference
 
 
 def filled_store(B, H, D, dtype, device, lens, page_size=16, seed=0):
@@ -32,20 +31,6 @@ def filled_store(B, H, D, dtype, device, lens, page_size=16, seed=0):
     return store
 
 
-def reference_check(store, q, scale, q_pos=None, stats=True):
-    out, got = kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=stats)
-    dense = store.to_dense()
-    want_out, want = reference.ragged_attention(q.cpu(), dense.k.cpu(), dense.v.cpu(), dense.pos.cpu(),
-                                                dense.mask.cpu(), scale,
-                                                None if q_pos is None else q_pos.cpu())
-    tol = OUT_TOL[q.dtype]
-    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=tol, rtol=tol)
-    if stats:
-        for name in kvcache_ext.STAT_NAMES:
-            padded = store.to_padded(getattr(got, name)).cpu()
-            torch.testing.assert_close(padded, want[name], atol=1e-5, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("D", [80, 96, 112, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,7 +40,7 @@ def test_head_dims_of_current_models(device, D, dtype):
     for n in (1, 3):
         q = (torch.randn(2, 4, n, D, generator=gen)).to(dtype).to(device)
         q_pos = torch.arange(300 - n + 1, 301).expand(2, n) if n > 1 else None
-        reference_check(store, q, 1 / math.sqrt(D), q_pos)
+        check_against_reference(store, q, 1 / math.sqrt(D), q_pos, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,7 +49,7 @@ def test_segment_longer_than_65535_tokens(device):
     store = filled_store(1, 2, 64, torch.float32, device, [long, 5], page_size=64)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 1, 64, generator=gen).to(device)
-    reference_check(store, q, 0.125)
+    check_against_reference(store, q, 0.125, None, True)
     # Compaction and selection of the long segment: keep every third token.
     keep = torch.zeros(store.capacity, dtype=torch.bool, device=device)
     index, mask = store.slot_index()
@@ -134,7 +119,8 @@ def chunked_reference(store, q, scale, q_pos, chunk=128):
     for i0 in range(0, n, chunk):
         qc = qf[:, :, :, i0:i0 + chunk]                                   # [B, H, G, c, D]
         logits = torch.einsum("bhgcd,bhld->bhgcl", qc, k) * scale
-        visible = mask[:, :, None, None, :] & (pos[:, :, None, None, :] <= q_pos.cpu()[:, None, None, i0:i0 + chunk, None])
+        chunk_pos = q_pos.cpu()[:, None, None, i0:i0 + chunk, None]
+        visible = mask[:, :, None, None, :] & (pos[:, :, None, None, :] <= chunk_pos)
         probs = torch.softmax(logits.masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
         out[:, :, :, i0:i0 + chunk] = probs @ v[:, :, None]
         group = probs.sum(2)                                              # [B, H, c, L]

@@ -162,13 +162,22 @@ CASES = [  # (block, decode eviction, budget or ratio, robust, H, G)
 @pytest.mark.parametrize("storage", [RaggedLayerKV, MaskedLayerKV], ids=["ragged", "masked"])
 @pytest.mark.parametrize("block,decode,size,robust,H,G", CASES)
 def test_engine_keeps_the_literal_roco_tokens(storage, block, decode, size, robust, H, G):
+    check_literal_kept(RoCo(robust=robust), storage, block, decode, size, H, G, seeds=8,
+                       literal=lambda qs, ks, scale, budget, P, steps: literal_roco_head(
+                           qs, ks, scale, budget, robust, P, block, steps, decode))
+
+
+def check_literal_kept(scorer, storage, block, decode, size, H, G, seeds, literal):
+    """Runs ``scorer`` under the schedule (prefill blocks of ``block``, eviction every decode
+    step if ``decode``) at ``size`` (a budget, or a ratio of each row's prompt) on random layers
+    of 2 rows, and checks each (seed, row, head)'s kept tokens against
+    ``literal(qs, ks, scale, budget, prompt_len, steps)``; enough of them must be clear-cut."""
     n, steps, D = 30, 6, 8
     scale = 1 / math.sqrt(D)
     schedule = Schedule(prefill_block=block, decode_every=1 if decode else None)
     sizing = {"budget": size} if isinstance(size, int) else {"ratio": size}
-    policy = Policy(RoCo(robust=robust), schedule=schedule, **sizing)
+    policy = Policy(scorer, schedule=schedule, **sizing)
     checked = 0
-    seeds = 8
     for seed in range(seeds):
         q, k, v, lens, valid, pos = random_layer(seed, 2, H, G, n, steps, D)
         got = library_kept(policy, storage, q, k, v, lens, valid, pos, n, steps, scale)
@@ -178,9 +187,8 @@ def test_engine_keeps_the_literal_roco_tokens(storage, block, decode, size, robu
             budget = size if isinstance(size, int) else math.ceil(P * size)
             for h in range(H):
                 try:
-                    want = literal_roco_head(q[b, h * G:(h + 1) * G][:, real].double(),
-                                             k[b, h][real].double(), scale, budget, robust, P, block,
-                                             steps, decode)
+                    want = literal(q[b, h * G:(h + 1) * G][:, real].double(), k[b, h][real].double(),
+                                   scale, budget, P, steps)
                 except Ambiguous:
                     continue
                 assert got[b][h] == want, (seed, b, h)
@@ -533,29 +541,9 @@ SH_CASES = [  # (block, decode eviction, budget or ratio, window, inclusive, H, 
 @pytest.mark.parametrize("storage", [RaggedLayerKV, MaskedLayerKV], ids=["ragged", "masked"])
 @pytest.mark.parametrize("block,decode,size,window,inclusive,H,G", SH_CASES)
 def test_engine_keeps_the_literal_scissorhands_tokens(storage, block, decode, size, window, inclusive, H, G):
-    n, steps, D = 30, 6, 8
-    scale = 1 / math.sqrt(D)
-    schedule = Schedule(prefill_block=block, decode_every=1 if decode else None)
-    sizing = {"budget": size} if isinstance(size, int) else {"ratio": size}
-    policy = Policy(ScissorHands(window=window, inclusive=inclusive), schedule=schedule, **sizing)
-    checked, seeds = 0, 6
-    for seed in range(seeds):
-        q, k, v, lens, valid, pos = random_layer(seed, 2, H, G, n, steps, D)
-        got = library_kept(policy, storage, q, k, v, lens, valid, pos, n, steps, scale)
-        for b in range(2):
-            real = torch.nonzero(valid[b]).flatten().tolist() + list(range(n, n + steps))
-            P = int(lens[b])
-            budget = size if isinstance(size, int) else math.ceil(P * size)
-            for h in range(H):
-                try:
-                    want = literal_scissorhands_head(q[b, h * G:(h + 1) * G][:, real].double(),
-                                                     k[b, h][real].double(), scale, budget, window,
-                                                     inclusive, P, block, steps, decode)
-                except Ambiguous:
-                    continue
-                assert got[b][h] == want, (seed, b, h)
-                checked += 1
-    assert checked >= 0.75 * seeds * 2 * H
+    check_literal_kept(ScissorHands(window=window, inclusive=inclusive), storage, block, decode, size, H, G,
+                       seeds=6, literal=lambda qs, ks, scale, budget, P, steps: literal_scissorhands_head(
+                           qs, ks, scale, budget, window, inclusive, P, block, steps, decode))
 
 
 # --------------------------------------------------------------------------- patched models

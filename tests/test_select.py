@@ -137,7 +137,8 @@ def test_narrow_integer_budgets_work(device):
     for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
         k = torch.tensor([2, 1], dtype=dtype, device=device)
         assert torch.equal(kvcache_ext.segmented_topk(scores, pos, start, lens, k), want), dtype
-        keep, counts = kvcache_ext.grouped_topk(scores, pos, start, lens, 2, torch.tensor([3], dtype=dtype, device=device))
+        k = torch.tensor([3], dtype=dtype, device=device)
+        keep, counts = kvcache_ext.grouped_topk(scores, pos, start, lens, 2, k)
         assert counts.tolist() == [2, 1] and keep.tolist() == [False, True, True, False, True]
 
 

@@ -298,7 +298,8 @@ def test_bad_input_raises_and_corrupts_nothing():
         (ValueError, "valid", lambda: store.append(k, k, torch.arange(4), torch.ones(B, 5, dtype=torch.bool))),
         (IndexError, "slot", lambda: store.replace(torch.full((B, H), 4), one, one, torch.zeros(B, dtype=torch.long))),
         (IndexError, "slot", lambda: store.replace(torch.full((B, H), -1), one, one, torch.zeros(B, dtype=torch.long))),
-        (ValueError, "slot", lambda: store.replace(torch.zeros(B, dtype=torch.long), one, one, torch.zeros(B, dtype=torch.long))),
+        (ValueError, "slot", lambda: store.replace(torch.zeros(B, dtype=torch.long), one, one,
+                                                   torch.zeros(B, dtype=torch.long))),
         (ValueError, "keep", lambda: store.compact(torch.ones(store.capacity + 1, dtype=torch.bool))),
         (TypeError, "keep", lambda: store.compact(torch.ones(store.capacity, dtype=torch.int32))),
         (ValueError, "budget", lambda: store.select(-1)),
@@ -407,8 +408,10 @@ def test_store_select_rejects_bad_input():
          lambda: raw(torch.zeros(cap + 1), torch.ones(S, dtype=torch.long), False)),
         (ValueError, r"L >= 5\] padded, got shape \[2, 3, 4\]",
          lambda: raw(torch.zeros(B, H, 4), torch.ones(S, dtype=torch.long), False)),
-        (TypeError, "scores", lambda: raw(torch.zeros(cap, dtype=torch.float64), torch.ones(S, dtype=torch.long), False)),
-        (ValueError, "contiguous", lambda: raw(torch.zeros(B, H, 10)[..., ::2], torch.ones(S, dtype=torch.long), False)),
+        (TypeError, "scores", lambda: raw(torch.zeros(cap, dtype=torch.float64), torch.ones(S, dtype=torch.long),
+                                          False)),
+        (ValueError, "contiguous", lambda: raw(torch.zeros(B, H, 10)[..., ::2], torch.ones(S, dtype=torch.long),
+                                               False)),
         (ValueError, "budget", lambda: store.select(-1)),
     ]
     for error, words, call in bad_calls:
