@@ -81,7 +81,10 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
         handle = kvcache_ext.patch(model, policy) if policy is not None else None
         try:
             for i, p in enumerate(prompts):
-                cache = handle.new_cache() if handle is not None else DynamicCache(config=model.config)
+                # As the patched generate does: pages for the tokens to come are held from the
+                # start, so that decoding never allocates (unequal Ada-KV heads would, step by step).
+                cache = (handle.new_cache(max_cache_len=p.input_ids.numel() + max_new_tokens)
+                         if handle is not None else DynamicCache(config=model.config))
                 new, prefill, decode = greedy(model, p.input_ids[None], cache, max_new_tokens,
                                               tokenizer.eos_token_id)
                 text = tokenizer.decode(new, skip_special_tokens=True)

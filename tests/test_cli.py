@@ -10,10 +10,15 @@ import torch
 import kvcache_ext
 import kvcache_ext.models as models
 from kvcache_ext import cli, demo
+from kvcache_ext.tasks import make_passkey_prompt
 
 
 def test_demo_runs_end_to_end(default_model, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(models, "load_model", lambda name=None: default_model)
+    lengths = []   # each cache is told the sequence it will hold, as generate tells its own
+    new_cache = kvcache_ext.PatchHandle.new_cache
+    monkeypatch.setattr(kvcache_ext.PatchHandle, "new_cache",
+                        lambda self, **kw: lengths.append(kw.get("max_cache_len")) or new_cache(self, **kw))
     out = tmp_path / "demo.json"
     code = cli.main(["demo", "--lengths", "600", "--depths", "0.5", "--budget", "128",
                      "--json", str(out), "--no-progress"])
@@ -28,6 +33,8 @@ def test_demo_runs_end_to_end(default_model, monkeypatch, tmp_path, capsys):
         assert row["prompts"] == 1 and row["prefill_s"][0] > 0 and row["decode_s_per_token"][0] > 0
         if name != "full cache":   # 128 of ~600 tokens per head (plus the store's headroom)
             assert row["kv_fraction"] < 0.5
+    prompt = make_passkey_prompt(default_model[1], 600, 0.5, seed=0).input_ids.numel()
+    assert lengths == [prompt + 8] * (len(rows) - 1)   # --max-new-tokens' default
 
 
 def test_demo_without_the_model_package_says_how_to_install(monkeypatch, capsys):
