@@ -3,7 +3,9 @@ decode the same greedy tokens (the masked cache and Ada-SnapKV at a small budget
 the full cache at a budget above context + steps); the KV bytes rank as the design says. Where
 kvpress imports (``pip install ".[bench]"``), its SnapKV keeps our budget exactly and its AdaKV
 masks the full cache; elsewhere the script says it skipped them, and their tests skip."""
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -37,6 +39,16 @@ def usage_error(script: str, argv: list[str]) -> str:
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stderr
+
+
+def parser_error(main, argv: list[str]) -> str:
+    """``usage_error`` in this process, for a script whose module imports cheaply: the stderr of
+    ``main(argv)``, which must stop at its parser (exit status 2)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2, err.getvalue()[-2000:]
+    return err.getvalue()
 
 
 def import_e2e():

@@ -13,6 +13,7 @@ import kvcache_ext.evaluation.shared_prefill as shared_prefill
 import kvcache_ext.reconstruction as reconstruction
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 from kvcache_ext.policies import KVzip, Policy
+from test_bench_e2e import parser_error
 from test_kvzip import kvzip
 from test_patch import inputs
 from tiny_models import tiny_model
@@ -67,7 +68,5 @@ def test_a_prompt_without_the_prefix_is_refused():
     (["--lengths", "0"], "argument --lengths: must be positive integers, got 0 in '0'"),
     (["--depths", "-0.1"], "argument --depths: must be depths in [0, 1], got -0.1"),
     (["--keep", "0.25,0"], "argument --keep: must be fractions in (0, 1], got 0 in '0.25,0'")])
-def test_bad_arguments_are_refused_before_the_model_loads(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        kvzip_prefix.main(argv)
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+def test_bad_arguments_are_refused_before_the_model_loads(argv, message):
+    assert message in parser_error(kvzip_prefix.main, argv)
