@@ -40,12 +40,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli_args import choice_list, depth_list, fraction_list, int_list, int_range  # noqa: E402
+from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy, parse_policies  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, run_prompt  # noqa: E402
-from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.hf.models import load_model  # noqa: E402
 from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt  # noqa: E402
 
 MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}

@@ -24,9 +24,9 @@ import common  # noqa: F401  (puts the checkout first on sys.path)
 import torch
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.policies import AdaKV, Policy, SnapKV
-from kvcache_ext.store import RaggedKVStore
+from kvcache_ext.kernels.store import RaggedKVStore
 from e2e import build_model
 
 TURN = 4   # decode steps per policy before the other takes its turn

@@ -88,8 +88,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, git_commit, sync, write_results  # noqa: E402
 
-from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli_args import fraction_list, int_list  # noqa: E402
+from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli.args import fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
 from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
 
@@ -121,7 +121,7 @@ INSTALL_KVPRESS = 'pip install ".[bench]" (kvpress 0.5.5, which needs transforme
 def build_model(name: str, device: str, dtype: torch.dtype):
     """(model, tokenizer or None): random weights from a config, or the default model."""
     if name == "smollm2":
-        from kvcache_ext.models import load_model
+        from kvcache_ext.hf.models import load_model
         return load_model(None, dtype=dtype, device=device)
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(**(LLAMA_8B if name == "llama8b" else TINY))

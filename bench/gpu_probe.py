@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (a checkout's built extension ahead of an installed copy)
 
 import kvcache_ext  # noqa: E402
-from kvcache_ext.ops import ops  # noqa: E402
+from kvcache_ext.kernels.ops import ops  # noqa: E402
 
 
 def _store(device: str, batch: int = 1, head_dim: int = 64, dtype=torch.float16):

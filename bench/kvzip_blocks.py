@@ -1,4 +1,4 @@
-"""KVzip's score blocks: how large a block of queries' logits should be (kvcache_ext.reconstruction).
+"""KVzip's score blocks: how large a block of queries' logits should be (kvcache_ext.engine.reconstruction).
 
 A pass scores the context's keys one block of queries at a time: a product writes the block's
 log probabilities, a max over its queries reads them back. This times one layer call of
@@ -16,7 +16,7 @@ import time
 import torch
 
 import common  # noqa: F401  (the checkout's kvcache_ext first on sys.path)
-import kvcache_ext.reconstruction as reconstruction
+import kvcache_ext.engine.reconstruction as reconstruction
 from kvcache_ext.policies import KVzip
 
 SIZES_MIB = (1, 2, 4, 8)

@@ -28,13 +28,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-import kvcache_ext.patching as patching  # noqa: E402
-import kvcache_ext.reconstruction as reconstruction  # noqa: E402
-from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli_args import int_list, int_range  # noqa: E402
+import kvcache_ext.hf.patching as patching  # noqa: E402
+import kvcache_ext.engine.reconstruction as reconstruction  # noqa: E402
+from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli.args import int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
-from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.hf.models import load_model  # noqa: E402
 from kvcache_ext.policies import KVzip  # noqa: E402
 from kvcache_ext.tasks import make_passkey_prompt  # noqa: E402
 

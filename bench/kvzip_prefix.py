@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext.evaluation.shared_prefill as shared_prefill  # noqa: E402
-import kvcache_ext.reconstruction as reconstruction  # noqa: E402
-from kvcache_ext.cli_args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
+import kvcache_ext.engine.reconstruction as reconstruction  # noqa: E402
+from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.retrieval import run_prompt  # noqa: E402
-from kvcache_ext.models import load_model  # noqa: E402
-from kvcache_ext.patching import chat_template_tokens  # noqa: E402
+from kvcache_ext.hf.models import load_model  # noqa: E402
+from kvcache_ext.hf.patching import chat_template_tokens  # noqa: E402
 from kvcache_ext.policies import KVzip  # noqa: E402
 from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt  # noqa: E402
 

@@ -41,14 +41,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli_args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
+from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import full_cache_from, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, split_prompt  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
-from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.hf.models import load_model  # noqa: E402
 from kvcache_ext.policies import AcrossLayers, AdaKV, KVzip, Policy, Pooling, Protection  # noqa: E402
-from kvcache_ext.reconstruction import finish  # noqa: E402
+from kvcache_ext.engine.reconstruction import finish  # noqa: E402
 from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt  # noqa: E402
 from agnostic import KVPRESS_CHUNK  # noqa: E402
 

@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from kvcache_ext.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
-from kvcache_ext.models import load_model  # noqa: E402
+from kvcache_ext.hf.models import load_model  # noqa: E402
 from agnostic import KVPRESS_CHUNK  # noqa: E402
 from kvzip_prefix import MAKERS, chat_prefix, reading  # noqa: E402
 

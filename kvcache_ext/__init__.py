@@ -2,9 +2,9 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from kvcache_ext import _C
-from kvcache_ext.attention import STAT_NAMES, AttentionStats, ragged_attention
-from kvcache_ext.select import grouped_topk, segmented_topk
-from kvcache_ext.store import DenseView, RaggedKVStore
+from kvcache_ext.kernels.attention import STAT_NAMES, AttentionStats, ragged_attention
+from kvcache_ext.kernels.select import grouped_topk, segmented_topk
+from kvcache_ext.kernels.store import DenseView, RaggedKVStore
 
 __version__ = "0.1.0"
 
@@ -16,9 +16,9 @@ def build_info() -> dict:
 
 # The model integration needs transformers; it is imported on first use so that the kernels
 # alone do not pay for it.
-_LAZY = {"patch": "kvcache_ext.patching", "unpatch": "kvcache_ext.patching", "is_patched": "kvcache_ext.patching",
-         "PatchHandle": "kvcache_ext.patching", "RaggedCache": "kvcache_ext.cache",
-         "with_cache": "kvcache_ext.cache_argument"}
+_LAZY = {"patch": "kvcache_ext.hf.patching", "unpatch": "kvcache_ext.hf.patching", "is_patched": "kvcache_ext.hf.patching",
+         "PatchHandle": "kvcache_ext.hf.patching", "RaggedCache": "kvcache_ext.hf.cache",
+         "with_cache": "kvcache_ext.hf.cache_argument"}
 
 
 def __getattr__(name):

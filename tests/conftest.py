@@ -36,5 +36,5 @@ def one_thread():
 @pytest.fixture(scope="session")
 def default_model():
     """(model, tokenizer) of the default model, loaded once per test run (about 20 s)."""
-    from kvcache_ext.models import load_model
+    from kvcache_ext.hf.models import load_model
     return load_model()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.eviction import LayerState, attend_block, compress_prompt
-from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.engine.eviction import LayerState, attend_block, compress_prompt
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryStep, H2O, OneShot, Policy,
                                   PromptView, Protection, Pyramid, Uniform)
 from kvcache_ext.policies.ahakv import AhaKV, sg_lambda

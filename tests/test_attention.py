@@ -90,7 +90,7 @@ def test_small_head_dims_on_cpu(device, D):
     gen = torch.Generator().manual_seed(D)
     store, q_pos = build_store(gen, 2, 2, D, torch.float32, device, 40, 0.5, 3)
     q = torch.randn(2, 4, 3, D, generator=gen).to(device)
-    if device == "cuda" and D not in kvcache_ext.attention.CUDA_HEAD_DIMS:
+    if device == "cuda" and D not in kvcache_ext.kernels.attention.CUDA_HEAD_DIMS:
         with pytest.raises(ValueError, match=f"supports head_dim 64, .* and 256, got {D};"):
             kvcache_ext.ragged_attention(q, store, q_pos=q_pos)
         return
@@ -263,7 +263,7 @@ def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
     ragged_attention returns, bit for bit, over ragged segments (one of them empty before
     the step) and across a page boundary; a refused q or scale stores nothing."""
     gen = torch.Generator().manual_seed(B * 10 + H)
-    D = 16 if device == "cpu" else min(kvcache_ext.attention.CUDA_HEAD_DIMS)  # CUDA: 16 is refused
+    D = 16 if device == "cpu" else min(kvcache_ext.kernels.attention.CUDA_HEAD_DIMS)  # CUDA: 16 is refused
     L = 20
     lens = torch.randint(0, L + 1, (B, H), generator=gen)
     lens.view(-1)[0] = 0

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext import RaggedKVStore, ragged_attention, reference
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.checks import INT32_MAX, INT64_MAX
 from kvcache_ext.policies import (CAOTE, H2O, KVEC, TOVA, AdaKV, AhaKV, BlockwisePrefill, EveryNSteps,
                                   EveryStep, OneShot, Policy, Pooled, Pooling, Protection, Pyramid, Random,
@@ -576,7 +576,7 @@ ARGS = [
 def test_the_command_line_refuses_bad_options_before_loading_a_model(args, name, monkeypatch, capsys):
     """Exit status 2 and a message naming the option, and no model is loaded (it would take
     20 s): everything here is refused from the options alone."""
-    import kvcache_ext.models as models
+    import kvcache_ext.hf.models as models
 
     def no_model(*a, **kw):
         raise AssertionError("the model was loaded before the options were checked")
@@ -622,7 +622,7 @@ def test_eval_writes_results_as_they_come(default_model, monkeypatch, tmp_path, 
     """A run that fails after some results keeps them in --json (and says so)."""
     import json
 
-    import kvcache_ext.models as models
+    import kvcache_ext.hf.models as models
     from kvcache_ext.evaluation import retrieval
     monkeypatch.setattr(models, "load_model", lambda name=None, **kwargs: default_model)
     real_run_prompt, calls = retrieval.run_prompt, []
@@ -645,7 +645,7 @@ def test_eval_writes_results_as_they_come(default_model, monkeypatch, tmp_path, 
 
 
 def test_eval_refuses_lengths_beyond_the_model_before_running(default_model, monkeypatch, capsys):
-    import kvcache_ext.models as models
+    import kvcache_ext.hf.models as models
     monkeypatch.setattr(models, "load_model", lambda name=None, **kwargs: default_model)
     assert run_cli(["eval", "--task", "passkey", "--lengths", "100000", "--no-progress"]) == 2
     assert "--lengths 100000" in capsys.readouterr().err

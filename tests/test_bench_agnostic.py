@@ -1,5 +1,5 @@
 """bench/agnostic.py refuses bad arguments at its parser, before it loads a model, with the
-library's own list types (kvcache_ext.cli_args); ``--kvpress-keep ''`` asks for no kvpress run."""
+library's own list types (kvcache_ext.cli.args); ``--kvpress-keep ''`` asks for no kvpress run."""
 import os
 import sys
 

@@ -10,7 +10,7 @@ import torch
 
 import kvcache_ext
 import kvcache_ext.evaluation.shared_prefill as shared_prefill
-import kvcache_ext.reconstruction as reconstruction
+import kvcache_ext.engine.reconstruction as reconstruction
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 from kvcache_ext.policies import KVzip, Policy
 from test_bench_e2e import parser_error

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
-from kvcache_ext.eviction import LayerState, attend_block, attend_in_blocks
-from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.engine.eviction import LayerState, attend_block, attend_in_blocks
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView, EveryStep, OneShot, Policy,
                                   PromptView, Protection, Pyramid, Random, Scorer, SnapKV, StreamingLLM,
                                   Uniform)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import kvcache_ext
-import kvcache_ext.models as models
-from kvcache_ext import cli, demo
+import kvcache_ext.hf.models as models
+from kvcache_ext import cli
+from kvcache_ext.cli import demo
 from kvcache_ext.tasks import make_passkey_prompt
 
 

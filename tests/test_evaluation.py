@@ -8,7 +8,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.evaluation import (
     POLICY_NAMES,
     compressed_cache,
@@ -160,9 +160,9 @@ def test_both_storages_implement_the_storage_interface():
     """RaggedLayerKV and MaskedLayerKV provide every method of LayerStorage, with its arguments."""
     import inspect
 
-    from kvcache_ext.layer_kv import RaggedLayerKV
+    from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     from kvcache_ext.reference.masked_cache import MaskedLayerKV
-    from kvcache_ext.storage import LayerStorage
+    from kvcache_ext.engine.storage import LayerStorage
 
     for cls in (RaggedLayerKV, MaskedLayerKV):
         storage = cls(2, 3, 8, torch.float32, torch.device("cpu"), 2)

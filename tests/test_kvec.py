@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.eviction import LayerState, compress_prompt
-from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.engine.eviction import LayerState, compress_prompt
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot, Policy,
                                   PromptView, Protection, Pyramid, SnapKV, Uniform)
 from kvcache_ext.policies.kvec import KVEC, SHARED_KEY, CoverageState, top_k_mask

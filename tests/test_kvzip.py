@@ -1,4 +1,4 @@
-"""KVzip: query-agnostic scores from context reconstruction passes (kvcache_ext.reconstruction).
+"""KVzip: query-agnostic scores from context reconstruction passes (kvcache_ext.engine.reconstruction).
 
 - the ragged path equals the reference path (logits and tokens kept) for every allocation,
   one and several passes, both scoring softmaxes, a left-padded batch of 2, GQA;
@@ -15,7 +15,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext import cli
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, AcrossLayers, AdaKV, BlockwisePrefill, EveryStep, KVzip, OneShot,
                                   Policy, Pyramid, Uniform)
 from test_patch import assert_paths_agree, inputs
@@ -147,7 +147,7 @@ def test_attention_with_lse_equals_softmax_of_the_logits(monkeypatch, G, how):
     """A reconstruction pass's attention and log-sum-exp, from the fused op (CPU) and from the
     logits (elsewhere), equal a plain softmax of the masked logits: all keys, a padding mask
     (one query sees nothing: output 0, lse -inf) and causal; GQA and one head per group."""
-    from kvcache_ext import reconstruction
+    from kvcache_ext.engine import reconstruction
     gen = torch.Generator().manual_seed(3)
     B, H, c, D = 2, 2, 5, 8
     S = c if how == "causal" else 11
@@ -180,7 +180,7 @@ def test_scored_keys_and_the_rest_split_each_rows_context_once(window, softmax):
     lies in exactly one part, with its own K and V; the scored part holds each row's sinks
     (first ``sinks`` positions, moved by left padding) then the window (``softmax="chunk"``), or
     the whole context (``"context"``, or a window that covers it)."""
-    from kvcache_ext.reconstruction import Context, scored_keys
+    from kvcache_ext.engine.reconstruction import Context, scored_keys
     gen = torch.Generator().manual_seed(5)
     B, H, n, D = 2, 2, 12, 4
     pad = torch.tensor([0, 3])                                   # row 1: left-padded by 3
@@ -324,7 +324,7 @@ def test_errors_name_what_is_wrong():
 
 def test_eval_keep_fractions_agnostic_on_the_default_model(default_model, monkeypatch, tmp_path, capsys):
     """CI's agnostic smoke test: --keep, KVzip's passes through the harness, on a short prompt."""
-    monkeypatch.setattr("kvcache_ext.models.load_model", lambda *a, **k: default_model)
+    monkeypatch.setattr("kvcache_ext.hf.models.load_model", lambda *a, **k: default_model)
     out = tmp_path / "keep.json"
     code = cli.main(["eval", "--task", "passkey", "--policy", "full,kvzip-global,snapkv", "--keep", "0.25,0.5",
                      "--lengths", "400", "--depths", "0.5", "--mode", "agnostic", "--json", str(out),

@@ -29,7 +29,7 @@ def test_prompt_holds_each_fact_at_its_depth_and_asks_each_once(default_model):
 
 
 def test_eval_multi_runs_on_the_default_model(default_model, monkeypatch, tmp_path):
-    monkeypatch.setattr("kvcache_ext.models.load_model", lambda *a, **k: default_model)
+    monkeypatch.setattr("kvcache_ext.hf.models.load_model", lambda *a, **k: default_model)
     out = tmp_path / "multi.json"
     assert cli.main(["eval", "--task", "multi", "--policy", "full,kvzip-global", "--keep", "0.5",
                      "--lengths", "500", "--json", str(out), "--no-progress"]) == 0

@@ -1,4 +1,4 @@
-"""The kernels as torch custom ops (kvcache_ext.ops): torch.library.opcheck of every op (schema,
+"""The kernels as torch custom ops (kvcache_ext.kernels.ops): torch.library.opcheck of every op (schema,
 fake implementation, dynamic-shape tracing) over several store shapes, the ops against the
 store's own methods, and torch.compile of the ops and of a patched tiny model's decoding."""
 import pytest
@@ -7,8 +7,8 @@ from torch.library import opcheck
 
 import kvcache_ext
 from kvcache_ext import reference
-from kvcache_ext.cache_argument import with_cache
-from kvcache_ext.ops import OPS, ops
+from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.kernels.ops import OPS, ops
 from conftest import DEVICES
 
 # (batch, kv heads, query heads, head_dim, page_size, prompt, keep probability): empty and
@@ -139,7 +139,7 @@ def test_opcheck_segmented_and_grouped_topk(lens):
 def test_opcheck_attention_run(device, shape, n, stats):
     store = make_store(shape, device)
     B, H, Hq, D = shape[:4]
-    if device == "cuda" and D not in kvcache_ext.attention.CUDA_HEAD_DIMS:
+    if device == "cuda" and D not in kvcache_ext.kernels.attention.CUDA_HEAD_DIMS:
         D = 64
         store = make_store(shape[:3] + (64,) + shape[4:], device)
     q = torch.randn(B, Hq, n, D, generator=torch.Generator().manual_seed(7)).to(device)

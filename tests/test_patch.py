@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot,
                                   Policy, Pyramid, Random, SnapKV, StreamingLLM, Uniform)
 from kvcache_ext.reference.masked_cache import MaskedCache
@@ -273,7 +273,7 @@ def test_generate_with_another_cache_warns_that_it_keeps_every_token():
 
     from transformers import DynamicCache
 
-    from kvcache_ext.reconstruction import cache_argument
+    from kvcache_ext.engine.reconstruction import cache_argument
     model = tiny_model("llama")
     ids, mask = inputs(length=30)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
@@ -420,7 +420,7 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
     """After a one-shot prompt, a decode step asks the kernel for no statistics and scores,
     views, allocates budgets or evicts nothing (Ada-KV's per-head budgets cost nothing once
     the prompt is compressed); its logits and cache are exactly those of the general path."""
-    from kvcache_ext import eviction
+    from kvcache_ext.engine import eviction
     model = tiny_model("llama", heads=6, kv_heads=2)
     ids, _ = inputs(batch=2, length=40)
     fed = fed_tokens(2, 6)
@@ -434,8 +434,8 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
             m.setattr(eviction, "appends_only", lambda *args: False)
             want = decode_logits(model, general, fed)
         calls = []
-        from kvcache_ext import attention as attention_module
-        from kvcache_ext.store import RaggedKVStore
+        from kvcache_ext.kernels import attention as attention_module
+        from kvcache_ext.kernels.store import RaggedKVStore
         append_and_attend = RaggedKVStore.append_and_attend
 
         def recording(store, *args):   # the one host call of an append-only decode step
@@ -461,7 +461,7 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
 def test_a_padded_decode_step_reads_the_mask_once_for_every_layer(monkeypatch):
     """With padding HF gives every layer the same mask: which new tokens are real is read from
     it (a host sync) once per step, not once per layer."""
-    from kvcache_ext import eviction
+    from kvcache_ext.engine import eviction
     model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
     ids, mask = inputs(batch=2, length=30, pad=[0, 7])
     policy = Policy(H2O(), budget=10, schedule=EveryStep())

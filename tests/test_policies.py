@@ -16,8 +16,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvcache_ext.eviction import LayerState, compress_prompt
-from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.engine.eviction import LayerState, compress_prompt
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView, EveryNSteps, EveryStep,
                                   OneShot, Policy, PromptView, Protection, Pyramid, Random, Schedule,
                                   SnapKV, StreamingLLM, Uniform)

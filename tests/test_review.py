@@ -151,7 +151,7 @@ def test_chunked_statistics_path(device):
 
 
 def test_cuda_head_dims_are_checked_at_patch_time():
-    from kvcache_ext.attention import CUDA_HEAD_DIMS, check_head_dim
+    from kvcache_ext.kernels.attention import CUDA_HEAD_DIMS, check_head_dim
     assert CUDA_HEAD_DIMS == (64, 80, 96, 112, 128, 192, 256)
     for D in CUDA_HEAD_DIMS:
         check_head_dim(D, torch.device("cuda"))

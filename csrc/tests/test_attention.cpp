@@ -12,7 +12,7 @@
 // statistic, for none and for a subset. Its *Cuda twin builds a CUDA store by the same
 // operations, runs the same inputs on it and compares the CUDA result with the CPU result
 // (counts exactly). The CUDA kernel takes the head_dim sizes of attention/cuda_head_dims.h only
-// (kvcache_ext.attention.CUDA_HEAD_DIMS): for other sizes the twin checks that it raises a
+// (kvcache_ext.kernels.attention.CUDA_HEAD_DIMS): for other sizes the twin checks that it raises a
 // ValueError instead.
 #include <gtest/gtest.h>
 

@@ -960,7 +960,7 @@ STORE_SCENARIO(RandomOperations) {
   }
 }
 
-// The eviction loop of a policy, as kvcache_ext/store.py runs it: score, gather the live
+// The eviction loop of a policy, as kvcache_ext/kernels/store.py runs it: score, gather the live
 // tokens segment by segment (the top-k kernels take contiguous segments), select with
 // segmented / grouped top-k, scatter the flags back to the slot layout, compact.
 STORE_SCENARIO(EvictWithTopk) {

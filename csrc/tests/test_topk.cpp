@@ -18,7 +18,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The layout the top-k kernels take: segments in order, each a contiguous run of live
 // slots, with slack after them and gaps between segments. (The paged store's tokens are not
-// contiguous per segment: on CUDA kvcache_ext/store.py packs them segment by segment into this
+// contiguous per segment: on CUDA kvcache_ext/kernels/store.py packs them segment by segment into this
 // layout first and scatters the keep flags back; test_store.cpp's EvictWithTopk does the
 // same over fragmented pages.)
 struct Layout {

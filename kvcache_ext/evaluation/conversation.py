@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from, greedy_continue
 from kvcache_ext.evaluation.retrieval import RetrievalRecord, prompt_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from
 from kvcache_ext.evaluation.named_policies import policy_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill

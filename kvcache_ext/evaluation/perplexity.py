@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import kvcache_ext
-from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes
 from kvcache_ext.evaluation.named_policies import policy_runs
 

@@ -16,7 +16,7 @@ PROMPT_MODES = ("aware", "agnostic")   # retrieval.MODES (not imported here: the
 
 
 def add_arguments(p) -> None:
-    from kvcache_ext.cli_args import (choice_list, depth_list, device, fraction_list, int_list, int_range,
+    from kvcache_ext.cli.args import (choice_list, depth_list, device, fraction_list, int_list, int_range,
                                       model_name, output_file)
     from kvcache_ext.evaluation.named_policies import parse_policies
     from kvcache_ext.policies.schedule import MAX_BLOCK
@@ -224,7 +224,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
 
 
 def main(args) -> int:
-    from kvcache_ext.cli_args import ResultsFile, load_model_or_fail, usage_error
+    from kvcache_ext.cli.args import ResultsFile, load_model_or_fail, usage_error
     from kvcache_ext.evaluation.report import format_table, plot, summarize
 
     prog = "kvcache-ext eval"

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 import kvcache_ext
-from kvcache_ext.cache import RaggedCache
-from kvcache_ext.cache_argument import with_cache
-from kvcache_ext.eviction import store_dense_prompt
+from kvcache_ext.hf.cache import RaggedCache
+from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.engine.eviction import store_dense_prompt
 from kvcache_ext.policies import Policy, Scorer
 from kvcache_ext.policies.views import PromptView
-from kvcache_ext.reconstruction import awaiting, finish
+from kvcache_ext.engine.reconstruction import awaiting, finish
 
 
 class _Recorder(Scorer):

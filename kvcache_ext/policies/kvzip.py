@@ -8,7 +8,7 @@ pays it. Tokens the model needs to rebuild its context are the ones a later, unk
 is likely to need too, so the scores do not depend on the question.
 
 The passes run the model, so this scorer has no per-layer ``prompt_scores``: the patched
-model defers the compression of a fresh prompt, ``kvcache_ext.reconstruction`` runs the passes
+model defers the compression of a fresh prompt, ``kvcache_ext.engine.reconstruction`` runs the passes
 (``patch(..., tokenizer=...)`` tokenizes the instructions) and then every layer keeps its
 budget by these scores. Compression is therefore one-shot only.
 """
@@ -76,7 +76,7 @@ class KVzip(Scorer):
     sinks: int = 4
     skip_prefix: PromptText | None = "chat"
 
-    reconstructs = True   # the engine runs ``kvcache_ext.reconstruction`` to score a prompt
+    reconstructs = True   # the engine runs ``kvcache_ext.engine.reconstruction`` to score a prompt
 
     def __post_init__(self):
         for name in ("chunk", "overlap", "sinks"):
@@ -107,7 +107,7 @@ class KVzip(Scorer):
 
     def prompt_scores(self, p: PromptView):
         raise RuntimeError("KVzip scores come from reconstruction passes of the whole model; the "
-                           "patched model runs them (kvcache_ext.reconstruction)")
+                           "patched model runs them (kvcache_ext.engine.reconstruction)")
 
     def cache_scores(self, view):
         raise RuntimeError("KVzip evicts once, after the prompt (one-shot schedule only)")

@@ -1,6 +1,6 @@
 """The reference path of a patched model: a dense, full-size cache where eviction only masks.
 
-Same interface as ``kvcache_ext.layer_kv.RaggedLayerKV``, written in plain PyTorch and
+Same interface as ``kvcache_ext.engine.ragged_storage.RaggedLayerKV``, written in plain PyTorch and
 independent of the compiled kernels: attention is ``reference.ragged_attention`` (float64),
 selection is ``reference.segmented_topk`` / ``grouped_topk`` (a full sort). Evicted tokens
 stay in memory, masked per head, which is how masking-based tools implement head-wise
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache_ext.cache import RaggedCache
+from kvcache_ext.hf.cache import RaggedCache
 from kvcache_ext.reference.attention import ragged_attention
 from kvcache_ext.reference.select import grouped_topk, segmented_topk
 

@@ -134,7 +134,7 @@ def usage_error(prog: str, message: str) -> int:
 
 def load_model_or_fail(prog: str, name, **kwargs):
     """(model, tokenizer), or None after printing why the model could not be loaded."""
-    from kvcache_ext import models
+    from kvcache_ext.hf import models
     try:
         return models.load_model(name, **kwargs) if kwargs else models.load_model(name)
     except RuntimeError as err:     # the default model's package is missing: say how to get it

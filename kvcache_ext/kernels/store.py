@@ -1,7 +1,7 @@
 """RaggedKVStore: the KV cache of one attention layer as one ragged segment per (batch item, KV head).
 
 The state of the store (its pool of pages, page table and lengths) is held here and passed to
-the kernels, which are torch custom ops (``kvcache_ext.ops``); the compiled
+the kernels, which are torch custom ops (``kvcache_ext.kernels.ops``); the compiled
 ``kvcache_ext._C.RaggedKVStore`` is the host-side page allocator that makes and grows that
 state (free pages, slabs, the host copy of the lengths). This class adds defaults, the padded
 views used by policies and tests, and selection on the store's own layout.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext import _C, checks
-from kvcache_ext.ops import ops
-from kvcache_ext.select import budget_tensor
+from kvcache_ext.kernels.ops import ops
+from kvcache_ext.kernels.select import budget_tensor
 
 
 def _host(fn):
@@ -88,7 +88,7 @@ class RaggedKVStore:
 
     def state(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """``(pool, page_table, len)``: the store's own tensors, for the ``torch.ops.kvcache_ext``
-        ops (see ``kvcache_ext.ops``). Not copies: pass them to the ops only (the accessors
+        ops (see ``kvcache_ext.kernels.ops``). Not copies: pass them to the ops only (the accessors
         ``k``, ``len``, ``page_table``, ... give copies to read). Valid until the next call
         that allocates pages or repacks."""
         pool, table, lens = self._current()
@@ -216,7 +216,7 @@ class RaggedKVStore:
 
     @_host
     def attention_plan(self, rows: int = 1) -> torch.Tensor:
-        """The host step of the attention (``kvcache_ext.ops``): the work partition over the
+        """The host step of the attention (``kvcache_ext.kernels.ops``): the work partition over the
         current lengths for ``rows`` query rows per segment (G * n), on the store's device.
         Valid until the next append or compaction."""
         return self._store.attention_plan(int(rows))

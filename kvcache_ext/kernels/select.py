@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kvcache_ext.ops import ops   # torch ops, not the pybind functions: torch.compile traces them
+from kvcache_ext.kernels.ops import ops   # torch ops, not the pybind functions: torch.compile traces them
 from kvcache_ext.checks import INT32_MAX, integer, tensor
 
 

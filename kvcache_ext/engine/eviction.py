@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcache_ext.cache_argument import EITHER_NAME
+from kvcache_ext.hf.cache_argument import EITHER_NAME
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.views import CacheView, PromptView
-from kvcache_ext.reconstruction import attend_context, hold_context
-from kvcache_ext.storage import LayerStorage
+from kvcache_ext.engine.reconstruction import attend_context, hold_context
+from kvcache_ext.engine.storage import LayerStorage
 
 MAX_BLOCK = 256   # the attention kernel's largest query block
 

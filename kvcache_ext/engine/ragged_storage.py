@@ -1,7 +1,7 @@
 """Storage of one layer's cache for the eviction engine: the ragged store (``RaggedLayerKV``).
 
-It implements ``kvcache_ext.storage.LayerStorage``, the interface the engine
-(``kvcache_ext.eviction``) uses; the reference path
+It implements ``kvcache_ext.engine.storage.LayerStorage``, the interface the engine
+(``kvcache_ext.engine.eviction``) uses; the reference path
 (``kvcache_ext.reference.masked_cache.MaskedLayerKV``) implements the same interface with a
 dense, masked cache, so both run the same policy code.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcache_ext.attention import ragged_attention
-from kvcache_ext.select import grouped_topk, segmented_topk
-from kvcache_ext.store import RaggedKVStore
+from kvcache_ext.kernels.attention import ragged_attention
+from kvcache_ext.kernels.select import grouped_topk, segmented_topk
+from kvcache_ext.kernels.store import RaggedKVStore
 
 
 def check_page_size(page_size) -> int:

@@ -9,8 +9,8 @@ import torch
 
 from kvcache_ext import _C
 from kvcache_ext.checks import real
-from kvcache_ext.ops import ops
-from kvcache_ext.store import RaggedKVStore
+from kvcache_ext.kernels.ops import ops
+from kvcache_ext.kernels.store import RaggedKVStore
 
 STAT_NAMES = ("mass", "last", "sum_sq", "count")
 # head_dim of the CUDA attention kernel (one instantiation each; the CPU kernels take any),

@@ -51,7 +51,7 @@ def demo_policies(budget: int) -> dict:
 @torch.no_grad()
 def greedy(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_id: int | None):
     """Greedy decoding by hand: returns (new token ids, prefill seconds, decode seconds per token)."""
-    from kvcache_ext.cache_argument import with_cache
+    from kvcache_ext.hf.cache_argument import with_cache
     from kvcache_ext.evaluation.decoding import greedy_continue
     start = time.perf_counter()
     out = model(input_ids, **with_cache(model, cache), use_cache=True)
@@ -119,7 +119,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(args) -> int:
-    from kvcache_ext.cli_args import ResultsFile, load_model_or_fail, usage_error
+    from kvcache_ext.cli.args import ResultsFile, load_model_or_fail, usage_error
 
     prog = "kvcache-ext demo"
     lengths, depths = tuple(args.lengths), tuple(args.depths)

@@ -9,9 +9,9 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcache_ext.cache_argument import EITHER_NAME
-from kvcache_ext.eviction import LayerState
-from kvcache_ext.layer_kv import RaggedLayerKV, check_page_size
+from kvcache_ext.hf.cache_argument import EITHER_NAME
+from kvcache_ext.engine.eviction import LayerState
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV, check_page_size
 from kvcache_ext.checks import integer
 from kvcache_ext.policies.policy import ModelShape, Policy
 
@@ -58,7 +58,7 @@ def take_pending(key: torch.Tensor) -> LayerState | None:
 
 class RaggedLayer(CacheLayerMixin):
     """One layer of a RaggedCache. ``update`` stores nothing itself: the attention function
-    appends the new tokens, attends over the store and evicts (``kvcache_ext.eviction``)."""
+    appends the new tokens, attends over the store and evicts (``kvcache_ext.engine.eviction``)."""
 
     is_compileable = False
     is_sliding = False

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_ext.cache_argument import cache_argument
+from kvcache_ext.hf.cache_argument import cache_argument
 
 
 @dataclass
@@ -48,7 +48,7 @@ def attend_context(state, q, k, v, pos):
         raise RuntimeError(
             f"layer {state.layer_idx} holds a prompt that {type(scorer).__name__} has not scored yet: "
             "its reconstruction passes run when the patched model's forward returns (call the "
-            "patched model, or kvcache_ext.reconstruction.reconstruct, on the prompt first)")
+            "patched model, or kvcache_ext.engine.reconstruction.reconstruct, on the prompt first)")
     real = ctx.pass_real
     # Every context token is older than every pass token: a pass token sees the real context
     # and, causally, the real pass tokens before it (padding sees the context only).
@@ -262,7 +262,7 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
 def finish(cache, scores: list[torch.Tensor]) -> None:
     """Every layer keeps its budget of its held prompt by ``scores`` and drops the rest (the
     layers' budgets first split by all the scores when the allocation asks: AcrossLayers)."""
-    from kvcache_ext.eviction import keep_prompt, release_prefill_slack
+    from kvcache_ext.engine.eviction import keep_prompt, release_prefill_slack
     states = [layer.state for layer in cache.layers]
     policy = states[0].policy
     if policy.allocation.whole_model:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvcache_ext.cli_args import depth_list, int_list, int_range, model_name, output_file
+from kvcache_ext.cli.args import depth_list, int_list, int_range, model_name, output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     except SystemExit as done:       # --help (0) or a usage error (2), already printed
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 2)
     if args.command == "demo":
-        from kvcache_ext.demo import main as demo_main
+        from kvcache_ext.cli.demo import main as demo_main
         return demo_main(args)
     if args.command == "eval":
         from kvcache_ext.evaluation.run import main as eval_main
