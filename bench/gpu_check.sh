@@ -15,8 +15,8 @@
 #   probe     bench/gpu_probe.py --gdb: does an error raised in C++ reach Python (torch's own,
 #             our CPU op, our CUDA ops, through pybind11), each in its own process, with a
 #             cuda-gdb backtrace of each crash (two CUDA bad inputs crashed on 2026-11-26)
-#   test      pytest on the kernel tests (store, selection, attention, the custom ops' opcheck
-#             and the review's paths, the gtest cases, patched tiny models on CUDA): the cases
+#   test      pytest on the kernel tests (store, selection, attention, the custom ops' opcheck,
+#             the patch-time head_dim checks, the gtest cases, patched tiny models on CUDA): the cases
 #             named cuda or build, one pytest process per file, so that a crash in one file
 #             does not hide the others
 #   sanitize  compute-sanitizer memcheck, then racecheck and synccheck, on the gtest CUDA cases
@@ -190,7 +190,7 @@ assert info['cuda'], 'built without CUDA'" || return 1
 }
 
 TEST_FILES="tests/test_build.py tests/test_store.py tests/test_select.py tests/test_attention.py
-  tests/test_ops.py tests/test_review.py tests/test_cpp_kernels.py tests/test_cuda_model.py"
+  tests/test_ops.py tests/test_patch.py tests/test_cpp_kernels.py tests/test_cuda_model.py"
 
 stage_probe() {
   "$PYTHON" bench/gpu_probe.py --gdb

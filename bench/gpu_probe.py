@@ -94,10 +94,11 @@ def cuda_kernel_head_dim():
 
 
 def cuda_pybind_dtype():
-    """The same check as cuda_op_dtype reached through pybind11 (append_and_attend), not the dispatcher."""
+    """The same check as cuda_op_dtype reached through pybind11 (the eager fast path,
+    _C.append_and_attend), not the dispatcher."""
     store = _store("cuda")
     k = torch.randn(1, 2, 1, 64, dtype=torch.float16, device="cuda")
-    store._store.append_and_attend(torch.randn(1, 2, 1, 64, device="cuda"), k, k, torch.tensor([8]), 0.125)
+    store.append_and_attend(torch.randn(1, 2, 1, 64, device="cuda"), k, k, torch.tensor([8]), 0.125)
 
 
 # name -> (function, the exception it must raise)

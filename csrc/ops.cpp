@@ -1,5 +1,6 @@
-// The kernels as torch custom ops: TORCH_LIBRARY(kvcache_ext) and the functions the ops run
-// (see ops.h). The fake implementations, for torch.compile, are in kvcache_ext/kernels/ops.py.
+// The kernels as torch custom ops: TORCH_LIBRARY(kvcache_ext) and the functions the ops run,
+// with every input check (see ops.h); then the eager decode fast path over the same
+// functions. The fake implementations, for torch.compile, are in kvcache_ext/kernels/ops.py.
 #include "ops.h"
 
 #include <torch/library.h>
@@ -17,13 +18,20 @@
 #include "common/checks.h"
 #include "common/device_dispatch.h"
 #include "select/topk.h"
+#include "store/page_allocator.h"
 #include "store/store_kernels.h"
 
 namespace kvcache_ext::ops {
 
-namespace {
+int32_t page_shift(int64_t page_size) {
+  TORCH_CHECK_VALUE(page_size >= 1 && page_size <= kMaxPageSize && (page_size & (page_size - 1)) == 0,
+                    "page_size must be a power of two in [1, ", kMaxPageSize, "], got ", page_size);
+  int32_t shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  return shift;
+}
 
-constexpr int64_t kMaxPageSize = 1024;
+namespace {
 
 // ---------------------------------------------------------------------------------------
 // Page addresses. The kernels find page p at page_base[p]; page_base is a function of the
@@ -114,14 +122,6 @@ void check_contents_cpu(const at::Tensor& page_table, const at::Tensor& len, int
   }
 }
 
-int32_t shift_of(int64_t page_size) {
-  TORCH_CHECK_VALUE(page_size >= 1 && page_size <= kMaxPageSize && (page_size & (page_size - 1)) == 0,
-                    "page_size must be a power of two in [1, ", kMaxPageSize, "], got ", page_size);
-  int32_t shift = 0;
-  while ((int64_t{1} << shift) < page_size) ++shift;
-  return shift;
-}
-
 void check_tokens(const at::Tensor& t, const at::Tensor& like, const char* name) {
   check_defined(t, name);
   check_dtype(t, like.scalar_type(), name);
@@ -130,7 +130,52 @@ void check_tokens(const at::Tensor& t, const at::Tensor& like, const char* name)
   check_contiguous(t, name);
 }
 
-}  // namespace
+// Checks the slot-layout inputs shared by both selections; returns k as int32 on the device.
+at::Tensor check_selection_inputs(const at::Tensor& scores, const at::Tensor& pos,
+                                  const at::Tensor& start, const at::Tensor& len,
+                                  const at::Tensor& k, int64_t num_k, bool check_values) {
+  check_defined(scores, "scores");
+  const auto device = scores.device();
+  check_device_supported(device);
+  check_dtype(scores, at::kFloat, "scores");
+  TORCH_CHECK_VALUE(scores.dim() == 1, "scores must be 1-D [capacity], got shape ", scores.sizes());
+  const int64_t capacity = scores.size(0);
+  TORCH_CHECK_VALUE(capacity < INT32_MAX, "selection supports fewer than 2^31 slots");
+  check_contiguous(scores, "scores");
+  check_defined(pos, "pos");
+  check_dtype(pos, at::kInt, "pos");
+  check_device(pos, device, "pos");
+  check_shape(pos, {capacity}, "pos");
+  check_contiguous(pos, "pos");
+  check_defined(start, "start");
+  check_dtype(start, at::kLong, "start");
+  check_device(start, device, "start");
+  TORCH_CHECK_VALUE(start.dim() == 1, "start must be 1-D [segments], got shape ", start.sizes());
+  check_contiguous(start, "start");
+  const int64_t S = start.size(0);
+  check_lengths(len, device, S);
+  check_defined(k, "k");
+  TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k must be an integer tensor, got ",
+                   k.scalar_type());
+  check_device_or_cpu(k, device, "k");
+  // A budget beyond any segment keeps everything: clamp before narrowing to int32, in int64
+  // (INT32_MAX is out of range of a narrower k's own dtype: int8, uint8, int16 budgets).
+  const at::Tensor k32 = as_int32(k.to(at::kLong).clamp_max(INT32_MAX), device, "k");
+  check_shape(k32, {num_k}, "k");
+  if (S == 0 || !check_values) return k32;
+  // One host sync for every value check (the layout's and the budget's, read back together):
+  // selection runs at eviction time, not per token.
+  const at::Tensor end = start + len;
+  at::Tensor bad = len.lt(0).any().logical_or(start.lt(0).any()).logical_or(end.gt(capacity).any());
+  if (S > 1) bad = bad.logical_or(start.slice(0, 1).lt(end.slice(0, 0, S - 1)).any());
+  const at::Tensor flags = at::stack({bad, k32.lt(0).any()}).to(at::kCPU);
+  const bool* f = flags.data_ptr<bool>();
+  TORCH_CHECK_VALUE(!f[0],
+                    "segments must lie in order inside the slot buffers: 0 <= start[s], "
+                    "start[s] + len[s] <= start[s + 1], start[S-1] + len[S-1] <= capacity, len >= 0");
+  TORCH_CHECK_VALUE(!f[1], "k (the budget) must be >= 0 everywhere");
+  return k32;
+}
 
 void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType dtype,
                  int64_t batch, int64_t kv_heads, int64_t head_dim, double scale) {
@@ -153,7 +198,7 @@ void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType 
 StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                      int64_t page_size, int64_t head_dim, int64_t score_channels,
                      at::ScalarType dtype) {
-  const int32_t shift = shift_of(page_size);
+  const int32_t shift = page_shift(page_size);
   TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= 65536, "head_dim must be in [1, 65536], got ", head_dim);
   TORCH_CHECK_VALUE(score_channels >= 0 && score_channels <= 65536,
                     "score_channels must be in [0, 65536], got ", score_channels);
@@ -192,59 +237,10 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
   return st;
 }
 
-void store_append(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
-                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
-                  const c10::optional<at::Tensor>& rank_in, const c10::optional<at::Tensor>& counts_in,
-                  int64_t page_size, int64_t score_channels) {
-  check_defined(k, "k");
-  TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [batch, heads, n, head_dim], got ", k.sizes());
-  const StateView st =
-      state_view(pool, page_table, len, page_size, k.size(3), score_channels, k.scalar_type());
-  const c10::Device device = page_table.device();
-  const int64_t B = k.size(0), H = k.size(1), n = k.size(2), D = k.size(3), S = st.segments;
-  check_device(k, device, "k");
-  check_contiguous(k, "k");
-  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
-                    " segments but the page table has ", S);
-  check_tokens(v, k, "v");
-  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
-  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) || pos32.sizes() == at::IntArrayRef({B, n}),
-                    "pos must have shape [batch, n] = [", B, ", ", n, "] or [n], got ", pos32.sizes());
-  pos32 = pos32.expand({B, n}).contiguous();
-  const bool has_rank = rank_in.has_value() && rank_in->defined();
-  const bool has_counts = counts_in.has_value() && counts_in->defined();
-  TORCH_CHECK_VALUE(has_rank == has_counts, "rank and counts are given together or not at all");
-  at::Tensor rank, counts;
-  if (has_rank) {
-    rank = *rank_in;
-    counts = *counts_in;
-    check_dtype(rank, at::kInt, "rank");
-    check_device(rank, device, "rank");
-    check_shape(rank, {S, n}, "rank");
-    check_contiguous(rank, "rank");
-    check_dtype(counts, at::kInt, "counts");
-    check_device(counts, device, "counts");
-    check_shape(counts, {S}, "counts");
-    check_contiguous(counts, "counts");
-  }
-  if (device.is_cpu()) {
-    if (has_rank) {  // ranks lie in [-1, counts): the tokens stored land on the counted slots
-      const int32_t* r = rank.data_ptr<int32_t>();
-      const int32_t* c = counts.data_ptr<int32_t>();
-      for (int64_t s = 0; s < S; ++s) {
-        TORCH_CHECK_VALUE(c[s] >= 0 && c[s] <= n, "counts[", s, "] = ", c[s], " is not in [0, ", n, "]");
-        for (int64_t t = 0; t < n; ++t) {
-          TORCH_CHECK_VALUE(r[s * n + t] >= -1 && r[s * n + t] < c[s], "rank[", s, ", ", t, "] = ",
-                            r[s * n + t], " is not in [-1, counts[", s, "] = ", c[s], ")");
-        }
-      }
-    }
-    check_contents_cpu(page_table, len, st.capacity / page_size, st.view.shift,
-                       has_counts ? counts.data_ptr<int32_t>() : nullptr, n);
-  }
-  append_tokens(st, len, k, v, pos32, rank, counts);
-}
-
+// The work of store_append and attention_run on a StateView, past the checks of the state:
+// one the ops made with state_view, or the one the page allocator keeps (append_and_attend).
+// append_tokens: k, v [B, H, n, D] contiguous, pos32 [B, n] int32 contiguous, rank and counts
+// both undefined or as store_append takes them; the pages must hold len + counts tokens.
 void append_tokens(const StateView& st, const at::Tensor& len, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& pos32, const at::Tensor& rank,
                    const at::Tensor& counts) {
@@ -255,129 +251,7 @@ void append_tokens(const StateView& st, const at::Tensor& len, const at::Tensor&
   if (counts.defined()) len.add_(counts); else len.add_(n);
 }
 
-void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
-                   const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& pos, int64_t page_size, int64_t head_dim,
-                   int64_t score_channels, at::ScalarType dtype, bool check_bounds) {
-  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
-  check_defined(k, "k");
-  TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the store's dtype ", dtype, ", got ",
-                   k.scalar_type());
-  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1 && k.size(3) == head_dim,
-                    "k must have shape [batch, heads, 1, head_dim = ", head_dim, "], got ", k.sizes());
-  const c10::Device device = page_table.device();
-  const int64_t B = k.size(0), H = k.size(1), D = k.size(3), S = st.segments;
-  check_device(k, device, "k");
-  check_contiguous(k, "k");
-  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
-                    " segments but the page table has ", S);
-  check_tokens(v, k, "v");
-  check_defined(slot, "slot");
-  TORCH_CHECK_TYPE(is_integer_dtype(slot.scalar_type()), "slot must be an integer tensor, got ",
-                   slot.scalar_type());
-  check_shape(slot, {B, H}, "slot");
-  const at::Tensor slot64 = slot.to(device, at::kLong).reshape({S}).contiguous();
-  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
-  TORCH_CHECK_VALUE(pos32.numel() == B && (pos32.dim() == 1 || pos32.dim() == 2),
-                    "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
-  pos32 = pos32.reshape({B});
-  if (device.is_cpu() || check_bounds) {  // free on CPU; one host sync on CUDA
-    const bool out_of_range = slot64.lt(0).logical_or(slot64.ge(len)).any().item<bool>();
-    TORCH_CHECK_INDEX(!out_of_range, "slot must index a live token of its segment: 0 <= slot[b, h] < ",
-                      "len[b, h] (an empty segment has nothing to replace)");
-  }
-  if (S == 0) return;
-  KVCACHE_DEVICE_DISPATCH(device, store::replace, st.view, slot64, k.view({S, D}), v.view({S, D}),
-                          pos32);
-}
-
-void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
-                   const at::Tensor& keep, int64_t page_size, int64_t head_dim,
-                   int64_t score_channels, at::ScalarType dtype) {
-  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
-  check_defined(keep, "keep");
-  check_dtype(keep, at::kBool, "keep");
-  check_device(keep, page_table.device(), "keep");
-  TORCH_CHECK_VALUE(keep.dim() == 1 && keep.size(0) == st.capacity, "keep must be a [capacity] = [",
-                    st.capacity, "] bool mask in the store's slot layout, got shape ", keep.sizes());
-  check_contiguous(keep, "keep");
-  if (st.capacity == 0 || st.segments == 0) return;
-  KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
-}
-
-std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
-                                              const at::Tensor& len,
-                                              const c10::optional<at::Tensor>& scores,
-                                              const at::Tensor& k, int64_t group_size,
-                                              int64_t page_size, int64_t head_dim,
-                                              int64_t score_channels, at::ScalarType dtype) {
-  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
-  TORCH_CHECK_VALUE(page_table.device().is_cpu(), "store_topk runs on CPU stores; this one is on ",
-                    page_table.device(), " (on CUDA, pack the segments for segmented_topk)");
-  const int64_t S = st.segments;
-  TORCH_CHECK_VALUE(group_size >= 1 && S % group_size == 0, "group_size must divide the ", S,
-                    " segments, got ", group_size);
-  const int64_t groups = S / group_size;
-  const int32_t* lens = len.data_ptr<int32_t>();
-  const int64_t longest = S == 0 ? 0 : *std::max_element(lens, lens + S);
-  at::Tensor given;
-  if (scores.has_value() && scores->defined()) {
-    given = *scores;
-    check_dtype(given, at::kFloat, "scores");
-    check_device(given, page_table.device(), "scores");
-    check_contiguous(given, "scores");
-    const bool slot_layout = given.dim() == 1 && given.size(0) == st.capacity;
-    const bool padded = given.dim() == 3 && given.size(0) * given.size(1) == S &&
-                        given.size(2) >= longest;
-    TORCH_CHECK_VALUE(slot_layout || padded, "scores must be [capacity] = [", st.capacity,
-                      "] in slot layout or [batch, heads, L >= ", longest, "] padded, got shape ",
-                      given.sizes());
-  } else {
-    TORCH_CHECK_VALUE(score_channels > 0, "this store has no score channels: pass scores");
-  }
-  check_defined(k, "k");
-  TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k (the budget) must be an integer tensor, got ",
-                   k.scalar_type());
-  check_shape(k, {groups}, "k (the budget)");
-  // Widen before the clamp: INT32_MAX is out of range of an int8/uint8/int16 budget's dtype.
-  const at::Tensor k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
-  for (int64_t g = 0; g < groups; ++g) {
-    TORCH_CHECK_VALUE(k32.data_ptr<int32_t>()[g] >= 0, "k (the budget) must be >= 0, got k[", g,
-                      "] = ", k32.data_ptr<int32_t>()[g]);
-  }
-  at::Tensor keep = at::zeros({st.capacity}, at::TensorOptions().dtype(at::kBool));
-  at::Tensor counts = at::zeros({S}, at::TensorOptions().dtype(at::kInt));
-  if (longest > 0) select::paged_topk_cpu(st.view, len, given, group_size, k32, keep, counts);
-  return {keep, counts};
-}
-
-at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device) {
-  check_defined(lens, "lens");
-  TORCH_CHECK_VALUE(lens.device().is_cpu() && lens.scalar_type() == at::kInt && lens.dim() == 1,
-                    "lens must be a CPU int32 [segments] tensor (the store's host lengths), got ",
-                    lens.scalar_type(), " ", lens.sizes(), " on ", lens.device());
-  TORCH_CHECK_VALUE(rows >= 0, "rows must be >= 0, got ", rows);
-  check_device_supported(device);
-  const at::Tensor host = lens.contiguous();
-  if (device.is_cpu()) return host.clone();
-#ifdef KVCACHE_EXT_WITH_CUDA
-  const int32_t* p = host.data_ptr<int32_t>();
-  return attention::plan_cuda(std::vector<int32_t>(p, p + host.numel()), rows, device);
-#else
-  TORCH_CHECK(false, "unreachable");
-#endif
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_run(
-    const at::Tensor& q_in, at::TensorList pool, const at::Tensor& page_table,
-    const at::Tensor& len, const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos_in,
-    double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
-    at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count) {
-  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
-  return attend(st, q_in, len, plan, q_pos_in, scale, kv_heads, head_dim, dtype, want_mass,
-                want_last, want_sum_sq, want_count);
-}
-
+// attend: attention_run's checks of q, scale and plan, then its work.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
     const StateView& st, const at::Tensor& q_in, const at::Tensor& len, const at::Tensor& plan,
     const c10::optional<at::Tensor>& q_pos_in, double scale, int64_t kv_heads, int64_t head_dim,
@@ -442,6 +316,241 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
           or_empty(r.sum_sq, at::kFloat), or_empty(r.count, at::kInt)};
 }
 
+}  // namespace
+
+void store_append(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                  const c10::optional<at::Tensor>& rank_in, const c10::optional<at::Tensor>& counts_in,
+                  int64_t page_size, int64_t score_channels) {
+  check_defined(k, "k");
+  TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [batch, heads, n, head_dim], got ", k.sizes());
+  const StateView st =
+      state_view(pool, page_table, len, page_size, k.size(3), score_channels, k.scalar_type());
+  const c10::Device device = page_table.device();
+  const int64_t B = k.size(0), H = k.size(1), n = k.size(2), S = st.segments;
+  check_device(k, device, "k");
+  check_contiguous(k, "k");
+  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
+                    " segments but the page table has ", S);
+  check_tokens(v, k, "v");
+  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
+  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) || pos32.sizes() == at::IntArrayRef({B, n}),
+                    "pos must have shape [batch, n] = [", B, ", ", n, "] or [n], got ", pos32.sizes());
+  pos32 = pos32.expand({B, n}).contiguous();
+  const bool has_rank = rank_in.has_value() && rank_in->defined();
+  const bool has_counts = counts_in.has_value() && counts_in->defined();
+  TORCH_CHECK_VALUE(has_rank == has_counts, "rank and counts are given together or not at all");
+  at::Tensor rank, counts;
+  if (has_rank) {
+    rank = *rank_in;
+    counts = *counts_in;
+    check_dtype(rank, at::kInt, "rank");
+    check_device(rank, device, "rank");
+    check_shape(rank, {S, n}, "rank");
+    check_contiguous(rank, "rank");
+    check_dtype(counts, at::kInt, "counts");
+    check_device(counts, device, "counts");
+    check_shape(counts, {S}, "counts");
+    check_contiguous(counts, "counts");
+  }
+  if (device.is_cpu()) {
+    if (has_rank) {  // ranks lie in [-1, counts): the tokens stored land on the counted slots
+      const int32_t* r = rank.data_ptr<int32_t>();
+      const int32_t* c = counts.data_ptr<int32_t>();
+      for (int64_t s = 0; s < S; ++s) {
+        TORCH_CHECK_VALUE(c[s] >= 0 && c[s] <= n, "counts[", s, "] = ", c[s], " is not in [0, ", n, "]");
+        for (int64_t t = 0; t < n; ++t) {
+          TORCH_CHECK_VALUE(r[s * n + t] >= -1 && r[s * n + t] < c[s], "rank[", s, ", ", t, "] = ",
+                            r[s * n + t], " is not in [-1, counts[", s, "] = ", c[s], ")");
+        }
+      }
+    }
+    check_contents_cpu(page_table, len, st.capacity / page_size, st.view.shift,
+                       has_counts ? counts.data_ptr<int32_t>() : nullptr, n);
+  }
+  append_tokens(st, len, k, v, pos32, rank, counts);
+}
+
+void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                   const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& pos, int64_t page_size, int64_t head_dim,
+                   int64_t score_channels, at::ScalarType dtype, bool check_bounds) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  check_defined(k, "k");
+  TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the store's dtype ", dtype, ", got ",
+                   k.scalar_type());
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1 && k.size(3) == head_dim,
+                    "k must have shape [batch, heads, 1, head_dim = ", head_dim, "], got ", k.sizes());
+  const c10::Device device = page_table.device();
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(3), S = st.segments;
+  check_device(k, device, "k");
+  check_contiguous(k, "k");
+  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
+                    " segments but the page table has ", S);
+  check_tokens(v, k, "v");
+  check_defined(slot, "slot");
+  TORCH_CHECK_TYPE(is_integer_dtype(slot.scalar_type()), "slot must be an integer tensor, got ",
+                   slot.scalar_type());
+  check_shape(slot, {B, H}, "slot");
+  check_device_or_cpu(slot, device, "slot");
+  const at::Tensor slot64 = slot.to(device, at::kLong).reshape({S}).contiguous();
+  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
+  TORCH_CHECK_VALUE(pos32.numel() == B && (pos32.dim() == 1 || pos32.dim() == 2),
+                    "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
+  pos32 = pos32.reshape({B});
+  if (device.is_cpu()) {  // free: the first slot out of range, named
+    const int64_t* index = slot64.data_ptr<int64_t>();
+    const int32_t* lens = len.data_ptr<int32_t>();
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK_INDEX(index[s] >= 0 && index[s] < lens[s], "slot must index a live token of its ",
+                        "segment: 0 <= slot[b, h] < len[b, h], got slot[", s / H, ", ", s % H, "] = ",
+                        index[s], " where len is ", lens[s], " (an empty segment has nothing to replace)");
+    }
+  } else if (check_bounds) {  // one host sync
+    const bool out_of_range = slot64.lt(0).logical_or(slot64.ge(len)).any().item<bool>();
+    TORCH_CHECK_INDEX(!out_of_range, "slot must index a live token of its segment: 0 <= slot[b, h] < ",
+                      "len[b, h] (an empty segment has nothing to replace)");
+  }
+  if (S == 0) return;
+  KVCACHE_DEVICE_DISPATCH(device, store::replace, st.view, slot64, k.view({S, D}), v.view({S, D}),
+                          pos32);
+}
+
+void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                   const at::Tensor& keep, int64_t page_size, int64_t head_dim,
+                   int64_t score_channels, at::ScalarType dtype) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  check_defined(keep, "keep");
+  check_dtype(keep, at::kBool, "keep");
+  check_device(keep, page_table.device(), "keep");
+  TORCH_CHECK_VALUE(keep.dim() == 1 && keep.size(0) == st.capacity, "keep must be a [capacity] = [",
+                    st.capacity, "] bool mask in the store's slot layout, got shape ", keep.sizes());
+  check_contiguous(keep, "keep");
+  if (st.capacity == 0 || st.segments == 0) return;
+  KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
+}
+
+std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
+                                              const at::Tensor& len,
+                                              const c10::optional<at::Tensor>& scores,
+                                              const at::Tensor& k, int64_t group_size,
+                                              int64_t page_size, int64_t head_dim,
+                                              int64_t score_channels, at::ScalarType dtype) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  TORCH_CHECK_VALUE(page_table.device().is_cpu(), "store_topk runs on CPU stores; this one is on ",
+                    page_table.device(), " (on CUDA, pack the segments for segmented_topk)");
+  const int64_t S = st.segments;
+  TORCH_CHECK_VALUE(group_size >= 1 && S % group_size == 0, "group_size must divide the ", S,
+                    " segments, got ", group_size);
+  const int64_t groups = S / group_size;
+  const int32_t* lens = len.data_ptr<int32_t>();
+  const int64_t longest = S == 0 ? 0 : *std::max_element(lens, lens + S);
+  at::Tensor given;
+  if (scores.has_value() && scores->defined()) {
+    given = *scores;
+    check_dtype(given, at::kFloat, "scores");
+    check_device(given, page_table.device(), "scores");
+    check_contiguous(given, "scores");
+    const bool slot_layout = given.dim() == 1 && given.size(0) == st.capacity;
+    const bool padded = given.dim() == 3 && given.size(0) * given.size(1) == S &&
+                        given.size(2) >= longest;
+    TORCH_CHECK_VALUE(slot_layout || padded, "scores must be [capacity] = [", st.capacity,
+                      "] in slot layout or [batch, heads, L >= ", longest, "] padded, got shape ",
+                      given.sizes());
+  } else {
+    TORCH_CHECK_VALUE(score_channels > 0, "this store has no score channels: pass scores");
+  }
+  check_defined(k, "k");
+  TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k (the budget) must be an integer tensor, got ",
+                   k.scalar_type());
+  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == groups, "k (the budget) must have shape [", groups,
+                    "] (one per ", group_size == 1 ? std::string("segment")
+                                                   : "group of " + std::to_string(group_size) + " segments",
+                    "), got ", k.sizes());
+  check_device_or_cpu(k, page_table.device(), "k (the budget)");
+  // Widen before the clamp: INT32_MAX is out of range of an int8/uint8/int16 budget's dtype.
+  const at::Tensor k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK_VALUE(k32.data_ptr<int32_t>()[g] >= 0, "k (the budget) must be >= 0, got k[", g,
+                      "] = ", k32.data_ptr<int32_t>()[g]);
+  }
+  at::Tensor keep = at::zeros({st.capacity}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor counts = at::zeros({S}, at::TensorOptions().dtype(at::kInt));
+  if (longest > 0) select::paged_topk_cpu(st.view, len, given, group_size, k32, keep, counts);
+  return {keep, counts};
+}
+
+at::Tensor segmented_topk(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
+                          const at::Tensor& len, const at::Tensor& k, bool check_values) {
+  const at::Tensor k32 = check_selection_inputs(scores, pos, start, len, k, start.size(0), check_values);
+  at::Tensor keep = at::zeros_like(scores, scores.options().dtype(at::kBool));
+  if (start.size(0) > 0 && scores.size(0) > 0) {
+    KVCACHE_DEVICE_DISPATCH(scores.device(), select::segmented_topk, scores, pos, start, len, k32,
+                            keep);
+  }
+  return keep;
+}
+
+std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, const at::Tensor& pos,
+                                                const at::Tensor& start, const at::Tensor& len,
+                                                int64_t group_size, const at::Tensor& k,
+                                                bool check_values) {
+  check_defined(start, "start");
+  TORCH_CHECK_VALUE(group_size >= 1, "group_size must be >= 1, got ", group_size);
+  TORCH_CHECK_VALUE(start.dim() == 1 && start.size(0) % group_size == 0,
+                    "the number of segments (", start.sizes(), ") must be a multiple of group_size (",
+                    group_size, ")");
+  const int64_t groups = start.size(0) / group_size;
+  const at::Tensor k32 = check_selection_inputs(scores, pos, start, len, k, groups, check_values);
+  at::Tensor keep = at::zeros_like(scores, scores.options().dtype(at::kBool));
+  at::Tensor counts = at::zeros_like(len);
+  if (groups > 0 && scores.size(0) > 0) {
+    KVCACHE_DEVICE_DISPATCH(scores.device(), select::grouped_topk, scores, pos, start, len,
+                            group_size, k32, keep, counts);
+  }
+  return {keep, counts};
+}
+
+at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device) {
+  check_defined(lens, "lens");
+  TORCH_CHECK_VALUE(lens.device().is_cpu() && lens.scalar_type() == at::kInt && lens.dim() == 1,
+                    "lens must be a CPU int32 [segments] tensor (the store's host lengths), got ",
+                    lens.scalar_type(), " ", lens.sizes(), " on ", lens.device());
+  TORCH_CHECK_VALUE(rows >= 0, "rows must be >= 0, got ", rows);
+  check_device_supported(device);
+  const at::Tensor host = lens.contiguous();
+  if (device.is_cpu()) return host.clone();
+#ifdef KVCACHE_EXT_WITH_CUDA
+  const int32_t* p = host.data_ptr<int32_t>();
+  return attention::plan_cuda(std::vector<int32_t>(p, p + host.numel()), rows, device);
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_run(
+    const at::Tensor& q_in, at::TensorList pool, const at::Tensor& page_table,
+    const at::Tensor& len, const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos_in,
+    double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
+    at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  return attend(st, q_in, len, plan, q_pos_in, scale, kv_heads, head_dim, dtype, want_mass,
+                want_last, want_sum_sq, want_count);
+}
+
+at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& pos, double scale) {
+  const int64_t heads = allocator.heads();
+  check_query(q, allocator.device(), allocator.dtype(), allocator.batch(), heads,
+              allocator.head_dim(), scale);  // before anything is stored
+  const auto [pos32, rank, counts] = allocator.prepare_append(k, v, pos, c10::nullopt);
+  const StateView st = allocator.own_state();
+  append_tokens(st, allocator.len_device(), k, v, pos32, rank, counts);
+  const at::Tensor plan = allocator.attention_plan(q.size(1) / heads * q.size(2));
+  return std::get<0>(attend(st, q, allocator.len_device(), plan, c10::nullopt, scale, heads,
+                            allocator.head_dim(), allocator.dtype(), false, false, false, false));
+}
+
 }  // namespace kvcache_ext::ops
 
 // ---------------------------------------------------------------------------------------
@@ -474,8 +583,8 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
   m.impl("store_topk", &kvcache_ext::ops::store_topk);
-  m.impl("segmented_topk", &kvcache_ext::segmented_topk);
-  m.impl("grouped_topk", &kvcache_ext::grouped_topk);
+  m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
+  m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);
   m.impl("attention_run", &kvcache_ext::ops::attention_run);
 }
 
@@ -484,8 +593,8 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("store_append", &kvcache_ext::ops::store_append);
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
-  m.impl("segmented_topk", &kvcache_ext::segmented_topk);
-  m.impl("grouped_topk", &kvcache_ext::grouped_topk);
+  m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
+  m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);
   m.impl("attention_run", &kvcache_ext::ops::attention_run);
 }
 #endif

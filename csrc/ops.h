@@ -1,6 +1,10 @@
 // The kernels as torch custom ops (namespace kvcache_ext, registered in ops.cpp with
-// TORCH_LIBRARY; see README "Custom ops"). Every op takes tensors and plain numbers only:
-// the state of a layer's store is
+// TORCH_LIBRARY; see README "Custom ops"): one door per kernel. Python (kvcache_ext.kernels),
+// the gtests (csrc/tests) and the benchmarks reach every kernel through these functions, the
+// CPU and CUDA implementation of the ops (each picks the kernel by device); every input is
+// checked here, the kernels (store/, select/, attention/) trust theirs.
+//
+// Every op takes tensors and plain numbers only: the state of a layer's store is
 //   pool       the store's slabs of pages, uint8 [pages_i, record bytes] each (the pages of
 //              slab i are numbered after those of the slabs before it);
 //   page_table [S, width] int32, the pages of each segment in token order;
@@ -9,10 +13,8 @@
 // their KV caches). The ops check the shapes, dtypes and devices of the state; its contents
 // (page ids, and that the pages cover the lengths) are checked on CPU and trusted on CUDA,
 // where reading them would cost a device sync: they are what the store's page allocator
-// (RaggedKVStore, C++) made.
-//
-// These functions are what the ops run (their CPU and CUDA implementation: each picks the
-// kernel by device); the C++ RaggedKVStore calls them too, so both share one path.
+// (PageAllocator, store/page_allocator.h) made. The allocator is not an op: it runs on the
+// host before an append (prepare_append) and after a compaction (finish_compact).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -20,19 +22,28 @@
 
 #include "store/paged_layout.h"
 
+namespace kvcache_ext {
+class PageAllocator;  // store/page_allocator.h
+}  // namespace kvcache_ext
+
 namespace kvcache_ext::ops {
 
-// The PagedView of a state, after checking it; `page_base` keeps the view's page addresses
-// alive (a cached [pages] int64 tensor on the state's device, see ops.cpp).
+// The page-size rule of every store: a power of two in [1, kMaxPageSize] tokens (Python
+// reads the bound as kvcache_ext._C.MAX_PAGE_SIZE). page_shift checks it and returns
+// log2(page_size); a ValueError names the rule otherwise.
+constexpr int64_t kMaxPageSize = 1024;
+int32_t page_shift(int64_t page_size);
+
+// The PagedView of a state, as the kernels take it; `page_base` keeps the view's page
+// addresses alive (a [pages] int64 tensor on the state's device). The ops make it from the
+// state they are handed (checked, page addresses cached by pool, see ops.cpp); the page
+// allocator keeps its own (PageAllocator::own_state).
 struct StateView {
   store::PagedView view;
   at::Tensor page_base;
   int64_t segments = 0;
   int64_t capacity = 0;  // pages * page_size: the length of slot-layout tensors
 };
-StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
-                     int64_t page_size, int64_t head_dim, int64_t score_channels,
-                     at::ScalarType dtype);
 
 // store_append: writes n tokens (k, v [B, H, n, D], pos [B, n] or [n] integers) after the
 // live tokens of every segment. rank [S, n] int32 (-1: not stored) and counts [S] int32 (tokens
@@ -67,6 +78,24 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
                                               int64_t page_size, int64_t head_dim,
                                               int64_t score_channels, at::ScalarType dtype);
 
+// segmented_topk: keeps the k[s] best live slots of every segment s (all of them when
+// k[s] >= len[s]), in the order of select/selection_key.h (ties to the lower position, NaN
+// evicted first). scores [capacity] float32, pos [capacity] int32, start [S] int64, len [S]
+// int32, k [S] integers. Returns keep [capacity] bool (false outside live slots).
+// check_values: the checks that read values (segments in order inside the buffers, k >= 0),
+// one host sync on CUDA together; false for callers that made the layout themselves (the
+// store's select), which then costs no sync (a negative k keeps nothing).
+at::Tensor segmented_topk(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
+                          const at::Tensor& len, const at::Tensor& k, bool check_values = true);
+
+// grouped_topk: Ada-KV's allocation step. Segments [g * group_size, (g + 1) * group_size)
+// form group g, and the k[g] best live slots of the whole group are kept, wherever they
+// fall. Returns keep [capacity] bool and the number kept per segment, counts [S] int32.
+std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, const at::Tensor& pos,
+                                                const at::Tensor& start, const at::Tensor& len,
+                                                int64_t group_size, const at::Tensor& k,
+                                                bool check_values = true);
+
 // attention_plan (not an op: it reads the lengths on the host): the work partition of an
 // attention call over segments of the given lengths (lens: CPU int32 [S]) for `rows` query
 // rows per segment (G * n), on `device`. CPU: the lengths themselves (int32 [S], the CPU
@@ -75,35 +104,33 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
 // without a sync. A plan is valid until the lengths change (the next append or compact).
 at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device);
 
-// The checks of attention_run's q and scale against a store's layout (batch items, KV
-// heads, head_dim, dtype, device), for a caller that must refuse them before it changes the
-// store (RaggedKVStore::append_and_attend).
-void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType dtype,
-                 int64_t batch, int64_t kv_heads, int64_t head_dim, double scale);
-
 // attention_run: the attention of q [B, Hq, n, D] over the state (kv_heads H per batch item,
-// so S = B * H; Hq a multiple of H), with the plan of the
-// current lengths. Returns (out, mass, last, sum_sq, count); a statistic not asked for is
-// an empty tensor.
+// so S = B * H; Hq a multiple of H), with the plan of the current lengths. Returns (out,
+// mass, last, sum_sq, count); a statistic not asked for is an empty tensor.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_run(
     const at::Tensor& q, at::TensorList pool, const at::Tensor& page_table,
     const at::Tensor& len, const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos,
     double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
     at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count);
 
-// The work of store_append and attention_run on a StateView, past the checks of the state:
-// one the ops made with state_view, or the one the store's page allocator keeps
-// (RaggedKVStore::own_state), which needs no per-slab checks or page-address lookup: a
-// store's decode step costs the same however many slabs its pages lie in.
-// append_tokens: k, v [B, H, n, D] contiguous, pos32 [B, n] int32 contiguous, rank and counts
-// both undefined or as store_append takes them; the pages must hold len + counts tokens.
-void append_tokens(const StateView& st, const at::Tensor& len, const at::Tensor& k,
-                   const at::Tensor& v, const at::Tensor& pos32, const at::Tensor& rank,
-                   const at::Tensor& counts);
-// attend: attention_run's checks of q, scale and plan, then its work.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
-    const StateView& st, const at::Tensor& q, const at::Tensor& len, const at::Tensor& plan,
-    const c10::optional<at::Tensor>& q_pos, double scale, int64_t kv_heads, int64_t head_dim,
-    at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count);
+// ---- The eager decode fast path (not an op) ----------------------------------------------
+// append_and_attend: a decode step's store work for one layer in one host call, what the
+// patched model's eager decode runs when a step only appends (one token per sequence, no
+// padding, a policy that never evicts while decoding). It is exactly
+//   allocator.prepare_append(k, v, pos) + store_append
+//   + allocator.attention_plan(G * n) + attention_run (no statistics)
+// through the same functions those ops run past their checks of the state (the append and
+// attention kernels, and attention_run's checks of q, scale and plan), on the state view the
+// allocator keeps (PageAllocator::own_state) instead of one made from the pool: no per-slab
+// checks or page-address lookup, so the call costs the same however many slabs the pages
+// lie in. q and scale are checked first: nothing is stored when they are refused. Returns
+// out [B, Hq, n, D]. torch.compile traces the ops instead (kvcache_ext/engine).
+// Why it stays: through the ops and the allocator's Python-called host steps, a layer's decode
+// call took 1.39x (SnapKV) and 1.42x (Ada-SnapKV) as long as here (+95 and +106 us per call),
+// a whole decode step 1.03x and 1.06x (bench/decode_calls.py --context 2048 --batch 4
+// --paths fast,ops, SmolLM2-135M fp32 on 2 CPU cores, interleaved turns;
+// bench/results/decode-calls-cpu-2026-11-27.json).
+at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& pos, double scale);
 
 }  // namespace kvcache_ext::ops

@@ -245,6 +245,22 @@ def choice(value, label: str, choices) -> str:
     return Choice(tuple(choices))(value, label)
 
 
+def check_page_size(value, label: str = "page_size") -> int:
+    """The page-size rule of every store, checked where a page size enters (the store, ``patch``,
+    ``RaggedCache``): a power of two in [1, ``_C.MAX_PAGE_SIZE``] tokens per page. The bound is
+    the extension's own (``ops::kMaxPageSize``, csrc/ops.h), which checks it again in C++."""
+    from kvcache_ext import _C
+    limit = _C.MAX_PAGE_SIZE
+    rule = f"{label} must be a power of two in [1, {limit}] (tokens per page)"
+    try:
+        size = integer(value, label, 1, limit)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{rule}, got {_shown(value)}") from None
+    if size & (size - 1):
+        raise ValueError(f"{rule}, got {size}")
+    return size
+
+
 def store_arguments(batch, heads, head_dim, score_channels, page_size, dtype, device):
     """``RaggedKVStore``'s arguments checked and normalized (the store checks their product)."""
     import torch
@@ -253,9 +269,7 @@ def store_arguments(batch, heads, head_dim, score_channels, page_size, dtype, de
     heads = integer(heads, label("heads"), 1)
     head_dim = integer(head_dim, label("head_dim"), 1, 65536)
     score_channels = integer(score_channels, label("score_channels"), 0, 65536)
-    page_size = integer(page_size, label("page_size"), 1, 1024)
-    if page_size & (page_size - 1):
-        raise ValueError(f"RaggedKVStore page_size must be a power of two in [1, 1024], got {page_size}")
+    page_size = check_page_size(page_size, label("page_size"))
     if batch * heads > INT32_MAX:
         raise ValueError(f"RaggedKVStore batch * heads must be below 2^31, got {batch} * {heads}")
     if not isinstance(dtype, torch.dtype) or dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -38,3 +38,14 @@ def default_model():
     """(model, tokenizer) of the default model, loaded once per test run (about 20 s)."""
     from kvcache_ext.hf.models import load_model
     return load_model()
+
+
+def filled_store(B, H, D, dtype, device, lens, page_size=16, seed=0):
+    """A store whose segment s holds lens[s] tokens at positions 0 .. lens[s] - 1."""
+    gen = torch.Generator().manual_seed(seed)
+    L = max(lens)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, page_size=page_size)
+    k, v = ((torch.randn(B, H, L, D, generator=gen) * 0.5).to(dtype) for _ in range(2))
+    valid = (torch.arange(L) < torch.tensor(lens).view(B, H, 1))
+    store.append(k.to(device), v.to(device), torch.arange(L), valid.to(device))
+    return store

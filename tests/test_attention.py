@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext import reference
-from conftest import DEVICES, DTYPES
+from conftest import DEVICES, DTYPES, filled_store
 
 # Output tolerances (atol = rtol) by dtype: the kernels accumulate in float32, the reference
 # in float64 from the same inputs; for half types add one rounding of the output. Logits of
@@ -296,3 +296,65 @@ def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
         fast.append_and_attend(q, k, v, pos.to(device), float("inf"))
     after = fast.to_dense()
     assert torch.equal(before.k, after.k) and torch.equal(before.lens, after.lens)
+
+
+# head_dim 80, 96, 112, 192 (the CUDA attention's padded row layout) and 256.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [80, 96, 112, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_of_current_models(device, D, dtype):
+    gen = torch.Generator().manual_seed(D)
+    store = filled_store(2, 2, D, dtype, device, [37, 0, 1, 300])
+    for n in (1, 3):
+        q = (torch.randn(2, 4, n, D, generator=gen)).to(dtype).to(device)
+        q_pos = torch.arange(300 - n + 1, 301).expand(2, n) if n > 1 else None
+        check_against_reference(store, q, 1 / math.sqrt(D), q_pos, True)
+
+
+# The CUDA attention's chunked statistics path, taken when G x capacity x queries > 2^26 (its
+# logits buffer would pass 256 MiB): queries run in passes that add into the statistics.
+def chunked_reference(store, q, scale, q_pos, chunk=128):
+    """The statistics in float32, a chunk of queries at a time (memory stays small)."""
+    dense = store.to_dense()
+    k, v, pos, mask = (t.cpu() for t in (dense.k.float(), dense.v.float(), dense.pos, dense.mask))
+    B, Hq, n, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    qf = q.cpu().float().view(B, H, G, n, D)
+    mass = torch.zeros(mask.shape)
+    sum_sq = torch.zeros(mask.shape)
+    count = torch.zeros(mask.shape, dtype=torch.int32)
+    last = torch.zeros(mask.shape + (G,))
+    out = torch.zeros(B, H, G, n, D)
+    for i0 in range(0, n, chunk):
+        qc = qf[:, :, :, i0:i0 + chunk]                                   # [B, H, G, c, D]
+        logits = torch.einsum("bhgcd,bhld->bhgcl", qc, k) * scale
+        chunk_pos = q_pos.cpu()[:, None, None, i0:i0 + chunk, None]
+        visible = mask[:, :, None, None, :] & (pos[:, :, None, None, :] <= chunk_pos)
+        probs = torch.softmax(logits.masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
+        out[:, :, :, i0:i0 + chunk] = probs @ v[:, :, None]
+        group = probs.sum(2)                                              # [B, H, c, L]
+        mass += group.sum(2)
+        sum_sq += (group / G).square().sum(2)
+        count += visible[:, :, 0].sum(2).int()
+        if i0 + chunk >= n:
+            last = probs[:, :, :, -1].permute(0, 1, 3, 2)
+    return out.view(B, Hq, n, D), dict(mass=mass, sum_sq=sum_sq, count=count, last=last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_statistics_path(device):
+    """G x capacity x queries just over 2^26: the CUDA kernel runs the queries in two passes
+    whose statistics add up; the CPU kernel computes the same numbers in one."""
+    L, n, G = 32_800, 1040, 2
+    store = filled_store(1, 1, 64, torch.float32, device, [L], page_size=16)
+    assert G * store.capacity * n > 2 ** 26
+    gen = torch.Generator().manual_seed(2)
+    q = (torch.randn(1, G, n, 64, generator=gen) * 0.5).to(device)
+    q_pos = torch.arange(L - n, L).view(1, n)   # causal over the last n tokens
+    out, got = kvcache_ext.ragged_attention(q, store, 0.125, q_pos=q_pos, stats=True)
+    want_out, want = chunked_reference(store, q, 0.125, q_pos)
+    torch.testing.assert_close(out.cpu(), want_out, atol=1e-5, rtol=1e-4)
+    for name in kvcache_ext.STAT_NAMES:
+        torch.testing.assert_close(store.to_padded(getattr(got, name)).cpu(), want[name],
+                                   atol=2e-5, rtol=1e-4, msg=name)

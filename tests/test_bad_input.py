@@ -533,6 +533,106 @@ def test_ragged_attention(B, H, G, n, m, seed, scale, q_pos, stats):
         assert torch.isfinite(out).all()
 
 
+# ------------------------------------------------------------------ tensors on the meta device
+# A meta tensor holds no data. The dispatcher runs an op's fake implementation when one of its
+# inputs is on meta, so without a check there an op handed one among real tensors did nothing
+# and returned (store.compact(keep), store.replace(slot, ...)), or failed deep inside
+# (store.append with pos on meta: "Cannot copy out of meta tensor"). Every op and every store
+# method refuses such a tensor with a ValueError naming it, its device and the accepted ones,
+# and the store is as it was.
+def to_meta(value):
+    return [to_meta(t) for t in value] if isinstance(value, list) else torch.empty_like(value, device="meta")
+
+
+def op_arguments(s):
+    """Valid arguments of every op on ``s`` (a filled_store: 5 tokens per segment in pages of 4,
+    room for 3 more), as {op name: (op, {argument: value})} in the op's schema order."""
+    from kvcache_ext.kernels.ops import ops
+    pool, table, lens = s.state()
+    B, H, D, P, C, dt = s.batch, s.heads, s.head_dim, s.page_size, s.score_channels, s.dtype
+    S = B * H
+    tokens = lambda n: torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(n))
+    state = dict(pool=pool, page_table=table, len=lens)
+    layout = dict(page_size=P, head_dim=D, score_channels=C, dtype=dt)
+    flat = dict(scores=torch.randn(8), pos=torch.arange(8, dtype=torch.int32),
+                start=torch.tensor([0, 4]), len=torch.tensor([3, 4], dtype=torch.int32))
+    return {
+        "store_append": (ops.store_append, dict(
+            **state, k=tokens(2), v=tokens(2), pos=torch.arange(5, 7, dtype=torch.int32).expand(B, 2).contiguous(),
+            rank=torch.arange(2, dtype=torch.int32).expand(S, 2).contiguous(),
+            counts=torch.full((S,), 2, dtype=torch.int32), page_size=P, score_channels=C)),
+        "store_replace": (ops.store_replace, dict(
+            **state, slot=torch.zeros(B, H, dtype=torch.long), k=tokens(1), v=tokens(1), pos=torch.full((B,), 9),
+            **layout, check_bounds=True)),
+        "store_compact": (ops.store_compact, dict(**state, keep=torch.ones(s.capacity, dtype=torch.bool), **layout)),
+        "store_topk": (ops.store_topk, dict(**state, scores=torch.randn(s.capacity), k=torch.full((S,), 2),
+                                            group_size=1, **layout)),
+        "segmented_topk": (ops.segmented_topk, dict(**flat, k=torch.tensor([1, 2]), check_values=True)),
+        "grouped_topk": (ops.grouped_topk, dict(**flat, group_size=2, k=torch.tensor([3]), check_values=True)),
+        "attention_run": (ops.attention_run, dict(
+            q=torch.randn(B, 2 * H, 1, D), **state, plan=s.attention_plan(2), q_pos=torch.full((B, 1), 9),
+            scale=0.5, kv_heads=H, **layout, mass=True, last=True, sum_sq=True, count=True)),
+    }
+
+
+@pytest.mark.parametrize("name", ["store_append", "store_replace", "store_compact", "store_topk",
+                                  "segmented_topk", "grouped_topk", "attention_run"])
+def test_every_op_refuses_a_meta_tensor_among_real_ones(name):
+    op, args = op_arguments(filled_store(2, 2, 4, 5, 0)[0])[name]
+    op(*args.values())                                   # the arguments themselves are fine
+    tensors = [arg for arg, value in args.items() if isinstance(value, (torch.Tensor, list))]
+    assert len(tensors) >= 4
+    for arg in tensors:
+        op, args = op_arguments(filled_store(2, 2, 4, 5, 0)[0])[name]
+        args[arg] = to_meta(args[arg])
+        with pytest.raises(ValueError, match=rf"^{arg} must be on cpu .*got a tensor on meta"):
+            op(*args.values())
+    # An op called on meta tensors only (shape inference) runs its fake.
+    op, args = op_arguments(filled_store(2, 2, 4, 5, 0)[0])[name]
+    op(*(to_meta(v) if isinstance(v, (torch.Tensor, list)) else v for v in args.values()))
+
+
+def test_every_store_method_refuses_a_meta_tensor():
+    B, H, D = 2, 2, 4
+    s, _, gen = filled_store(B, H, D, 5, 0)
+    k, k1 = torch.randn(B, H, 2, D, generator=gen), torch.randn(B, H, 1, D, generator=gen)
+    q = torch.randn(B, 2 * H, 1, D, generator=gen)
+    meta = lambda t: t.to("meta")
+    slot, pos1 = torch.zeros(B, H, dtype=torch.long), torch.full((B,), 9)
+    calls = {
+        "append k": ("k", lambda: s.append(meta(k), k, torch.arange(5, 7))),
+        "append v": ("v", lambda: s.append(k, meta(k), torch.arange(5, 7))),
+        "append pos": ("pos", lambda: s.append(k, k, meta(torch.arange(5, 7)))),
+        "append valid": ("valid", lambda: s.append(k, k, torch.arange(5, 7), meta(torch.ones(B, 2, dtype=torch.bool)))),
+        "replace slot": ("slot", lambda: s.replace(meta(slot), k1, k1, pos1)),
+        "replace k": ("k", lambda: s.replace(slot, meta(k1), k1, pos1)),
+        "replace v": ("v", lambda: s.replace(slot, k1, meta(k1), pos1)),
+        "replace pos": ("pos", lambda: s.replace(slot, k1, k1, meta(pos1))),
+        "compact keep": ("keep", lambda: s.compact(meta(torch.ones(s.capacity, dtype=torch.bool)))),
+        "select k": ("k", lambda: s.select(meta(torch.full((B, H), 2)))),
+        "select scores": ("scores", lambda: s.select(2, meta(torch.randn(s.capacity)))),
+        "select grouped k": ("k", lambda: s.select(meta(torch.full((B,), 4)), grouped=True)),
+        "set_scores": ("scores", lambda: s.set_scores(meta(torch.zeros(s.capacity, 1)))),
+        "append_and_attend q": ("q", lambda: s.append_and_attend(meta(q), k1, k1, torch.full((B, 1), 5), 0.5)),
+        "append_and_attend k": ("k", lambda: s.append_and_attend(q, meta(k1), k1, torch.full((B, 1), 5), 0.5)),
+        "append_and_attend pos": ("pos", lambda: s.append_and_attend(q, k1, k1, meta(torch.full((B, 1), 5)), 0.5)),
+        "ragged_attention q": ("q", lambda: ragged_attention(meta(q), s)),
+        "ragged_attention q_pos": ("q_pos", lambda: ragged_attention(q, s, q_pos=meta(torch.full((B, 1), 9)))),
+    }
+    before = store_state(s)
+    for what, (arg, call) in calls.items():
+        with pytest.raises(ValueError, match=rf"^{arg} must be on cpu.*got .*meta") as err:
+            call()
+        assert same_store(before, store_state(s)), what
+    # The same calls with every tensor on the CPU run (they are refused for the meta one only).
+    s.append(k, k, torch.arange(5, 7))
+    s.replace(slot, k1, k1, pos1)
+    s.select(2, torch.randn(s.capacity))
+    s.compact(torch.ones(s.capacity, dtype=torch.bool))
+    s.append_and_attend(q, k1, k1, torch.full((B, 1), 7), 0.5)
+    ragged_attention(q, s, q_pos=torch.full((B, 1), 9))
+
+
 # ------------------------------------------------------------------ the command line
 def run_cli(args):
     from kvcache_ext import cli

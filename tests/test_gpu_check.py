@@ -24,8 +24,8 @@ def test_dry_run_walks_every_stage():
     assert "--contexts 8192 --batches 1" in out.stdout
     assert "compute-sanitizer" in out.stdout and "bench/nsight/profile.sh" in out.stdout
     assert "dry run: would write" in out.stdout
-    # The test stage runs the custom ops' opcheck and the review's tests on CUDA too.
-    assert "tests/test_ops.py" in out.stdout and "tests/test_review.py" in out.stdout
+    # The test stage runs the custom ops' opcheck and the patch-time head_dim checks on CUDA too.
+    assert "tests/test_ops.py" in out.stdout and "tests/test_patch.py" in out.stdout
     # One pytest process per test file: a crash in one does not hide the others.
     assert "for f in tests/test_build.py" in out.stdout and "bench/gpu_probe.py --gdb" in out.stdout
 

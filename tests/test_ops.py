@@ -65,7 +65,7 @@ def test_opcheck_store_append(device, shape, some):
     valid = None
     if some:   # only the valid tokens are stored: the op gets their ranks and counts
         valid = (torch.rand(store.batch, store.heads, n, generator=torch.Generator().manual_seed(3)) < 0.5).to(device)
-    pos32, rank, counts = store._store.prepare_append(k, v, torch.arange(100, 100 + n), valid)
+    pos32, rank, counts = store._allocator.prepare_append(k, v, torch.arange(100, 100 + n), valid)
     store._refresh()
     assert (rank is not None and counts is not None) == some
     pool, table, lens = store.state()
@@ -152,42 +152,6 @@ def test_opcheck_attention_run(device, shape, n, stats):
             test_utils=UTILS)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_ops_path_matches_the_kernels_path(device):
-    """The Python store runs on the ops; the compiled store's own methods call the kernels
-    directly (compact, replace, select): a sequence of operations leaves both the same."""
-    gen = torch.Generator().manual_seed(8)
-    B, H, D = 2, 3, 16
-    stores = [kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.float32, device=device, page_size=4)
-              for _ in range(2)]
-    by_ops, by_class = stores[0], stores[1]._store
-    for step in range(6):
-        k, v = (torch.randn(B, H, 5, D, generator=gen).to(device) for _ in range(2))
-        valid = (torch.rand(B, H, 5, generator=gen) < 0.7).to(device)
-        pos = torch.arange(5 * step, 5 * step + 5)
-        by_ops.append(k, v, pos, valid)
-        by_class.append(k, v, pos, valid)
-        scores = torch.randn(by_ops.capacity, generator=gen).to(device)
-        budget = torch.full((B, H), 4)
-        keep = by_ops.select(budget, scores)
-        if device == "cpu":
-            assert torch.equal(keep, by_class.select(scores, budget.reshape(-1), False)[0])
-        by_ops.compact(keep)
-        by_class.compact(keep)
-        if step % 2:
-            slot = (by_ops.lens - 1).clamp(min=0)
-            k1, v1 = (torch.randn(B, H, 1, D, generator=gen).to(device) for _ in range(2))
-            live = (by_ops.lens > 0).all()
-            if live:
-                by_ops.replace(slot, k1, v1, torch.full((B,), 100 + step))
-                by_class.replace(slot, k1, v1, torch.full((B,), 100 + step), True)
-    assert torch.equal(by_ops.len, by_class.len)
-    assert torch.equal(by_ops.page_table, by_class.page_table)
-    index, mask = by_ops.slot_index()
-    for name in ("k", "v", "pos", "scores"):
-        assert torch.equal(getattr(by_ops, name)[index[mask]], getattr(by_class, name)[index[mask]]), name
-
-
 def test_accessors_and_state():
     """Accessors are copies; ``state`` hands the store's own tensors, for the ops."""
     store = make_store(SHAPES[1], "cpu")
@@ -232,11 +196,11 @@ def test_ops_compile_fullgraph():
     """The ops themselves trace into one graph (fake implementations, mutation of the state)."""
     store = make_store(SHAPES[1], "cpu")
     k, v = tokens(store, 1)
-    pos32, rank, counts = store._store.prepare_append(k, v, torch.full((2, 1), 60), None)
+    pos32, rank, counts = store._allocator.prepare_append(k, v, torch.full((2, 1), 60), None)
     store._refresh()
     pool, table, lens = store.state()
     P, D, C, dtype = meta(store)
-    plan = store._store.attention_plan(2)   # the lengths after the append (host copy advanced)
+    plan = store.attention_plan(2)   # the lengths after the append (host copy advanced)
     q = torch.randn(2, 4, 1, 16)
 
     def step(pool, table, lens, q, k, v, pos, plan):

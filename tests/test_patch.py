@@ -473,3 +473,23 @@ def test_a_padded_decode_step_reads_the_mask_once_for_every_layer(monkeypatch):
         got = teacher_forced(model, handle.new_cache(), ids, mask, steps=4)
     assert torch.equal(got, want)
     assert reads.count(1) == 4 and len(reads) == 4 + 3     # per decode step; per layer at the prompt
+
+
+# The CUDA attention kernel's head_dim sizes, refused when the model is patched, not at its
+# first decode step.
+def test_cuda_head_dims_are_checked_at_patch_time():
+    from kvcache_ext.kernels.attention import CUDA_HEAD_DIMS, check_head_dim
+    assert CUDA_HEAD_DIMS == (64, 80, 96, 112, 128, 192, 256)
+    for D in CUDA_HEAD_DIMS:
+        check_head_dim(D, torch.device("cuda"))
+    check_head_dim(48, torch.device("cpu"))   # the CPU kernels take any head_dim
+    with pytest.raises(ValueError, match=r"head_dim 64, 80, 96, 112, 128, 192 and 256, got 48;"):
+        check_head_dim(48, torch.device("cuda"))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kvcache_ext.build_info()["cuda"]),
+                    reason="needs a GPU and the CUDA kernels")
+def test_patch_refuses_a_cuda_model_of_unsupported_head_dim():
+    model = tiny_model("llama", heads=4, kv_heads=2, head_dim=16).cuda()
+    with pytest.raises(ValueError, match="head_dim .*, got 16;"):
+        kvcache_ext.patch(model, Policy(H2O(), budget=8))

@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext import reference
-from conftest import DEVICES, DTYPES
+from kvcache_ext.kernels.ops import ops
+from conftest import DEVICES, DTYPES, filled_store
+from test_attention import check_against_reference
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -395,16 +397,18 @@ def test_store_select_rejects_bad_input():
     k = torch.randn(B, H, 5, 8, dtype=torch.float16)
     store.append(k, k, torch.arange(5))
     cap, S = store.capacity, B * H
-    raw = store._store.select
+    # The store_topk op itself (what select calls on a CPU store), past select's Python checks.
+    raw = lambda scores, k, grouped: ops.store_topk(*store.state(), scores, k, H if grouped else 1,
+                                                   store.page_size, 8, 1, torch.float16)
     bad_calls = [
         (ValueError, r"k \(the budget\) must be >= 0, got k\[4\] = -2",
          lambda: raw(None, torch.tensor([1, 1, 1, 1, -2, 1]), False)),
         (ValueError, r"k \(the budget\) must have shape \[6\] \(one per segment\), got \[2\]",
          lambda: raw(None, torch.ones(B, dtype=torch.long), False)),
-        (ValueError, r"k \(the budget\) must have shape \[2\] \(one per batch item\)",
+        (ValueError, r"k \(the budget\) must have shape \[2\] \(one per group of 3 segments\)",
          lambda: raw(None, torch.ones(S, dtype=torch.long), True)),
         (TypeError, "k .*integer", lambda: raw(None, torch.ones(S), False)),
-        (ValueError, r"scores must be \[capacity\] = \[\d+\] in slot layout or \[batch, heads, L\] = \[2, 3, L >= 5\]",
+        (ValueError, r"scores must be \[capacity\] = \[\d+\] in slot layout or \[batch, heads, L >= 5\] padded",
          lambda: raw(torch.zeros(cap + 1), torch.ones(S, dtype=torch.long), False)),
         (ValueError, r"L >= 5\] padded, got shape \[2, 3, 4\]",
          lambda: raw(torch.zeros(B, H, 4), torch.ones(S, dtype=torch.long), False)),
@@ -451,3 +455,89 @@ def test_large_cpu_slabs_ask_for_huge_pages():
                 flags = line.split()[1:]
                 break
     assert flags is not None and "hg" in flags
+
+
+# A segment longer than 65,535 tokens (past any CUDA grid y/z limit, past 16-bit counts).
+@pytest.mark.parametrize("device", DEVICES)
+def test_segment_longer_than_65535_tokens(device):
+    long = 70_001
+    store = filled_store(1, 2, 64, torch.float32, device, [long, 5], page_size=64)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 1, 64, generator=gen).to(device)
+    check_against_reference(store, q, 0.125, None, True)
+    # Compaction and selection of the long segment: keep every third token.
+    keep = torch.zeros(store.capacity, dtype=torch.bool, device=device)
+    index, mask = store.slot_index()
+    keep[index[0, 0, ::3]] = True
+    keep[index[0, 1, :5]] = True
+    pos_before = store.to_padded(store.pos)[0, 0, ::3].clone()
+    store.compact(keep)
+    assert store.lens.tolist() == [[len(range(0, long, 3)), 5]]
+    assert torch.equal(store.to_padded(store.pos)[0, 0, :store.lens[0, 0]], pos_before)
+    budget = torch.tensor([[20_000, 3]])
+    kept = store.select(budget, store.to_padded(store.pos).float())   # highest positions win
+    assert store.to_padded(kept)[0, 0].sum() == 20_000 and store.to_padded(kept)[0, 1].sum() == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B, H", [(1, 1), (1, 4), (2, 3), (40, 8), (320, 1)])
+def test_compaction_and_selection_with_few_and_many_segments(device, B, H):
+    """On CUDA, fewer segments (or groups) than SMs take several blocks per segment in
+    compaction and device-wide sorts in selection; 320 segments (more than any GPU's SMs)
+    take one block per segment and CUB's segmented sort. Both against the reference, with
+    ragged, empty and one-token segments and tiles that straddle pages."""
+    gen = torch.Generator().manual_seed(B * 100 + H)
+    lens = torch.randint(0, 700, (B * H,), generator=gen)
+    lens[0], lens[-1] = 0, 1 if B * H > 1 else 0
+    store = filled_store(B, H, 8, torch.float32, device, lens.tolist(), page_size=16, seed=B + H)
+    dense = store.to_dense()
+    # Selection: ties among the scores (a few values), a random budget per segment and per item.
+    scores = torch.randint(0, 5, dense.mask.shape, generator=gen).float()
+    S = B * H
+    k = torch.randint(0, 720, (B, H), generator=gen)
+    keep = store.select(k.to(device), scores.to(device))
+    want = reference.segmented_topk(scores.view(S, -1), dense.pos.cpu().view(S, -1).long(),
+                                    store.lens.view(S), k.view(S)).view(dense.mask.shape)
+    assert torch.equal(store.to_padded(keep, False).cpu(), want)
+    kg = torch.randint(0, 720 * H, (B,), generator=gen)
+    keep_g, counts = store.select(kg.to(device), scores.to(device), grouped=True)
+    want_g, want_counts = reference.grouped_topk(scores.view(S, -1), dense.pos.cpu().view(S, -1).long(),
+                                                 store.lens.view(S), H, kg)
+    assert torch.equal(store.to_padded(keep_g, False).cpu(), want_g.view(dense.mask.shape))
+    assert torch.equal(counts.cpu(), want_counts.view(B, H))
+    # Compaction of a random keep mask (tiles of 256 tokens straddle the 16-token pages).
+    mask = torch.rand(dense.mask.shape, generator=gen) < 0.4
+    mask[..., :300] |= torch.rand(B, H, 1, generator=gen) < 0.5   # some long kept prefixes
+    mask &= dense.mask.cpu()
+    want_k = [dense.k.cpu()[b, h][mask[b, h]] for b in range(B) for h in range(H)]
+    store.compact(store.from_padded(mask.to(device), False))
+    after = store.to_dense()
+    assert torch.equal(store.lens.view(S), mask.view(S, -1).sum(1))
+    for s in range(S):
+        n = int(store.lens.view(S)[s])
+        assert torch.equal(after.k.cpu().view(S, -1, 8)[s, :n], want_k[s])
+
+
+# No host sync per decoded token in the store's growth (new pages), reserve and shrink, and in
+# its selection; one per eviction (the compaction's new lengths).
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+def test_cuda_no_host_sync_in_decoding_growth_reserve_shrink_and_selection():
+    """torch.cuda.set_sync_debug_mode('error') raises on any synchronizing call."""
+    B, H, D = 2, 4, 128
+    store = filled_store(B, H, D, torch.float16, "cuda", [40] * (B * H), page_size=16)
+    q = torch.randn(B, 8, 1, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(B, H, 1, D, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(40):                     # crosses pages: new slabs, page table uploads
+            store.append(k, k, torch.full((B, 1), 40 + step, device="cuda"))
+            kvcache_ext.ragged_attention(q, store)
+        store.reserve(64)
+        store.shrink_to_fit()
+        store.repack(16)
+        keep = store.select(torch.full((B, H), 30, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    store.compact(keep)                            # the one sync of an eviction
+    assert store.lens.tolist() == [[30] * H] * B

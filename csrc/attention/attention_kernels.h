@@ -1,5 +1,5 @@
 // Kernels of the attention over the ragged store, one CPU and one CUDA implementation.
-// They trust their inputs: ragged_attention.cpp checks everything first.
+// They trust their inputs: the attention_run op (ops.cpp) checks everything first.
 //
 // Rows of a segment: segment s = (b, h) serves the R = G * n query rows (g, i) of the
 // query heads h * G + g (HF's repeat_kv grouping) and the n new tokens i. Row r = g * n + i,

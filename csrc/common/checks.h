@@ -20,6 +20,14 @@ inline void check_device(const at::Tensor& t, const at::Device& device, const ch
   TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, ", got ", t.device());
 }
 
+// Inputs the entry point copies to the state's device itself (positions, slots, budgets):
+// on that device or on the CPU. A meta tensor (no data) or another device's is refused here,
+// by name, rather than failing in the copy.
+inline void check_device_or_cpu(const at::Tensor& t, const at::Device& device, const char* name) {
+  TORCH_CHECK_VALUE(t.device() == device || t.device().is_cpu(), name, " must be on ", device,
+                    (device.is_cpu() ? "" : " or on the CPU"), ", got ", t.device());
+}
+
 inline void check_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
@@ -40,10 +48,6 @@ inline at::Tensor as_int32(const at::Tensor& t, const at::Device& device, const 
   return t.to(device, at::kInt).contiguous();
 }
 
-// Positions as as_int32 gives them, refused (not wrapped) when a value is outside [lo, 2^31 - 1].
-// The values are read on the host: free for a tensor on the CPU (whatever the store's device);
-// a tensor already on a CUDA device is not read, since that would cost a host sync per call
-// (the eviction engine keeps its positions below 2^31 on the host).
 // Segment lengths ``len``: a contiguous int32 [S] tensor on ``device``.
 inline void check_lengths(const at::Tensor& len, const at::Device& device, int64_t S) {
   check_defined(len, "len");
@@ -53,11 +57,16 @@ inline void check_lengths(const at::Tensor& len, const at::Device& device, int64
   check_contiguous(len, "len");
 }
 
+// Positions as as_int32 gives them, refused (not wrapped) when a value is outside [lo, 2^31 - 1].
+// The values are read on the host: free for a tensor on the CPU (whatever the store's device);
+// a tensor already on a CUDA device is not read, since that would cost a host sync per call
+// (the eviction engine keeps its positions below 2^31 on the host).
 inline at::Tensor as_position32(const at::Tensor& t, const at::Device& device, const char* name,
                                 int64_t lo) {
   check_defined(t, name);
   TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
                    t.scalar_type());
+  check_device_or_cpu(t, device, name);
   if (t.device().is_cpu() && t.numel() > 0) {
     const at::Tensor wide = t.scalar_type() == at::kLong ? t : t.to(at::kLong);
     const auto [low, high] = at::aminmax(wide);

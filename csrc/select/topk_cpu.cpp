@@ -143,26 +143,36 @@ void add_run(Candidates& c, const float* score, int64_t stride, const int32_t* p
   c.size += count;
 }
 
+// The slot-layout inputs of segmented_topk_cpu and grouped_topk_cpu, as the kernels read them.
+struct SlotLayout {
+  const float* scores;
+  const int32_t* pos;
+  const int64_t* start;
+  const int32_t* len;
+  const int32_t* k;
+  bool* keep;
+  SlotLayout(const at::Tensor& scores_t, const at::Tensor& pos_t, const at::Tensor& start_t,
+             const at::Tensor& len_t, const at::Tensor& k_t, const at::Tensor& keep_t)
+      : scores(scores_t.data_ptr<float>()), pos(pos_t.data_ptr<int32_t>()),
+        start(start_t.data_ptr<int64_t>()), len(len_t.data_ptr<int32_t>()),
+        k(k_t.data_ptr<int32_t>()), keep(keep_t.data_ptr<bool>()) {}
+};
+
 }  // namespace
 
 void segmented_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                         const at::Tensor& len, const at::Tensor& k, const at::Tensor& keep) {
-  const float* scores_p = scores.data_ptr<float>();
-  const int32_t* pos_p = pos.data_ptr<int32_t>();
-  const int64_t* start_p = start.data_ptr<int64_t>();
-  const int32_t* len_p = len.data_ptr<int32_t>();
-  const int32_t* k_p = k.data_ptr<int32_t>();
-  bool* keep_p = keep.data_ptr<bool>();
+  const SlotLayout in(scores, pos, start, len, k, keep);
   at::parallel_for(0, start.size(0), 1, [&](int64_t begin, int64_t end) {
     Candidates cand;
     for (int64_t s = begin; s < end; ++s) {
-      if (k_p[s] >= len_p[s]) {  // everything is kept: no keys needed
-        std::fill_n(keep_p + start_p[s], len_p[s], true);
+      if (in.k[s] >= in.len[s]) {  // everything is kept: no keys needed
+        std::fill_n(in.keep + in.start[s], in.len[s], true);
         continue;
       }
-      cand.clear(len_p[s]);
-      add_run(cand, scores_p + start_p[s], 1, pos_p + start_p[s], start_p[s], len_p[s]);
-      keep_best(cand, k_p[s], keep_p, nullptr, 1, nullptr);
+      cand.clear(in.len[s]);
+      add_run(cand, in.scores + in.start[s], 1, in.pos + in.start[s], in.start[s], in.len[s]);
+      keep_best(cand, in.k[s], in.keep, nullptr, 1, nullptr);
     }
   });
 }
@@ -170,24 +180,19 @@ void segmented_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const a
 void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                       const at::Tensor& len, int64_t group_size, const at::Tensor& k,
                       const at::Tensor& keep, const at::Tensor& counts) {
-  const float* scores_p = scores.data_ptr<float>();
-  const int32_t* pos_p = pos.data_ptr<int32_t>();
-  const int64_t* start_p = start.data_ptr<int64_t>();
-  const int32_t* len_p = len.data_ptr<int32_t>();
-  const int32_t* k_p = k.data_ptr<int32_t>();
-  bool* keep_p = keep.data_ptr<bool>();
+  const SlotLayout in(scores, pos, start, len, k, keep);
   int32_t* counts_p = counts.data_ptr<int32_t>();
   at::parallel_for(0, k.size(0), 1, [&](int64_t begin, int64_t end) {
     Candidates cand;
     std::vector<int64_t> ends(group_size);
     for (int64_t g = begin; g < end; ++g) {
-      cand.clear(std::accumulate(len_p + g * group_size, len_p + (g + 1) * group_size, int64_t{0}));
+      cand.clear(std::accumulate(in.len + g * group_size, in.len + (g + 1) * group_size, int64_t{0}));
       for (int64_t j = 0; j < group_size; ++j) {
         const int64_t s = g * group_size + j;
-        add_run(cand, scores_p + start_p[s], 1, pos_p + start_p[s], start_p[s], len_p[s]);
+        add_run(cand, in.scores + in.start[s], 1, in.pos + in.start[s], in.start[s], in.len[s]);
         ends[j] = cand.size;
       }
-      keep_best(cand, k_p[g], keep_p, ends.data(), group_size, counts_p + g * group_size);
+      keep_best(cand, in.k[g], in.keep, ends.data(), group_size, counts_p + g * group_size);
     }
   });
 }

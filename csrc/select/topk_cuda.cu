@@ -231,7 +231,7 @@ void select_top_k(const at::Tensor& scores, const at::Tensor& pos, const at::Ten
 
 }  // namespace
 
-// keep arrives zeroed (topk.cpp); like the CPU kernel, only kept slots are written.
+// keep arrives zeroed (ops.cpp); like the CPU kernel, only kept slots are written.
 void segmented_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                          const at::Tensor& len, const at::Tensor& k, const at::Tensor& keep) {
   select_top_k(scores, pos, start, len, /*group_size=*/1, k, keep, /*counts=*/nullptr);

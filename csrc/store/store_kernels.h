@@ -1,5 +1,5 @@
 // Kernels of the ragged KV store, one CPU and one CUDA implementation of each.
-// They trust their inputs: RaggedKVStore (ragged_store.cpp) checks everything first.
+// They trust their inputs: the ops (ops.cpp) check everything first.
 // Tokens are found through a PagedView (store/paged_layout.h); K and V rows are moved as
 // raw bytes, so these kernels need no dtype dispatch.
 #pragma once
@@ -22,7 +22,7 @@ void replace_cpu(const PagedView& view, const at::Tensor& slot, const at::Tensor
                  const at::Tensor& new_v, const at::Tensor& new_pos);
 
 // Stable in-place removal of every live token whose keep flag ([capacity] bool, slot
-// layout) is false. Writes the new lengths into len; frees no page (the store does).
+// layout) is false. Writes the new lengths into len; frees no page (the page allocator does).
 void compact_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& keep);
 
 #ifdef KVCACHE_EXT_WITH_CUDA

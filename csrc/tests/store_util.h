@@ -1,17 +1,67 @@
-// Helpers of the GoogleTest cases that read a RaggedKVStore's paged layout
-// (store/paged_layout.h): the slots of each segment's tokens, the pages' addresses, the
-// invariants of the page bookkeeping, and snapshots of where the pages are.
+// The store of the gtests, and helpers that read its paged layout (store/paged_layout.h):
+// the slots of each segment's tokens, the pages' addresses, the invariants of the page
+// bookkeeping, and snapshots of where the pages are.
 //
-// Everything is computed from the store's public API (page_table(), pages_host(), view(),
-// ...) and the layout documented in paged_layout.h, never with the store's own helpers
-// (page_record, PagedView::slot), so that a wrong helper is caught too.
+// OpStore is the store as the Python RaggedKVStore runs it (kvcache_ext/kernels/store.py):
+// the page allocator for the host steps, and every kernel through the C++ function of its
+// op (ops.h) on the allocator's state, so that the gtests test what Python runs. The
+// layout helpers compute everything from the allocator's public API (page_table(),
+// pages_host(), view(), ...) and the layout documented in paged_layout.h, never with the
+// store's own helpers (page_record, PagedView::slot), so that a wrong helper is caught too.
 #pragma once
-#include "store/ragged_store.h"
+#include <tuple>
+
+#include "ops.h"
+#include "store/page_allocator.h"
 #include "tests/test_util.h"
 
 namespace kvtest {
 
-using kvcache_ext::RaggedKVStore;
+using kvcache_ext::PageAllocator;
+
+class OpStore : public PageAllocator {
+ public:
+  using PageAllocator::PageAllocator;
+  using Attention = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+  // RaggedKVStore.append: the allocator's prepare_append, then the store_append op.
+  void append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+              const c10::optional<at::Tensor>& valid = c10::nullopt) {
+    const auto [pos32, rank, counts] = prepare_append(k, v, pos, valid);
+    kvcache_ext::ops::store_append(pool(), page_table_device(), len_device(), k, v, pos32, rank,
+                                   counts, page_size(), score_channels());
+  }
+  // RaggedKVStore.replace: the store_replace op.
+  void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& pos, bool check_bounds) {
+    kvcache_ext::ops::store_replace(pool(), page_table_device(), len_device(), slot, k, v, pos,
+                                    page_size(), head_dim(), score_channels(), dtype(), check_bounds);
+  }
+  // RaggedKVStore.compact: the store_compact op, then the allocator's finish_compact.
+  void compact(const at::Tensor& keep) {
+    kvcache_ext::ops::store_compact(pool(), page_table_device(), len_device(), keep, page_size(),
+                                    head_dim(), score_channels(), dtype());
+    finish_compact();
+  }
+  // RaggedKVStore.select on a CPU store: the store_topk op, k per segment or (grouped) per
+  // batch item.
+  std::tuple<at::Tensor, at::Tensor> select(const c10::optional<at::Tensor>& scores,
+                                            const at::Tensor& k, bool grouped) const {
+    return kvcache_ext::ops::store_topk(pool(), page_table_device(), len_device(), scores, k,
+                                        grouped ? heads() : 1, page_size(), head_dim(),
+                                        score_channels(), dtype());
+  }
+  // ragged_attention: the allocator's attention_plan, then the attention_run op. A statistic
+  // not asked for is an empty tensor.
+  Attention attend(const at::Tensor& q, double scale, const c10::optional<at::Tensor>& q_pos,
+                   bool mass, bool last, bool sum_sq, bool count) const {
+    const int64_t rows = q.defined() && q.dim() == 4 ? q.size(1) / heads() * q.size(2) : 1;
+    return kvcache_ext::ops::attention_run(q, pool(), page_table_device(), len_device(),
+                                           attention_plan(rows), q_pos, scale, heads(), page_size(),
+                                           head_dim(), score_channels(), dtype(), mass, last,
+                                           sum_sq, count);
+  }
+};
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
@@ -29,7 +79,7 @@ struct HostTable {
   int32_t at(int64_t s, int64_t j) const { return ids[s * width + j]; }
 };
 
-inline HostTable host_table(const RaggedKVStore& st) {
+inline HostTable host_table(const PageAllocator& st) {
   const at::Tensor t = st.page_table();
   HostTable h;
   h.width = t.dim() == 2 ? t.size(1) : 0;
@@ -43,7 +93,7 @@ inline int64_t slot_of(const std::vector<int32_t>& pages, int64_t P, int64_t i) 
 }
 
 // The pages each segment owns, in token order (the first pages_host()[s] columns).
-inline std::vector<std::vector<int32_t>> segment_pages(const RaggedKVStore& st) {
+inline std::vector<std::vector<int32_t>> segment_pages(const PageAllocator& st) {
   const HostTable t = host_table(st);
   const std::vector<int32_t> pages = st.pages_host();
   std::vector<std::vector<int32_t>> out(st.num_segments());
@@ -55,7 +105,7 @@ inline std::vector<std::vector<int32_t>> segment_pages(const RaggedKVStore& st) 
 
 // Slots of each segment's live tokens, in token order. PagingConsistent checks first that
 // the segment has pages for them.
-inline std::vector<std::vector<int64_t>> live_slots(const RaggedKVStore& st) {
+inline std::vector<std::vector<int64_t>> live_slots(const PageAllocator& st) {
   const auto pages = segment_pages(st);
   const std::vector<int32_t>& len = st.len_host();
   std::vector<std::vector<int64_t>> out(pages.size());
@@ -66,7 +116,7 @@ inline std::vector<std::vector<int64_t>> live_slots(const RaggedKVStore& st) {
 }
 
 // Address of every page as the kernels see it (view().page_base), read back to the host.
-inline std::vector<int64_t> page_addresses(const RaggedKVStore& st) {
+inline std::vector<int64_t> page_addresses(const PageAllocator& st) {
   const int64_t n = st.num_pages();
   if (n == 0) return {};
   const kvcache_ext::store::PagedView view = st.view();
@@ -83,7 +133,7 @@ struct Placement {
   int64_t num_pages = 0, free_pages = 0, num_slabs = 0, slab_allocations = 0, repacks = 0;
 };
 
-inline Placement placement(const RaggedKVStore& st) {
+inline Placement placement(const PageAllocator& st) {
   Placement p;
   p.table = host_table(st);
   p.pages = st.pages_host();
@@ -137,7 +187,7 @@ inline ::testing::AssertionResult PagesStayed(const Placement& before, const Pla
 
 // True when some segment's pages are not in increasing id order (a page reused from
 // elsewhere in the store), for checking that a scenario fragments the store as it means to.
-inline bool pages_out_of_order(const RaggedKVStore& st) {
+inline bool pages_out_of_order(const PageAllocator& st) {
   for (const auto& pages : segment_pages(st)) {
     for (size_t j = 1; j < pages.size(); ++j) {
       if (pages[j] < pages[j - 1]) return true;
@@ -147,7 +197,7 @@ inline bool pages_out_of_order(const RaggedKVStore& st) {
 }
 
 // The invariants of the paged bookkeeping, whatever operations led there.
-inline ::testing::AssertionResult PagingConsistent(const RaggedKVStore& st) {
+inline ::testing::AssertionResult PagingConsistent(const PageAllocator& st) {
   auto fail = [] { return ::testing::AssertionFailure(); };
   const int64_t S = st.num_segments(), P = st.page_size();
   if (P < 1 || P > 1024 || (P & (P - 1)) != 0) return fail() << "page_size " << P;

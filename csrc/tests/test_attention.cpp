@@ -1,4 +1,5 @@
-// ragged_attention (attention/ragged_attention.h) against a plain reference written as loops
+// The attention as kvcache_ext.ragged_attention runs it (the page allocator's attention_plan,
+// then the attention_run op: kvtest::OpStore::attend) against a plain reference written as loops
 // in double: per segment, gather its live slots (through the store's page table), softmax
 // each query row over the visible ones, and add up the per-slot statistics of
 // attention/attention_kernels.h (in slot layout: zero wherever no live token is).
@@ -22,14 +23,12 @@
 
 #include "attention/attention_cpu_tiles.h"
 #include "attention/cuda_head_dims.h"
-#include "attention/ragged_attention.h"
-#include "store/ragged_store.h"
 #include "tests/store_util.h"
 #include "tests/test_util.h"
 
 namespace {
 
-using kvcache_ext::RaggedKVStore;
+using Store = kvtest::OpStore;
 using kvtest::Throws;
 
 const at::Device kCuda(at::kCUDA, 0);
@@ -134,12 +133,12 @@ std::vector<AttnCase> attn_cases() {
 // One CPU store and, for a CUDA twin, one CUDA store built by the same operations.
 struct Scenario {
   std::vector<at::Device> devices;
-  std::vector<std::unique_ptr<RaggedKVStore>> stores;
+  std::vector<std::unique_ptr<Store>> stores;
   at::Tensor q;                     // [B, Hq, n, D] on the CPU (sometimes a transposed view)
   c10::optional<at::Tensor> q_pos;  // on the CPU
   double scale = 0;
 
-  const RaggedKVStore& cpu() const { return *stores[0]; }
+  const Store& cpu() const { return *stores[0]; }
   c10::optional<at::Tensor> q_pos_on(const at::Device& d) const {
     if (!q_pos) return c10::nullopt;
     return q_pos->to(d);
@@ -171,9 +170,9 @@ void build(const AttnCase& c, bool cuda, Scenario& sc) {
   if (cuda) sc.devices.push_back(kCuda);
   for (const auto& d : sc.devices) {
     const at::Tensor like = at::empty({0}, at::TensorOptions().dtype(c.dtype).device(d));
-    sc.stores.push_back(std::make_unique<RaggedKVStore>(B, H, D, 1, like, P));
+    sc.stores.push_back(std::make_unique<Store>(B, H, D, 1, like, P));
   }
-  const RaggedKVStore& cpu = sc.cpu();
+  const Store& cpu = sc.cpu();
   const bool per_batch = c.seed % 2 == 1;  // positions [B, m] with per-batch offsets, else [m]
   auto positions = [&](int64_t first, int64_t m) {
     const at::Tensor p = at::arange(first, first + m, at::kLong);
@@ -343,7 +342,7 @@ struct Reference {
 };
 
 // Dense attention per segment in double, from the inputs as the store holds them.
-Reference reference_attention(const at::Tensor& q, const RaggedKVStore& st, double scale,
+Reference reference_attention(const at::Tensor& q, const Store& st, double scale,
                               const c10::optional<at::Tensor>& q_pos) {
   const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t H = st.heads(), G = Hq / H, capacity = st.capacity();
@@ -442,9 +441,9 @@ std::string describe(const Want& w) {
 
 using Result = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-Result attend(const RaggedKVStore& st, const at::Tensor& q, const c10::optional<at::Tensor>& q_pos,
+Result attend(const Store& st, const at::Tensor& q, const c10::optional<at::Tensor>& q_pos,
               double scale, const Want& w) {
-  return kvcache_ext::ragged_attention(q, st, scale, q_pos, w.mass, w.last, w.sum_sq, w.count);
+  return st.attend(q, scale, q_pos, w.mass, w.last, w.sum_sq, w.count);
 }
 
 // Tolerances: float32 arithmetic on both sides (relative to the magnitude of the terms summed),
@@ -508,20 +507,21 @@ std::vector<double> doubles(const at::Tensor& t) {
   return {f.begin(), f.end()};
 }
 
-// Checks one statistic's presence, shape, dtype and device.
+// Checks one statistic's shape, dtype and device; one not asked for is an empty tensor (an op
+// returns no None).
 void expect_stat_tensor(const at::Tensor& t, bool wanted, at::IntArrayRef shape,
                         at::ScalarType dtype, const at::Device& d, const char* name) {
   SCOPED_TRACE(name);
-  EXPECT_EQ(t.defined(), wanted) << name << (wanted ? " was asked for" : " was not asked for");
-  if (!wanted || !t.defined()) return;
-  EXPECT_EQ(t.sizes(), shape);
+  ASSERT_TRUE(t.defined()) << name;
+  EXPECT_EQ(t.sizes(), wanted ? shape : at::IntArrayRef({0}))
+      << name << (wanted ? " was asked for" : " was not asked for");
   EXPECT_EQ(t.scalar_type(), dtype);
   EXPECT_EQ(t.device(), d);
 }
 
 // Checks a result against the reference (cpu == nullptr) or against the CPU result of the
 // same inputs (cpu != nullptr; the reference then only says where exact zeros are due).
-void expect_result(const Result& res, const RaggedKVStore& st, const at::Tensor& q, const Want& w,
+void expect_result(const Result& res, const Store& st, const at::Tensor& q, const Want& w,
                    const at::Device& d, const Reference& ref, const Result* cpu) {
   const auto& [out, mass, last, sum_sq, count] = res;
   const int64_t capacity = st.capacity(), G = q.size(1) / st.heads();
@@ -582,18 +582,18 @@ struct Snapshot {
   kvtest::Placement placement;     // pages, their addresses and the counters
 };
 
-std::vector<at::Tensor> store_tensors(const RaggedKVStore& st) {
+std::vector<at::Tensor> store_tensors(const Store& st) {
   return {st.k(), st.v(), st.pos(), st.scores(), st.len(), st.page_table()};
 }
 
-Snapshot snapshot(const RaggedKVStore& st) {
+Snapshot snapshot(const Store& st) {
   Snapshot s;
   for (const at::Tensor& t : store_tensors(st)) s.copies.push_back(kvtest::host(t));
   s.placement = kvtest::placement(st);
   return s;
 }
 
-::testing::AssertionResult Unchanged(const RaggedKVStore& st, const Snapshot& s) {
+::testing::AssertionResult Unchanged(const Store& st, const Snapshot& s) {
   static const char* names[] = {"k", "v", "pos", "scores", "len", "page_table"};
   const ::testing::AssertionResult same_pages = kvtest::SamePlacement(s.placement, kvtest::placement(st));
   if (!same_pages) return same_pages;
@@ -625,7 +625,7 @@ std::vector<std::string> cpu_isas() {
 void matches_reference(const AttnCase& c, bool cuda) {
   Scenario sc;
   KVTEST_STEP("building the store", build(c, cuda, sc));
-  const RaggedKVStore& st = sc.cpu();
+  const Store& st = sc.cpu();
   const Reference ref = reference_attention(sc.q, st, sc.scale, sc.q_pos);
   std::vector<Snapshot> before;
   for (const auto& s : sc.stores) before.push_back(snapshot(*s));
@@ -647,7 +647,7 @@ void matches_reference(const AttnCase& c, bool cuda) {
       }
     }
     if (!cuda) continue;
-    const RaggedKVStore& gst = *sc.stores[1];
+    const Store& gst = *sc.stores[1];
     const at::Tensor q_g = sc.q.to(kCuda);
     const c10::optional<at::Tensor> q_pos_g = sc.q_pos_on(kCuda);
     if (!cuda_head_dim(c.D)) {
@@ -705,7 +705,7 @@ ATTN_TEST(RejectsBadInputs) {
     for (size_t i = 0; i < sc.stores.size(); ++i) {
       const at::Device d = sc.devices[i];
       SCOPED_TRACE(::testing::Message() << "store on " << d);
-      const RaggedKVStore& st = *sc.stores[i];
+      const Store& st = *sc.stores[i];
       const Snapshot before = snapshot(st);
       const at::Tensor q = sc.q.to(d);
       const at::Tensor qp = sc.q_pos->to(d);
@@ -713,7 +713,7 @@ ATTN_TEST(RejectsBadInputs) {
       const auto o = at::TensorOptions().device(d);
       auto call = [&st](const at::Tensor& qq, const c10::optional<at::Tensor>& p, double scale) {
         return [&st, qq, p, scale] {
-          kvcache_ext::ragged_attention(qq, st, scale, p, true, true, true, true);
+          st.attend(qq, scale, p, true, true, true, true);
         };
       };
       auto tok = [&](int64_t b, int64_t hq, int64_t m, int64_t dd) {
@@ -772,7 +772,7 @@ TEST(Attention, RejectsUnsupportedHeadDimCuda) {
       const AttnCase c{dt, 2, 2, 2, D, 3, QPos::kBlock, seed++};
       Scenario sc;
       KVTEST_STEP("building the store", build(c, true, sc));
-      const RaggedKVStore& gst = *sc.stores[1];
+      const Store& gst = *sc.stores[1];
       const Snapshot before = snapshot(gst);
       const at::Tensor q_g = sc.q.to(kCuda);
       for (const Want& w : {kAllStats, kNoStats}) {

@@ -1,5 +1,7 @@
-// RaggedKVStore against a plain host model: one std::vector of tokens per segment, and the
-// page bookkeeping the store promises (pages per segment, free pages, slabs, repacks).
+// The store as the Python RaggedKVStore runs it (kvtest::OpStore: the page allocator and the
+// store ops' C++ functions on its state) against a plain host model: one std::vector of tokens
+// per segment, and the page bookkeeping the allocator promises (pages per segment, free pages,
+// slabs, repacks).
 //
 // Every scenario runs on the CPU store; its *Cuda twin runs the same operations with the
 // same inputs on a CPU store and a CUDA store side by side, checks both against the model
@@ -12,14 +14,14 @@
 #include <functional>
 #include <memory>
 
-#include "select/topk.h"
-#include "store/ragged_store.h"
+#include "ops.h"
 #include "tests/store_util.h"
 #include "tests/test_util.h"
 
 namespace {
 
-using kvcache_ext::RaggedKVStore;
+using kvcache_ext::PageAllocator;
+using kvtest::OpStore;
 using kvtest::ceil_div;
 using kvtest::Placement;
 using kvtest::Throws;
@@ -46,7 +48,7 @@ struct Token {
   std::vector<uint32_t> scores;
 };
 
-// The page bookkeeping of the store's contract (ragged_store.h): a segment owns the pages
+// The page bookkeeping of the allocator's contract (page_allocator.h): a segment owns the pages
 // for its tokens, or for the tokens reserve/repack asked room for; growth takes free pages
 // first and allocates the missing ones as one slab, and an append that allocates a slab
 // gives every segment pages for page_size / 2 tokens more than it needs (the lookahead);
@@ -116,14 +118,14 @@ class StoreHarness {
     if (with_cuda) devices_.emplace_back(at::kCUDA, 0);
     for (const auto& d : devices_) {
       const at::Tensor like = at::empty({0}, at::TensorOptions().dtype(c.dtype).device(d));
-      stores_.push_back(std::make_unique<RaggedKVStore>(c.B, c.H, c.D, c.C, like, c.P));
+      stores_.push_back(std::make_unique<OpStore>(c.B, c.H, c.D, c.C, like, c.P));
     }
   }
 
   int64_t S() const { return c_.B * c_.H; }
-  RaggedKVStore& cpu() { return *stores_[0]; }
+  OpStore& cpu() { return *stores_[0]; }
   size_t num_stores() const { return stores_.size(); }
-  RaggedKVStore& store(size_t i) { return *stores_[i]; }
+  OpStore& store(size_t i) { return *stores_[i]; }
   const at::Device& device(size_t i) const { return devices_[i]; }
   const std::vector<Token>& segment(int64_t s) const { return segs_[s]; }
   const PageModel& model() const { return model_; }
@@ -265,7 +267,7 @@ class StoreHarness {
   void expect_tight() {
     for (size_t i = 0; i < stores_.size(); ++i) {
       SCOPED_TRACE(::testing::Message() << "store on " << devices_[i]);
-      const RaggedKVStore& st = *stores_[i];
+      const OpStore& st = *stores_[i];
       const std::vector<int32_t> pages = st.pages_host();
       int64_t held = st.free_pages();
       for (int64_t s = 0; s < S(); ++s) {
@@ -289,7 +291,7 @@ class StoreHarness {
     }
     if (stores_.size() > 1) {
       SCOPED_TRACE("CUDA store vs CPU store");
-      RaggedKVStore &a = *stores_[0], &b = *stores_[1];
+      OpStore &a = *stores_[0], &b = *stores_[1];
       EXPECT_TRUE(kvtest::BytesEqual(b.page_table(), a.page_table()));
       EXPECT_TRUE(kvtest::BytesEqual(b.len(), a.len()));
       EXPECT_EQ(b.pages_host(), a.pages_host());
@@ -317,13 +319,13 @@ class StoreHarness {
     return Token{{kp, kp + bytes}, {vp, vp + bytes}, pos, std::vector<uint32_t>(c_.C, 0u)};
   }
 
-  static at::Tensor live_index(const RaggedKVStore& st) {
+  static at::Tensor live_index(const OpStore& st) {
     std::vector<int64_t> idx;
     for (const auto& seg : kvtest::live_slots(st)) idx.insert(idx.end(), seg.begin(), seg.end());
     return kvtest::from_vec(idx, at::kLong);
   }
 
-  void verify_store(RaggedKVStore& st, const at::Device& d) {
+  void verify_store(OpStore& st, const at::Device& d) {
     const int64_t S = this->S();
     ASSERT_TRUE(kvtest::PagingConsistent(st));
     EXPECT_EQ(st.device(), d);
@@ -393,7 +395,7 @@ class StoreHarness {
 
   StoreCase c_;
   std::vector<at::Device> devices_;
-  std::vector<std::unique_ptr<RaggedKVStore>> stores_;
+  std::vector<std::unique_ptr<OpStore>> stores_;
   std::vector<std::vector<Token>> segs_;
   PageModel model_;
 };
@@ -449,7 +451,7 @@ STORE_SCENARIO(EmptyStore) {
   const int64_t S = c.B * c.H;
   KVTEST_STEP("fresh store", h.verify());
   for (size_t i = 0; i < h.num_stores(); ++i) {
-    const RaggedKVStore& st = h.store(i);
+    const OpStore& st = h.store(i);
     EXPECT_EQ(st.capacity(), 0);
     EXPECT_EQ(st.num_pages(), 0);
     EXPECT_EQ(st.num_slabs(), 0);
@@ -792,7 +794,7 @@ STORE_SCENARIO(ReserveAndRepack) {
   KVTEST_STEP("after shrink_to_fit", h.verify());
   KVTEST_STEP("tight after shrink_to_fit", h.expect_tight());
   for (size_t d = 0; d < h.num_stores(); ++d) {
-    const RaggedKVStore& st = h.store(d);
+    const OpStore& st = h.store(d);
     EXPECT_EQ(st.free_pages(), 0);
     EXPECT_EQ(st.repacks(), repacks_before + (st.num_tokens() > 0 ? 1 : 0));
     EXPECT_LE(st.nbytes(), bytes_before);
@@ -1009,7 +1011,7 @@ STORE_SCENARIO(EvictWithTopk) {
     for (size_t j = 0; j < packed_slots.size(); ++j) want[packed_slots[j]] = want_packed[j];
     for (size_t i = 0; i < h.num_stores(); ++i) {
       SCOPED_TRACE(::testing::Message() << "selection on " << h.device(i));
-      RaggedKVStore& st = h.store(i);
+      OpStore& st = h.store(i);
       const at::Device d = h.device(i);
       const at::Tensor index_d = index.to(d);
       const at::Tensor sc_d = scores.to(d).index_select(0, index_d);
@@ -1019,10 +1021,10 @@ STORE_SCENARIO(EvictWithTopk) {
       const at::Tensor k_d = kvtest::from_vec(budget, at::kLong).to(d);
       at::Tensor kept;
       if (!grouped) {
-        kept = kvcache_ext::segmented_topk(sc_d, pos_d, start_d, len_d, k_d);
+        kept = kvcache_ext::ops::segmented_topk(sc_d, pos_d, start_d, len_d, k_d);
       } else {
         at::Tensor counts;
-        std::tie(kept, counts) = kvcache_ext::grouped_topk(sc_d, pos_d, start_d, len_d, c.H, k_d);
+        std::tie(kept, counts) = kvcache_ext::ops::grouped_topk(sc_d, pos_d, start_d, len_d, c.H, k_d);
         EXPECT_EQ(kvtest::to_vec<int32_t>(counts), want_counts);
       }
       EXPECT_EQ(kept.device(), d);
@@ -1033,7 +1035,7 @@ STORE_SCENARIO(EvictWithTopk) {
     // The store's own selection (CPU): through its pages, with the scores in slot layout,
     // padded with a spare column, or (C > 0) read from channel 0 of the store.
     {
-      const RaggedKVStore& st = h.cpu();
+      const OpStore& st = h.cpu();
       int64_t longest = 0;
       for (const int32_t l : len) longest = std::max<int64_t>(longest, l);
       at::Tensor padded = at::full({S, longest + 1}, std::numeric_limits<float>::quiet_NaN(), at::kFloat);
@@ -1043,7 +1045,7 @@ STORE_SCENARIO(EvictWithTopk) {
       std::vector<c10::optional<at::Tensor>> sources = {scores, padded.view({c.B, c.H, longest + 1})};
       if (c.C > 0) sources.push_back(c10::nullopt);
       for (size_t i = 0; i < sources.size(); ++i) {
-        SCOPED_TRACE(::testing::Message() << "RaggedKVStore::select, scores source " << i);
+        SCOPED_TRACE(::testing::Message() << "the store_topk op, scores source " << i);
         const auto [keep, counts] = st.select(sources[i], kvtest::from_vec(budget, at::kLong), grouped);
         EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), want));
         if (grouped) {
@@ -1070,7 +1072,7 @@ STORE_SCENARIO(AccessorsReturnCopies) {
     const auto before = h.placements();
     for (size_t i = 0; i < h.num_stores(); ++i) {
       SCOPED_TRACE(::testing::Message() << "store on " << h.device(i));
-      RaggedKVStore& st = h.store(i);
+      OpStore& st = h.store(i);
       if (st.capacity() > 0) {
         EXPECT_NE(st.k().data_ptr(), st.k().data_ptr()) << "k() must return a new copy";
         EXPECT_NE(st.pos().data_ptr(), st.pos().data_ptr()) << "pos() must return a new copy";
@@ -1147,7 +1149,7 @@ STORE_SCENARIO(BadInputsThrow) {
   const at::ScalarType other = c.dtype == at::kFloat ? at::kHalf : at::kFloat;
   for (size_t i = 0; i < h.num_stores(); ++i) {
     SCOPED_TRACE(::testing::Message() << "store on " << h.device(i));
-    RaggedKVStore& st = h.store(i);
+    OpStore& st = h.store(i);
     const at::Device d = h.device(i);
     const auto o = at::TensorOptions().device(d);
     auto tok = [&](int64_t b, int64_t hh, int64_t m, int64_t dd) {
@@ -1282,21 +1284,21 @@ INSTANTIATE_TEST_SUITE_P(Cases, Store, ::testing::ValuesIn(store_cases()), case_
 void constructor_errors(const at::Device& d) {
   const auto o = at::TensorOptions().device(d);
   const at::Tensor f = at::empty({0}, o.dtype(at::kFloat));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(0, 1, 8, 1, f, 16); }, "batch"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 0, 8, 1, f, 16); }, "heads"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 0, 1, f, 16); }, "head_dim"));
-  EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, -1, f, 16); }, "score_channels"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { PageAllocator(0, 1, 8, 1, f, 16); }, "batch"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { PageAllocator(1, 0, 8, 1, f, 16); }, "heads"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { PageAllocator(1, 1, 0, 1, f, 16); }, "head_dim"));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { PageAllocator(1, 1, 8, -1, f, 16); }, "score_channels"));
   // page_size: a power of two in [1, 1024].
   for (const int64_t bad : {int64_t{0}, int64_t{-1}, int64_t{-16}, int64_t{3}, int64_t{6},
                             int64_t{12}, int64_t{24}, int64_t{1000}, int64_t{1023},
                             int64_t{1025}, int64_t{2048}, int64_t{4096}, int64_t{1} << 40,
                             std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()}) {
-    EXPECT_TRUE(Throws<c10::ValueError>([&] { RaggedKVStore(1, 1, 8, 1, f, bad); }, "page_size"))
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { PageAllocator(1, 1, 8, 1, f, bad); }, "page_size"))
         << "page_size " << bad;
   }
-  EXPECT_TRUE(Throws<c10::TypeError>([&] { RaggedKVStore(1, 1, 8, 1, f.to(at::kDouble), 16); }, "float"));
-  EXPECT_TRUE(Throws<c10::TypeError>([&] { RaggedKVStore(1, 1, 8, 1, f.to(at::kInt), 16); }, "float"));
-  const RaggedKVStore ok(2, 3, 8, 2, f.to(at::kBFloat16), 4);
+  EXPECT_TRUE(Throws<c10::TypeError>([&] { PageAllocator(1, 1, 8, 1, f.to(at::kDouble), 16); }, "float"));
+  EXPECT_TRUE(Throws<c10::TypeError>([&] { PageAllocator(1, 1, 8, 1, f.to(at::kInt), 16); }, "float"));
+  const PageAllocator ok(2, 3, 8, 2, f.to(at::kBFloat16), 4);
   EXPECT_EQ(ok.k().scalar_type(), at::kBFloat16);
   EXPECT_EQ(ok.k().device(), d);
   EXPECT_EQ(ok.dtype(), at::kBFloat16);
@@ -1319,7 +1321,7 @@ void every_page_size(const at::Device& d) {
   for (int64_t P = 1; P <= 1024; P *= 2) {
     SCOPED_TRACE(::testing::Message() << "page_size " << P);
     const int64_t B = 2, H = 2, D = 8;
-    RaggedKVStore st(B, H, D, 1, at::empty({0}, at::TensorOptions().dtype(at::kHalf).device(d)), P);
+    OpStore st(B, H, D, 1, at::empty({0}, at::TensorOptions().dtype(at::kHalf).device(d)), P);
     EXPECT_EQ(st.page_size(), P);
     const at::Tensor k = kvtest::random_normal({B, H, P + 1, D}, at::kHalf, rng);
     const at::Tensor v = kvtest::random_normal({B, H, P + 1, D}, at::kHalf, rng);
@@ -1343,7 +1345,7 @@ void every_page_size(const at::Device& d) {
 TEST(StoreConstruction, RejectsBadArguments) { constructor_errors(at::kCPU); }
 TEST(StoreConstruction, TakesEveryPageSize) { every_page_size(at::kCPU); }
 TEST(StoreConstruction, HugeExtraIsRejected) {
-  RaggedKVStore st(1, 2, 8, 1, at::empty({0}, at::kHalf), 16);
+  OpStore st(1, 2, 8, 1, at::empty({0}, at::kHalf), 16);
   st.append(at::zeros({1, 2, 3, 8}, at::kHalf), at::zeros({1, 2, 3, 8}, at::kHalf), at::arange(3),
             c10::nullopt);
   const auto before = kvtest::placement(st);
@@ -1366,26 +1368,27 @@ TEST(StoreConstruction, TakesEveryPageSizeCuda) {
 
 }  // namespace
 
-// RaggedKVStore::select names the argument, the value and what it accepts.
+// The store_topk op (RaggedKVStore.select on a CPU store) names the argument, the value and
+// what it accepts.
 TEST(StoreSelect, RejectsBadInputs) {
   const at::Tensor like = at::empty({0}, at::kHalf);
-  RaggedKVStore st(2, 3, 8, 1, like, 4);
+  OpStore st(2, 3, 8, 1, like, 4);
   const at::Tensor tok = at::randn({2, 3, 5, 8}).to(at::kHalf);
   st.append(tok, tok, at::arange(5), c10::nullopt);
   const at::Tensor k6 = at::ones({6}, at::kLong);
   EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(c10::nullopt, at::tensor({1, 1, 1, 1, -2, 1}), false); },
                                       "k (the budget) must be >= 0, got k[4] = -2"));
   EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(c10::nullopt, at::ones({2}, at::kLong), false); },
-                                      "must have shape [6] (one per segment), got [2]"));
+                                      "k (the budget) must have shape [6] (one per segment), got [2]"));
   EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(c10::nullopt, k6, true); },
-                                      "must have shape [2] (one per batch item), got [6]"));
+                                      "k (the budget) must have shape [2] (one per group of 3 segments), got [6]"));
   EXPECT_TRUE(Throws<c10::TypeError>([&] { st.select(c10::nullopt, at::ones({6}), false); }, "integer"));
   EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(at::zeros({st.capacity() + 1}), k6, false); },
-                                      "[batch, heads, L] = [2, 3, L >= 5] padded, got shape"));
+                                      "[batch, heads, L >= 5] padded, got shape"));
   EXPECT_TRUE(Throws<c10::ValueError>([&] { st.select(at::zeros({2, 3, 4}), k6, false); }, "L >= 5"));
   EXPECT_TRUE(Throws<c10::TypeError>([&] { st.select(at::zeros({st.capacity()}, at::kDouble), k6, false); },
                                      "scores"));
-  RaggedKVStore no_scores(1, 1, 8, 0, like, 4);
+  OpStore no_scores(1, 1, 8, 0, like, 4);
   EXPECT_TRUE(Throws<c10::ValueError>([&] { no_scores.select(c10::nullopt, at::ones({1}, at::kLong), false); },
                                       "no score channels"));
 }

@@ -1,4 +1,4 @@
-// segmented_topk / grouped_topk against plain sorting loops (kvtest::reference_*).
+// The segmented_topk / grouped_topk ops (ops.h) against plain sorting loops (kvtest::reference_*).
 //
 // Every case runs on the CPU; its *Cuda twin also runs the same inputs on the GPU and
 // requires the CUDA result to equal the CPU result exactly.
@@ -6,7 +6,7 @@
 
 #include <tuple>
 
-#include "select/topk.h"
+#include "ops.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -71,7 +71,7 @@ std::vector<bool> check_segmented(const Layout& L, const std::vector<int64_t>& k
   const Inputs in = tensors(L);
   const at::Tensor scores_before = in.scores.clone();
   const at::Tensor k_t = kvtest::from_vec(k, at::kLong).to(k_dtype);
-  const at::Tensor keep = kvcache_ext::segmented_topk(in.scores, in.pos, in.start, in.len, k_t);
+  const at::Tensor keep = kvcache_ext::ops::segmented_topk(in.scores, in.pos, in.start, in.len, k_t);
   EXPECT_EQ(keep.scalar_type(), at::kBool);
   EXPECT_EQ(keep.sizes(), at::IntArrayRef({L.capacity()}));
   EXPECT_TRUE(keep.device().is_cpu());
@@ -79,7 +79,7 @@ std::vector<bool> check_segmented(const Layout& L, const std::vector<int64_t>& k
   EXPECT_TRUE(kvtest::BytesEqual(in.scores, scores_before)) << "the scores were modified";
   if (cuda) {
     const Inputs g = in.to(kCuda);
-    const at::Tensor keep_g = kvcache_ext::segmented_topk(g.scores, g.pos, g.start, g.len, k_t.to(kCuda));
+    const at::Tensor keep_g = kvcache_ext::ops::segmented_topk(g.scores, g.pos, g.start, g.len, k_t.to(kCuda));
     EXPECT_TRUE(keep_g.device().is_cuda());
     EXPECT_TRUE(kvtest::BytesEqual(keep_g, keep)) << "CUDA segmented_topk vs CPU";
     EXPECT_TRUE(kvtest::BytesEqual(g.scores, scores_before)) << "the CUDA scores were modified";
@@ -95,7 +95,7 @@ std::vector<bool> check_grouped(const Layout& L, int64_t group_size, const std::
   const Inputs in = tensors(L);
   const at::Tensor k_t = kvtest::from_vec(k, at::kLong);
   const auto [keep, counts] =
-      kvcache_ext::grouped_topk(in.scores, in.pos, in.start, in.len, group_size, k_t);
+      kvcache_ext::ops::grouped_topk(in.scores, in.pos, in.start, in.len, group_size, k_t);
   EXPECT_EQ(keep.scalar_type(), at::kBool);
   EXPECT_EQ(keep.sizes(), at::IntArrayRef({L.capacity()}));
   EXPECT_EQ(counts.scalar_type(), at::kInt);
@@ -105,7 +105,7 @@ std::vector<bool> check_grouped(const Layout& L, int64_t group_size, const std::
   if (cuda) {
     const Inputs g = in.to(kCuda);
     const auto [keep_g, counts_g] =
-        kvcache_ext::grouped_topk(g.scores, g.pos, g.start, g.len, group_size, k_t.to(kCuda));
+        kvcache_ext::ops::grouped_topk(g.scores, g.pos, g.start, g.len, group_size, k_t.to(kCuda));
     EXPECT_TRUE(keep_g.device().is_cuda());
     EXPECT_TRUE(counts_g.device().is_cuda());
     EXPECT_TRUE(kvtest::BytesEqual(keep_g, keep)) << "CUDA grouped_topk vs CPU";
@@ -384,7 +384,7 @@ TOPK_TEST(HugeBudgetKeepsAllOrIsRejected) {
       const Inputs d = on_cuda ? in.to(kCuda) : in;
       const at::Tensor k = at::full({2}, huge, d.start.options());
       try {
-        const at::Tensor keep = kvcache_ext::segmented_topk(d.scores, d.pos, d.start, d.len, k);
+        const at::Tensor keep = kvcache_ext::ops::segmented_topk(d.scores, d.pos, d.start, d.len, k);
         EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), live))
             << "segmented_topk with k=" << huge << " on " << d.scores.device();
       } catch (const c10::ValueError&) {
@@ -392,7 +392,7 @@ TOPK_TEST(HugeBudgetKeepsAllOrIsRejected) {
       }
       try {
         const auto [keep, counts] =
-            kvcache_ext::grouped_topk(d.scores, d.pos, d.start, d.len, 2, k.slice(0, 0, 1));
+            kvcache_ext::ops::grouped_topk(d.scores, d.pos, d.start, d.len, 2, k.slice(0, 0, 1));
         EXPECT_TRUE(kvtest::SameKeep(kvtest::to_bools(keep), live))
             << "grouped_topk with k=" << huge << " on " << d.scores.device();
       } catch (const c10::ValueError&) {
@@ -454,7 +454,7 @@ TOPK_TEST(RejectsBadInputs) {
   const Inputs in = tensors(L).to(d);
   const at::Tensor k = at::full({2}, 1, in.start.options());
   auto seg = [&](const at::Tensor& s, const at::Tensor& p, const at::Tensor& st, const at::Tensor& l,
-                 const at::Tensor& kk) { return [=] { kvcache_ext::segmented_topk(s, p, st, l, kk); }; };
+                 const at::Tensor& kk) { return [=] { kvcache_ext::ops::segmented_topk(s, p, st, l, kk); }; };
   EXPECT_TRUE(Throws<c10::TypeError>(seg(in.scores.to(at::kDouble), in.pos, in.start, in.len, k), "scores"));
   EXPECT_TRUE(Throws<c10::TypeError>(seg(in.scores.to(at::kHalf), in.pos, in.start, in.len, k), "scores"));
   EXPECT_TRUE(Throws<c10::ValueError>(seg(in.scores.view({1, -1}), in.pos, in.start, in.len, k), "scores"));
@@ -481,7 +481,7 @@ TOPK_TEST(RejectsBadInputs) {
   EXPECT_TRUE(Throws<c10::ValueError>(seg(in.scores, in.pos, in.start, len_neg, k), "segments"));
   // grouped
   auto grp = [&](int64_t gs, const at::Tensor& kk) {
-    return [=] { kvcache_ext::grouped_topk(in.scores, in.pos, in.start, in.len, gs, kk); };
+    return [=] { kvcache_ext::ops::grouped_topk(in.scores, in.pos, in.start, in.len, gs, kk); };
   };
   EXPECT_TRUE(Throws<c10::ValueError>(grp(0, k), "group_size"));
   EXPECT_TRUE(Throws<c10::ValueError>(grp(-1, k), "group_size"));

@@ -1,7 +1,7 @@
 // Shared helpers of the GoogleTest cases: random inputs from fixed seeds, exact (bitwise)
 // comparisons, error-type checks, CUDA skipping, and the plain reference selection that
-// the top-k kernels are checked against. Nothing here calls kvcache_ext code (the helpers
-// that read a RaggedKVStore's paged layout are in store_util.h).
+// the top-k kernels are checked against. Nothing here calls kvcache_ext code (the store the
+// tests drive, OpStore, and the helpers that read its paged layout are in store_util.h).
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

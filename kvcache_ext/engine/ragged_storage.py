@@ -14,15 +14,6 @@ from kvcache_ext.kernels.select import grouped_topk, segmented_topk
 from kvcache_ext.kernels.store import RaggedKVStore
 
 
-def check_page_size(page_size) -> int:
-    """page_size as the store takes it, or a ValueError naming what is accepted."""
-    if (isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1024
-            or page_size & (page_size - 1)):
-        raise ValueError(f"page_size must be a power of two from 1 to 1024 (tokens per page), "
-                         f"got {page_size!r}")
-    return page_size
-
-
 def pack_valid(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """valid [..., n] bool -> (order [..., n]: the valid indices first, in order; counts [...])."""
     order = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)

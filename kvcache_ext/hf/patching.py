@@ -20,8 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvcache_ext.kernels.attention import check_head_dim
 from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.hf.cache_argument import cache_argument
-from kvcache_ext.checks import boolean
-from kvcache_ext.engine.ragged_storage import check_page_size
+from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.eviction import layer_forward
 from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.engine.reconstruction import awaiting, reconstruct

@@ -24,10 +24,16 @@ op                  what it does
 ``attention_run``   attention of q over the store with the plan of ``attention_plan``
 ==================  ==========================================================================
 
-``attention_plan`` (``kvcache_ext._C.attention_plan`` / ``RaggedKVStore.attention_plan``) is the
-host step of the attention: it reads the lengths on the host and returns the work partition
-(CPU: the lengths; CUDA: the splits, on the device), once per step and layer. It is not an op
-(its output size depends on the lengths), so a compiled region breaks there.
+``RaggedKVStore.attention_plan`` (the page allocator's host step) makes the plan of the attention:
+it reads the lengths on the host and returns the work partition (CPU: the lengths; CUDA: the
+splits, on the device), once per step and layer. It is not an op (its output size depends on
+the lengths), so a compiled region breaks there.
+
+Devices. The C++ ops check the device of every tensor they are handed. The fake implementations
+below run instead when one of the inputs is on the ``meta`` device (the dispatcher picks the Meta
+kernel then), so they refuse a real meta tensor mixed with tensors on a real device, naming it;
+under ``FakeTensorMode`` (``torch.compile``, ``opcheck``) the inputs report their real devices,
+and an op called on meta tensors only (shape inference) runs its fake as usual.
 """
 from __future__ import annotations
 
@@ -41,29 +47,53 @@ OPS = ("store_append", "store_replace", "store_compact", "store_topk", "segmente
 ops = torch.ops.kvcache_ext
 
 
+def _refuse_meta_mix(copied: tuple = (), **named) -> None:
+    """A ValueError naming the first real meta tensor among ``named`` (name -> tensor, None or a
+    list of tensors, the state first) when others are on a real device: the dispatcher runs
+    this fake then, and the op would silently do nothing. ``copied``: the names the op copies
+    to the state's device itself (positions, slots, budgets), which may also be on the CPU. An
+    op called on meta tensors only (shape inference) passes."""
+    tensors = [(name, t) for name, value in named.items()
+               for t in (value if isinstance(value, (list, tuple)) else (value,))
+               if isinstance(t, torch.Tensor)]
+    real = [t.device for _, t in tensors if t.device.type != "meta"]
+    if not real or len(real) == len(tensors):
+        return
+    name = next(name for name, t in tensors if t.device.type == "meta")
+    where = str(real[0]) + (" or the CPU" if name in copied and real[0].type != "cpu" else "")
+    raise ValueError(f"{name} must be on {where} (the device of the op's other tensors), got a "
+                     f"tensor on meta (which holds no data: the op would change nothing)")
+
+
 def _capacity(pool, page_size: int):
     return sum(slab.shape[0] for slab in pool) * page_size
 
 
 @torch.library.register_fake("kvcache_ext::store_append")
 def _store_append_fake(pool, page_table, len, k, v, pos, rank, counts, page_size, score_channels):
+    _refuse_meta_mix(("pos",), page_table=page_table, pool=pool, len=len, k=k, v=v, pos=pos,
+                     rank=rank, counts=counts)
     return None
 
 
 @torch.library.register_fake("kvcache_ext::store_replace")
 def _store_replace_fake(pool, page_table, len, slot, k, v, pos, page_size, head_dim,
                         score_channels, dtype, check_bounds):
+    _refuse_meta_mix(("slot", "pos"), page_table=page_table, pool=pool, len=len, slot=slot, k=k,
+                     v=v, pos=pos)
     return None
 
 
 @torch.library.register_fake("kvcache_ext::store_compact")
 def _store_compact_fake(pool, page_table, len, keep, page_size, head_dim, score_channels, dtype):
+    _refuse_meta_mix(page_table=page_table, pool=pool, len=len, keep=keep)
     return None
 
 
 @torch.library.register_fake("kvcache_ext::store_topk")
 def _store_topk_fake(pool, page_table, len, scores, k, group_size, page_size, head_dim,
                      score_channels, dtype):
+    _refuse_meta_mix(("k",), page_table=page_table, pool=pool, len=len, scores=scores, k=k)
     capacity = _capacity(pool, page_size)
     return (page_table.new_empty((capacity,), dtype=torch.bool),
             page_table.new_empty((page_table.shape[0],), dtype=torch.int32))
@@ -71,17 +101,21 @@ def _store_topk_fake(pool, page_table, len, scores, k, group_size, page_size, he
 
 @torch.library.register_fake("kvcache_ext::segmented_topk")
 def _segmented_topk_fake(scores, pos, start, len, k, check_values=True):
+    _refuse_meta_mix(("k",), scores=scores, pos=pos, start=start, len=len, k=k)
     return torch.empty_like(scores, dtype=torch.bool)
 
 
 @torch.library.register_fake("kvcache_ext::grouped_topk")
 def _grouped_topk_fake(scores, pos, start, len, group_size, k, check_values=True):
+    _refuse_meta_mix(("k",), scores=scores, pos=pos, start=start, len=len, k=k)
     return torch.empty_like(scores, dtype=torch.bool), torch.empty_like(len)
 
 
 @torch.library.register_fake("kvcache_ext::attention_run")
 def _attention_run_fake(q, pool, page_table, len, plan, q_pos, scale, kv_heads, page_size, head_dim,
                         score_channels, dtype, mass, last, sum_sq, count):
+    _refuse_meta_mix(("q_pos",), page_table=page_table, pool=pool, len=len, plan=plan, q=q,
+                     q_pos=q_pos)
     capacity = _capacity(pool, page_size)
     groups = q.shape[1] // kv_heads
 

@@ -1,10 +1,31 @@
 """RaggedKVStore: the KV cache of one attention layer as one ragged segment per (batch item, KV head).
 
-The state of the store (its pool of pages, page table and lengths) is held here and passed to
-the kernels, which are torch custom ops (``kvcache_ext.kernels.ops``); the compiled
-``kvcache_ext._C.RaggedKVStore`` is the host-side page allocator that makes and grows that
-state (free pages, slabs, the host copy of the lengths). This class adds defaults, the padded
-views used by policies and tests, and selection on the store's own layout.
+Who does what. The kernels are torch custom ops (``kvcache_ext.kernels.ops``: append, replace,
+compact, top-k, attention); this class calls them. The compiled ``kvcache_ext._C.PageAllocator``
+(csrc/store/page_allocator.h) is the host-side page allocator: it runs no kernel, it makes and
+grows the state the ops take and keeps the pages' bookkeeping (which segment owns which page,
+the free pages, the slabs, a host copy of the lengths). This class adds the defaults, the
+argument checks, the padded views used by policies and tests, and selection on the store's own
+layout.
+
+The state, and who owns it. The state is three kinds of tensors on the store's device:
+``pool`` (the slabs of pages), ``page_table`` and ``len``.
+
+- The allocator makes them, and makes *new* ones (a new slab, a new page table) when it gives
+  segments pages (``prepare_append``, ``reserve``) or moves every token (``repack``); its
+  ``state_version`` counts those changes. It never writes into the pages.
+- The ops write into them in place: the pages (append, replace, compact) and ``len`` (append,
+  compact). ``finish_compact``, after the compaction op, only updates the allocator's host
+  bookkeeping (host lengths, free pages): it makes no new tensor.
+- This class holds the current ones (``_pool``, ``_table``, ``_len``) and passes them to every
+  op. It takes them again from the allocator (``_take_state``) right after each call that may
+  have made new ones: ``_refresh`` after ``prepare_append``, ``reserve``, ``repack`` and
+  ``shrink_to_fit`` (a plain version check in eager mode, a graph break under ``torch.compile``).
+  The one exception is the eager decode fast path, ``append_and_attend``, whose single C++ call
+  may add pages: it only marks the state ``_stale``, and whoever reads it next (``_current``)
+  takes it again, so that decode steps that nobody reads between pay nothing for it.
+- Nothing else holds them: ``state()`` hands the tensors out for the ops only, and every
+  accessor (``k``, ``len``, ``page_table``, ...) returns a copy.
 """
 from __future__ import annotations
 
@@ -55,33 +76,33 @@ class RaggedKVStore:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
         like = torch.empty(0, dtype=dtype, device=device)
-        self._store = _C.RaggedKVStore(batch, heads, head_dim, score_channels, like, page_size)
-        # What every op call passes besides the state (read once: each is a pybind call).
-        # Fixed for the store's life: read here once (each is a pybind call otherwise, which
-        # torch.compile cannot trace through).
+        self._allocator = _C.PageAllocator(batch, heads, head_dim, score_channels, like, page_size)
+        # What every op call passes besides the state, fixed for the store's life: read here
+        # once (from the allocator each would be a pybind call, which torch.compile cannot trace).
         self._page_size, self._head_dim, self._channels = page_size, head_dim, score_channels
         self._batch, self._heads = batch, heads
-        self._dtype, self._device = dtype, self._store.like.device
+        self._dtype, self._device = dtype, self._allocator.like.device
         self._take_state()
 
-    def _refresh(self) -> None:
-        """Takes the state from the page allocator if it changed it (new pages, repack): under
-        torch.compile as a graph break, in eager mode as a plain call."""
-        if torch.compiler.is_compiling():
-            self._take_state_untraced()
-        elif self._store.state_version != self._state_version:   # stale or not yet taken
-            self._take_state()
-
+    # --- the state (see the module's docstring) ---------------------------------------------
     def _take_state(self) -> None:
-        self._pool, self._table, self._len = self._store.state()
-        self._state_version = self._store.state_version
+        self._pool, self._table, self._len = self._allocator.state()
+        self._state_version = self._allocator.state_version
         self._stale = False
 
     _take_state_untraced = _host(_take_state)
 
+    def _refresh(self) -> None:
+        """After an allocator call: takes the state again if the allocator made new tensors
+        (under torch.compile always, as a graph break)."""
+        if torch.compiler.is_compiling():
+            self._take_state_untraced()
+        elif self._allocator.state_version != self._state_version:
+            self._take_state()
+
     def _current(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The state, taken again first if ``append_and_attend`` left it stale. Every other call
-        that changes the state takes it at once; torch.compile reads ``_stale`` as a guard."""
+        """The state for an op, taken again first if ``append_and_attend`` left it stale
+        (torch.compile reads ``_stale`` as a guard)."""
         if self._stale:
             self._refresh()
         return self._pool, self._table, self._len
@@ -106,7 +127,7 @@ class RaggedKVStore:
         k, v, pos = checks.tensor(k, "k"), checks.tensor(v, "v"), checks.as_tensor(pos, "pos")
         valid = None if valid is None else checks.tensor(valid, "valid")
         # Host half (checks, pages for the new tokens, host lengths), then the op.
-        pos32, rank, counts = self._store.prepare_append(k, v, pos, valid)
+        pos32, rank, counts = self._allocator.prepare_append(k, v, pos, valid)
         self._refresh()
         ops.store_append(self._pool, self._table, self._len, k, v, pos32, rank, counts,
                          self._page_size, self._channels)
@@ -114,17 +135,23 @@ class RaggedKVStore:
     def append_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                           scale: float) -> torch.Tensor:
         """``append(k, v, pos)``, then ``ragged_attention(q, self, scale)`` without statistics,
-        in one host call: out [B, Hq, n, D]. A decode step's store work in eager mode (the
-        two ops and their host steps cost a model's decode step more than the kernels do);
-        nothing is stored when q or scale is refused. Not for ``torch.compile``: it traces the ops."""
-        out = self._store.append_and_attend(checks.tensor(q, "q"), checks.tensor(k, "k"),
-                                            checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
-                                            scale if type(scale) is float else
-                                            checks.real(scale, "scale", what="a finite number"))
-        # Pages were added: the state is taken when something next reads it. Taking it costs
-        # Python work per slab (each a tensor), and a store whose heads have ragged lengths adds
-        # pages at most decode steps (bench/decode_calls.py).
-        if self._store.state_version != self._state_version:
+        in one host call: out [B, Hq, n, D]. Nothing is stored when q or scale is refused.
+
+        The eager decode fast path (``kvcache_ext._C.append_and_attend``, csrc/ops.h): the
+        allocator's ``prepare_append``, the ``store_append`` and ``attention_run`` ops' C++
+        functions and the plan, in one pybind call, on the page addresses the allocator keeps.
+        It stays because it is faster: through the ops (``append`` + ``ragged_attention``) a
+        SmolLM2 layer's decode call took 1.39-1.42x as long, a decode step 1.03-1.06x
+        (bench/decode_calls.py --paths fast,ops; bench/results/decode-calls-cpu-2026-11-27.json).
+        Not for ``torch.compile``, which traces the ops."""
+        out = _C.append_and_attend(self._allocator, checks.tensor(q, "q"), checks.tensor(k, "k"),
+                                   checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
+                                   scale if type(scale) is float else
+                                   checks.real(scale, "scale", what="a finite number"))
+        # Pages may have been added: the state is taken when something next reads it (taking it
+        # costs Python work per slab, and a store whose heads have unequal lengths adds pages
+        # on many decode steps: bench/decode_calls.py).
+        if self._allocator.state_version != self._state_version:
             self._stale = True
         return out
 
@@ -143,27 +170,27 @@ class RaggedKVStore:
         On CUDA this reads the new lengths back: the one host sync of an eviction."""
         ops.store_compact(*self._current(), checks.tensor(keep, "keep"), self._page_size,
                           self._head_dim, self._channels, self._dtype)
-        self._store.finish_compact()
+        self._allocator.finish_compact()
 
     def reserve(self, extra: int) -> None:
         """Gives every segment pages for ``extra`` more tokens (new pages only where missing)."""
-        self._store.reserve(checks.integer(extra, "reserve extra", 0))
+        self._allocator.reserve(checks.integer(extra, "reserve extra", 0))
         self._refresh()
 
     def repack(self, extra: int = 0) -> None:
         """Moves the live tokens into one new allocation with pages for ``extra`` more tokens
         per segment, and releases every other page (the only operation that moves them all)."""
-        self._store.repack(checks.integer(extra, "repack extra", 0))
+        self._allocator.repack(checks.integer(extra, "repack extra", 0))
         self._refresh()
 
     def shrink_to_fit(self) -> None:
         """Releases every page that holds no live token (``repack(0)``)."""
-        self._store.shrink_to_fit()
+        self._allocator.shrink_to_fit()
         self._refresh()
 
     def set_scores(self, scores: torch.Tensor) -> None:
         """Writes the score channels of every slot from a [capacity, C] float32 tensor."""
-        self._store.set_scores(checks.tensor(scores, "scores"))
+        self._allocator.set_scores(checks.tensor(scores, "scores"))
 
     def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False):
         """Keep mask ([capacity] bool) of the k best live slots by ``scores`` (default: channel 0).
@@ -219,13 +246,13 @@ class RaggedKVStore:
         """The host step of the attention (``kvcache_ext.kernels.ops``): the work partition over the
         current lengths for ``rows`` query rows per segment (G * n), on the store's device.
         Valid until the next append or compaction."""
-        return self._store.attention_plan(int(rows))
+        return self._allocator.attention_plan(int(rows))
 
     # --- layout helpers ---------------------------------------------------------------------
     def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index [B, H, L], mask [B, H, L])``: the slot of each live token, L = max len."""
         lens = self.len.long()
-        max_len = max(self._store.len_host, default=0)
+        max_len = max(self._allocator.len_host, default=0)
         offsets = torch.arange(max_len, device=self.device)
         mask = offsets < lens[:, None]
         size = self.page_size
@@ -267,25 +294,25 @@ class RaggedKVStore:
     @_host
     def k(self) -> torch.Tensor:
         """[capacity, D] K of every slot (a copy; slots without a live token are undefined)."""
-        return self._store.k
+        return self._allocator.k
 
     @property
     @_host
     def v(self) -> torch.Tensor:
         """[capacity, D] V of every slot (a copy)."""
-        return self._store.v
+        return self._allocator.v
 
     @property
     @_host
     def pos(self) -> torch.Tensor:
         """[capacity] int32 position of every slot (a copy)."""
-        return self._store.pos
+        return self._allocator.pos
 
     @property
     @_host
     def scores(self) -> torch.Tensor:
         """[capacity, C] float32 score channels of every slot (a copy; see ``set_scores``)."""
-        return self._store.scores
+        return self._allocator.scores
 
     @property
     def len(self) -> torch.Tensor:
@@ -296,7 +323,7 @@ class RaggedKVStore:
     @_host
     def page_table(self) -> torch.Tensor:
         """[S, width] int32 pages of each segment in token order, -1 past its last (a copy)."""
-        return self._store.page_table
+        return self._allocator.page_table
 
     @property
     def page_size(self) -> int:
@@ -306,48 +333,48 @@ class RaggedKVStore:
     @property
     def num_pages(self) -> int:
         """Pages held, owned by a segment or free."""
-        return self._store.num_pages
+        return self._allocator.num_pages
 
     @property
     def free_pages(self) -> int:
         """Pages held that no segment owns (reused before any new allocation)."""
-        return self._store.free_pages
+        return self._allocator.free_pages
 
     @property
     def slab_allocations(self) -> int:
         """Allocations of pages since the store was made (one per growth, whatever its size)."""
-        return self._store.slab_allocations
+        return self._allocator.slab_allocations
 
     @property
     def repacks(self) -> int:
         """How many times every live token was moved (``repack``/``shrink_to_fit`` only)."""
-        return self._store.repacks
+        return self._allocator.repacks
 
     @property
     def lens(self) -> torch.Tensor:
         """[B, H] int64 live tokens per segment, from the host copy (no device sync)."""
-        return torch.tensor(self._store.len_host, dtype=torch.int64).view(self.batch, self.heads)
+        return torch.tensor(self._allocator.len_host, dtype=torch.int64).view(self.batch, self.heads)
 
     @property
     def caps(self) -> torch.Tensor:
         """[B, H] int64 tokens each segment's pages hold, from the host copy (no device sync)."""
-        pages = torch.tensor(self._store.pages_host, dtype=torch.int64)
+        pages = torch.tensor(self._allocator.pages_host, dtype=torch.int64)
         return (pages * self.page_size).view(self.batch, self.heads)
 
     @property
     def capacity(self) -> int:
         """Slots of the slot layout: every page held, times ``page_size``."""
-        return self._store.capacity
+        return self._allocator.capacity
 
     @property
     def num_tokens(self) -> int:
         """Live slots over all segments."""
-        return self._store.num_tokens
+        return self._allocator.num_tokens
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the store: its pages (K, V, pos, scores) and its page tables."""
-        return self._store.nbytes
+        return self._allocator.nbytes
 
     @property
     def batch(self) -> int:

@@ -1,6 +1,14 @@
-// RaggedKVStore: the KV cache of one attention layer, one ragged segment per (batch item,
-// KV head), stored in pages (store/paged_layout.h). See DESIGN.md "Ragged store" and
-// README "Store API".
+// PageAllocator: the host side of one layer's ragged store (DESIGN.md "Ragged store"): it
+// makes and grows the state that the ops (ops.h) take, and keeps the host bookkeeping of
+// the pages (which segment owns which page, the free pages, the slabs, a host copy of the
+// lengths). It runs no kernel: append, replace, compact, selection and attention are ops,
+// called on its state (pool(), page_table_device(), len_device()) by the Python
+// RaggedKVStore (kvcache_ext/kernels/store.py), which wraps this class, and by the gtests.
+// Around the ops:
+//   append  = prepare_append (pages for the new tokens, host lengths) + the store_append op;
+//   compact = the store_compact op + finish_compact (the new lengths, pages given back);
+//   attention = attention_plan (the work partition of the host lengths) + the attention_run op.
+// replace and selection change no page and need nothing from it but the state.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -12,48 +20,25 @@
 
 namespace kvcache_ext {
 
-class RaggedKVStore {
+class PageAllocator {
  public:
   // `like` only carries the dtype and device of K and V. page_size: tokens per page, a
-  // power of two; it is also the unit by which a segment grows.
-  RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim, int64_t score_channels,
+  // power of two up to ops::kMaxPageSize; it is also the unit by which a segment grows.
+  PageAllocator(int64_t batch, int64_t heads, int64_t head_dim, int64_t score_channels,
                 const at::Tensor& like, int64_t page_size);
 
-  // Appends n tokens to every segment: k, v [B, H, n, D]; pos [B, n] or [n]. With
-  // valid ([B, n] or [B, H, n] bool), only the valid tokens are stored, in order.
-  void append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
-              const c10::optional<at::Tensor>& valid);
-  // append's host half: checks, gives the segments pages for the tokens to store and
-  // advances the host lengths. Returns what the store_append op (ops.h) takes besides the
-  // state: pos as int32, and rank [S, n] / counts [S] int32 (undefined when every token
-  // is stored). append = prepare_append + the op.
+  // The host half of an append of n tokens to every segment (k, v [B, H, n, D]; pos [B, n]
+  // or [n] integers; valid [B, n] or [B, H, n] bool, only the valid tokens stored, in
+  // order): checks them, gives the segments pages for the tokens to store and advances the
+  // host lengths. Returns what the store_append op takes besides the state: pos as int32
+  // [B, n], and rank [S, n] / counts [S] int32 (undefined when every token is stored).
+  // Nothing changes when it refuses its input.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_append(
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
       const c10::optional<at::Tensor>& valid);
-  // A decode step's store work in one host call: append(k, v, pos) of every token, then the
-  // attention of q [B, Hq, n, D] over the store (attention_plan + ops::attention_run, no
-  // statistics). Returns out [B, Hq, n, D]. q is checked before anything is stored. The
-  // patched model's eager decode runs this; torch.compile traces the two ops instead.
-  at::Tensor append_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& pos, double scale);
-  // Overwrites token slot[b, h] (an index in [0, len)) of every segment with the token
-  // k, v [B, H, 1, D] at position pos [B]. A slot given on the host is always bounds-checked
-  // (against the host lengths: free); check_bounds checks one on a CUDA device (a host sync).
-  void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& pos, bool check_bounds);
-  // Keeps the live tokens whose flag in keep ([capacity] bool, slot layout) is set, in
-  // order. Pages left empty go back to the store's free pages.
-  void compact(const at::Tensor& keep);
-  // compact's host half, after the store_compact op: reads the new lengths (the one host
-  // sync of an eviction) and frees the pages left empty.
+  // The host half of a compaction, after the store_compact op: reads the new lengths (the
+  // one host sync of an eviction) and gives back the pages left empty.
   void finish_compact();
-  // The k best live tokens (selection_key.h's order), CPU stores only: keep [capacity] bool
-  // in slot layout and counts [S] int32 kept per segment. scores: none (channel 0 of the
-  // store's scores), [capacity] (slot layout) or [B, H, L >= longest segment] (padded),
-  // float32. grouped = false: k [S] integers, per segment; true: k [B], per batch item over
-  // its heads (Ada-KV's allocation).
-  std::tuple<at::Tensor, at::Tensor> select(const c10::optional<at::Tensor>& scores,
-                                            const at::Tensor& k, bool grouped) const;
   // Gives every segment pages for `extra` more tokens (new pages only where needed).
   void reserve(int64_t extra);
   // Moves the live tokens into one new slab with pages for len + extra tokens per segment
@@ -74,16 +59,17 @@ class RaggedKVStore {
   std::vector<int32_t> pages_host() const { return pages_h_; }  // pages per segment
 
   // The state the ops take (ops.h): the slabs of pages, the page table and the lengths, on
-  // the store's device. The Python store holds them between calls; they change (other
-  // tensors) when pages are allocated or the store is repacked, and are mutated by the ops.
+  // the store's device. The Python store holds them between calls; they are other tensors
+  // after a call that allocates pages or repacks (state_version() counts those calls), and
+  // the ops mutate them in place (the pages; the lengths in store_append and store_compact).
   const std::vector<at::Tensor>& pool() const { return slabs_; }
   const at::Tensor& page_table_device() const { return table_; }
-  // The work partition of an attention call over the current lengths (ops::attention_plan)
-  // for `rows` query rows per segment.
+  // The work partition of an attention call over the host lengths (ops::attention_plan)
+  // for `rows` query rows per segment: the plan of the attention_run op.
   at::Tensor attention_plan(int64_t rows) const;
 
-  // What kernels read: device pointers into the store. Valid until the next call that
-  // changes the store.
+  // What kernels read: device pointers into the pages. Valid until the next call that
+  // allocates pages or repacks.
   store::PagedView view() const;
   const at::Tensor& len_device() const { return len_; }
   // The state as the ops' kernels take it, from what the page allocator keeps (page_base_,

@@ -1,4 +1,5 @@
-#include "store/ragged_store.h"
+// The host page allocator of a layer's store (page_allocator.h).
+#include "store/page_allocator.h"
 
 #include <algorithm>
 #include <cstring>
@@ -11,14 +12,10 @@
 #include "common/checks.h"
 #include "common/device_dispatch.h"
 #include "ops.h"
-#include "select/topk.h"
-#include "store/store_kernels.h"
 
 namespace kvcache_ext {
 
 namespace {
-constexpr int64_t kMaxPageSize = 1024;
-
 // Asks Linux to back a CPU slab with 2 MiB pages where it covers whole ones (the kernel's
 // transparent huge pages are often "madvise" only). Compaction and attention read pages of
 // a few KiB scattered over the slab: with 4 KiB pages nearly every one costs a TLB miss
@@ -49,7 +46,7 @@ at::Tensor to_device(const std::vector<T>& host, at::ScalarType dtype, const c10
 }
 }  // namespace
 
-RaggedKVStore::RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim,
+PageAllocator::PageAllocator(int64_t batch, int64_t heads, int64_t head_dim,
                              int64_t score_channels, const at::Tensor& like, int64_t page_size)
     : batch_(batch), heads_(heads), head_dim_(head_dim), score_channels_(score_channels),
       page_size_(page_size) {
@@ -61,15 +58,12 @@ RaggedKVStore::RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim,
                     head_dim);
   TORCH_CHECK_VALUE(score_channels >= 0 && score_channels <= 65536,
                     "score_channels must be in [0, 65536], got ", score_channels);
-  TORCH_CHECK_VALUE(page_size >= 1 && page_size <= kMaxPageSize && (page_size & (page_size - 1)) == 0,
-                    "page_size must be a power of two in [1, ", kMaxPageSize, "], got ", page_size);
+  shift_ = ops::page_shift(page_size);
   const auto dtype = like.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                    "the store holds float32, float16 or bfloat16 K/V, got ", dtype);
   check_device_supported(like.device());
   kv_options_ = like.options();
-  shift_ = 0;
-  while ((int64_t{1} << shift_) < page_size) ++shift_;
   record_ = store::page_record(page_size, head_dim, like.element_size(), score_channels);
   const int64_t S = num_segments();
   const auto meta = at::TensorOptions().device(like.device());
@@ -80,23 +74,23 @@ RaggedKVStore::RaggedKVStore(int64_t batch, int64_t heads, int64_t head_dim,
   len_h_.assign(S, 0);
 }
 
-int64_t RaggedKVStore::num_tokens() const {
+int64_t PageAllocator::num_tokens() const {
   return std::accumulate(len_h_.begin(), len_h_.end(), int64_t{0});
 }
 
-int64_t RaggedKVStore::nbytes() const {
+int64_t PageAllocator::nbytes() const {
   int64_t total = 0;
   for (const auto& slab : slabs_) total += slab.nbytes();
   for (const auto* t : {&page_base_, &table_, &len_}) total += t->nbytes();
   return total;
 }
 
-store::PagedView RaggedKVStore::view() const {
+store::PagedView PageAllocator::view() const {
   return store::PagedView{page_base_.data_ptr<int64_t>(), table_.data_ptr<int32_t>(), width_,
                           shift_, record_};
 }
 
-ops::StateView RaggedKVStore::own_state() const {
+ops::StateView PageAllocator::own_state() const {
   ops::StateView st;
   st.view = view();
   st.page_base = page_base_;
@@ -105,17 +99,17 @@ ops::StateView RaggedKVStore::own_state() const {
   return st;
 }
 
-at::Tensor RaggedKVStore::page_table() const {
+at::Tensor PageAllocator::page_table() const {
   return at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
 }
 
-at::Tensor RaggedKVStore::attention_plan(int64_t rows) const {
+at::Tensor PageAllocator::attention_plan(int64_t rows) const {
   const at::Tensor lens = at::from_blob(const_cast<int32_t*>(len_h_.data()),
                                         {static_cast<int64_t>(len_h_.size())}, at::kInt);
   return ops::attention_plan(lens, rows, device());
 }
 
-at::Tensor RaggedKVStore::part_of(const at::Tensor& slab, int part) const {
+at::Tensor PageAllocator::part_of(const at::Tensor& slab, int part) const {
   const int64_t pages = slab.size(0), P = page_size_;
   const at::ScalarType dtype = part == store::kPos      ? at::kInt
                                : part == store::kScores ? at::kFloat
@@ -128,7 +122,7 @@ at::Tensor RaggedKVStore::part_of(const at::Tensor& slab, int part) const {
   return part == store::kPos ? typed.view({pages, P}) : typed.view({pages, P, width});
 }
 
-at::Tensor RaggedKVStore::gather_part(int part) const {
+at::Tensor PageAllocator::gather_part(int part) const {
   std::vector<at::Tensor> pieces;
   for (const auto& slab : slabs_) {
     at::Tensor p = part_of(slab, part);
@@ -144,7 +138,7 @@ at::Tensor RaggedKVStore::gather_part(int part) const {
   return at::cat(pieces, 0);  // a copy even for one slab: callers cannot write the store
 }
 
-void RaggedKVStore::set_scores(const at::Tensor& scores) {
+void PageAllocator::set_scores(const at::Tensor& scores) {
   check_defined(scores, "scores");
   check_dtype(scores, at::kFloat, "scores");
   check_device(scores, device(), "scores");
@@ -156,7 +150,7 @@ void RaggedKVStore::set_scores(const at::Tensor& scores) {
   }
 }
 
-void RaggedKVStore::check_tokens(const at::Tensor& t, int64_t n, const char* name) const {
+void PageAllocator::check_tokens(const at::Tensor& t, int64_t n, const char* name) const {
   check_defined(t, name);
   TORCH_CHECK_TYPE(t.scalar_type() == dtype(), name, " must have the store's dtype ", dtype(),
                    ", got ", t.scalar_type());
@@ -165,22 +159,7 @@ void RaggedKVStore::check_tokens(const at::Tensor& t, int64_t n, const char* nam
   check_contiguous(t, name);
 }
 
-void RaggedKVStore::append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
-                           const c10::optional<at::Tensor>& valid) {
-  const auto [pos32, rank, counts] = prepare_append(k, v, pos, valid);
-  ops::append_tokens(own_state(), len_, k, v, pos32, rank, counts);
-}
-
-at::Tensor RaggedKVStore::append_and_attend(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, const at::Tensor& pos, double scale) {
-  ops::check_query(q, device(), dtype(), batch_, heads_, head_dim_, scale);  // before anything is stored
-  append(k, v, pos, c10::nullopt);
-  const at::Tensor plan = attention_plan(q.size(1) / heads_ * q.size(2));
-  return std::get<0>(ops::attend(own_state(), q, len_, plan, c10::nullopt, scale, heads_,
-                                 head_dim_, dtype(), false, false, false, false));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> PageAllocator::prepare_append(
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
     const c10::optional<at::Tensor>& valid) {
   check_defined(k, "k");
@@ -225,52 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> RaggedKVStore::prepare_append(
   return {pos32, rank, counts};
 }
 
-void RaggedKVStore::replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& pos, bool check_bounds) {
-  const int64_t S = num_segments();
-  check_tokens(k, 1, "k");
-  check_tokens(v, 1, "v");
-  check_defined(slot, "slot");
-  TORCH_CHECK_TYPE(is_integer_dtype(slot.scalar_type()), "slot must be an integer tensor, got ",
-                   slot.scalar_type());
-  check_shape(slot, {batch_, heads_}, "slot");
-  const at::Tensor slot64 = slot.to(device(), at::kLong).reshape({S}).contiguous();
-  at::Tensor pos32 = as_position32(pos, device(), "pos", 0);
-  TORCH_CHECK_VALUE(pos32.numel() == batch_ && (pos32.dim() == 1 || pos32.dim() == 2),
-                    "pos must have shape [batch] or [batch, 1], got ", pos32.sizes());
-  pos32 = pos32.reshape({batch_});
-  if (slot.device().is_cpu()) {
-    // Host values against the host lengths cost no sync: checked whatever check_bounds says.
-    const at::Tensor host = slot.to(at::kLong).reshape({S}).contiguous();
-    const int64_t* p = host.data_ptr<int64_t>();
-    for (int64_t s = 0; s < S; ++s) {
-      TORCH_CHECK_INDEX(p[s] >= 0 && p[s] < len_h_[s], "slot must index a live token of its segment: ",
-                        "0 <= slot[b, h] < len[b, h], got slot[", s / heads_, ", ", s % heads_, "] = ",
-                        p[s], " where len is ", len_h_[s], " (an empty segment has nothing to replace)");
-    }
-  } else if (check_bounds) {
-    const bool out_of_range = slot64.lt(0).logical_or(slot64.ge(len_)).any().item<bool>();
-    TORCH_CHECK_INDEX(!out_of_range, "slot must index a live token of its segment: 0 <= slot[b, h] < ",
-                      "len[b, h] (an empty segment has nothing to replace)");
-  }
-  KVCACHE_DEVICE_DISPATCH(device(), store::replace, view(), slot64, k.view({S, head_dim_}),
-                          v.view({S, head_dim_}), pos32);
-}
-
-void RaggedKVStore::compact(const at::Tensor& keep) {
-  check_defined(keep, "keep");
-  check_dtype(keep, at::kBool, "keep");
-  check_device(keep, device(), "keep");
-  TORCH_CHECK_VALUE(keep.dim() == 1 && keep.size(0) == capacity(),
-                    "keep must be a [capacity] = [", capacity(),
-                    "] bool mask in the store's slot layout, got shape ", keep.sizes());
-  check_contiguous(keep, "keep");
-  if (capacity() == 0) return;
-  KVCACHE_DEVICE_DISPATCH(device(), store::compact, view(), len_, keep);
-  finish_compact();
-}
-
-void RaggedKVStore::finish_compact() {
+void PageAllocator::finish_compact() {
   if (capacity() == 0) return;
   const at::Tensor lens = len_.to(at::kCPU);  // host sync: the new lengths depend on keep
   std::copy_n(lens.data_ptr<int32_t>(), num_segments(), len_h_.begin());
@@ -286,47 +220,7 @@ void RaggedKVStore::finish_compact() {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> RaggedKVStore::select(const c10::optional<at::Tensor>& scores,
-                                                         const at::Tensor& k, bool grouped) const {
-  TORCH_CHECK_VALUE(device().is_cpu(), "RaggedKVStore::select runs on CPU stores; this one is on ",
-                    device(), " (the Python select packs the segments for the CUDA top-k)");
-  const int64_t S = num_segments(), groups = grouped ? batch_ : S;
-  at::Tensor given;  // undefined: channel 0 of the pages
-  if (scores.has_value() && scores->defined()) {
-    given = *scores;
-    check_dtype(given, at::kFloat, "scores");
-    check_device(given, device(), "scores");
-    check_contiguous(given, "scores");
-    const int64_t longest = len_h_.empty() ? 0 : *std::max_element(len_h_.begin(), len_h_.end());
-    const bool slot_layout = given.dim() == 1 && given.size(0) == capacity();
-    const bool padded = given.dim() == 3 && given.size(0) == batch_ && given.size(1) == heads_ &&
-                        given.size(2) >= longest;
-    TORCH_CHECK_VALUE(slot_layout || padded, "scores must be [capacity] = [", capacity(),
-                      "] in slot layout or [batch, heads, L] = [", batch_, ", ", heads_, ", L >= ",
-                      longest, "] padded, got shape ", given.sizes());
-  } else {
-    TORCH_CHECK_VALUE(score_channels_ > 0, "this store has no score channels: pass scores");
-  }
-  check_defined(k, "k");
-  TORCH_CHECK_TYPE(is_integer_dtype(k.scalar_type()), "k (the budget) must be an integer tensor, got ",
-                   k.scalar_type());
-  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == groups, "k (the budget) must have shape [",
-                    groups, "] (one per ", grouped ? "batch item" : "segment", "), got ", k.sizes());
-  // A budget beyond any segment keeps everything: clamp in int64 before narrowing.
-  const at::Tensor k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
-  const int32_t* k_p = k32.data_ptr<int32_t>();
-  for (int64_t g = 0; g < groups; ++g) {
-    TORCH_CHECK_VALUE(k_p[g] >= 0, "k (the budget) must be >= 0, got k[", g, "] = ", k_p[g]);
-  }
-  at::Tensor keep = at::zeros({capacity()}, at::TensorOptions().dtype(at::kBool));
-  at::Tensor counts = at::zeros({S}, at::TensorOptions().dtype(at::kInt));
-  if (num_tokens() > 0) {
-    select::paged_topk_cpu(view(), len_, given, grouped ? heads_ : 1, k32, keep, counts);
-  }
-  return {keep, counts};
-}
-
-void RaggedKVStore::reserve(int64_t extra) {
+void PageAllocator::reserve(int64_t extra) {
   TORCH_CHECK_VALUE(extra >= 0 && extra <= INT32_MAX,
                     "reserve takes a number of tokens in [0, 2^31 - 1], got ", extra);
   std::vector<int64_t> need(num_segments());
@@ -334,7 +228,7 @@ void RaggedKVStore::reserve(int64_t extra) {
   ensure_pages(need, 0);
 }
 
-void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need, int64_t lookahead) {
+void PageAllocator::ensure_pages(const std::vector<int64_t>& need, int64_t lookahead) {
   const int64_t S = num_segments();
   std::vector<int64_t> missing(S);
   int64_t total_missing = 0, widest = width_;
@@ -381,7 +275,7 @@ void RaggedKVStore::ensure_pages(const std::vector<int64_t>& need, int64_t looka
   upload_table();
 }
 
-int32_t RaggedKVStore::allocate_slab(int64_t pages) {
+int32_t PageAllocator::allocate_slab(int64_t pages) {
   const int64_t first = num_pages();
   TORCH_CHECK_VALUE(first + pages <= (INT32_MAX >> shift_),
                     "the store cannot hold more than 2^31 - 1 slots");
@@ -396,12 +290,12 @@ int32_t RaggedKVStore::allocate_slab(int64_t pages) {
   return static_cast<int32_t>(first);
 }
 
-void RaggedKVStore::upload_page_base() {
+void PageAllocator::upload_page_base() {
   // Only when pages are allocated: decoding allocates once per page_size steps at most.
   page_base_ = to_device(page_base_h_, at::kLong, device());
 }
 
-void RaggedKVStore::upload_table() {
+void PageAllocator::upload_table() {
   bool current = table_uploaded_.size() == table_h_.size();
   for (size_t i = 0; current && i < table_h_.size(); ++i)
     current = table_h_[i] < 0 || table_h_[i] == table_uploaded_[i];
@@ -411,7 +305,7 @@ void RaggedKVStore::upload_table() {
   ++state_version_;
 }
 
-void RaggedKVStore::repack(int64_t extra) {
+void PageAllocator::repack(int64_t extra) {
   TORCH_CHECK_VALUE(extra >= 0 && extra <= INT32_MAX,
                     "repack takes a number of tokens in [0, 2^31 - 1], got ", extra);
   const int64_t S = num_segments();
