@@ -13,7 +13,8 @@ The state, and who owns it. The state is three kinds of tensors on the store's d
 
 - The allocator makes them, and makes *new* ones (a new slab, a new page table) when it gives
   segments pages (``prepare_append``, ``reserve``) or moves every token (``repack``); its
-  ``state_version`` counts those changes. It never writes into the pages.
+  ``state_version`` counts those changes. Into the pages it writes only there (``repack``
+  copies the live tokens into its new slab) and in ``set_scores`` (a policy's score channels).
 - The ops write into them in place: the pages (append, replace, compact) and ``len`` (append,
   compact). ``finish_compact``, after the compaction op, only updates the allocator's host
   bookkeeping (host lengths, free pages): it makes no new tensor.
