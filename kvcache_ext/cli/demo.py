@@ -35,7 +35,8 @@ class Row:
     def kv_fraction(self) -> float:
         return sum(self.kv_bytes) / max(sum(self.full_bytes), 1)
 
-    def add(self, correct: bool, kv_bytes: int, full_bytes: int, prefill_s: float, decode_s_per_token: float) -> None:
+    def add(self, correct: bool, kv_bytes: int, full_bytes: int, prefill_s: float,
+            decode_s_per_token: float) -> None:
         """One more prompt's results."""
         self.prompts += 1
         self.correct += correct

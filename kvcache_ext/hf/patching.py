@@ -206,7 +206,8 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
 
     model._prepare_cache_for_generation = _prepare_cache_for_generation
     if policy.scorer.reconstructs:   # its passes run as soon as the forward that prefilled a prompt returns
-        model._kvcache_ext_forward, model.forward = model.forward, score_after_forward(model.forward, key, handle.tokens)
+        original = model.forward
+        model._kvcache_ext_forward, model.forward = original, score_after_forward(original, key, handle.tokens)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 
