@@ -35,12 +35,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
-import kvcache_ext.evaluation.shared_prefill as shared_prefill  # noqa: E402
 import kvcache_ext.engine.reconstruction as reconstruction  # noqa: E402
 from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.retrieval import run_prompt  # noqa: E402
 from kvcache_ext.hf.models import load_model  # noqa: E402
-from kvcache_ext.hf.patching import chat_template_tokens  # noqa: E402
+from kvcache_ext.engine.reconstruction import chat_template_tokens  # noqa: E402
 from kvcache_ext.policies import KVzip  # noqa: E402
 from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt  # noqa: E402
 
@@ -75,11 +74,11 @@ def reading(name: str, prefix: list[int]):
             layer_scores[..., :skipped["tokens"]] = 0.0 if name == "drop" else float("inf")
         return plain_finish(cache, scores)
 
-    KVzip.passes, reconstruction.finish, shared_prefill.finish = passes, finish, finish
+    KVzip.passes, reconstruction.finish = passes, finish
     try:
         yield
     finally:
-        KVzip.passes, reconstruction.finish, shared_prefill.finish = plain_passes, plain_finish, plain_finish
+        KVzip.passes, reconstruction.finish = plain_passes, plain_finish
 
 
 def main(argv=None) -> int:

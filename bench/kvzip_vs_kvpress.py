@@ -72,8 +72,8 @@ def our_scores(model, tokenizer, context, keep, name, method="kvzip-global-rebui
         cache = compressed_cache(policy, recorded)
         scores = torch.stack([s[0] for s in handle.score_prompt(cache, context)])
     kept = torch.zeros_like(scores, dtype=torch.bool)
-    for layer, layer_cache in enumerate(cache.layers):
-        view = layer_cache.state.kv.view(None, False)
+    for layer in range(len(cache.layers)):
+        view = cache.layer_kv(layer).view(None, False)
         for head in range(scores.shape[1]):
             kept[layer, head, view["pos"][0, head][view["mask"][0, head]]] = True
     return scores, kept

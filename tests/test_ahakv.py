@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.engine.eviction import LayerState, attend_block, compress_prompt
+from kvcache_ext.engine.eviction import attend_block
+from kvcache_ext.engine.prompt import compress_prompt
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryStep, H2O, OneShot, Policy,
                                   PromptView, Protection, Pyramid, Uniform)

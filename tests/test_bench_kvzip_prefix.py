@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import kvcache_ext
-import kvcache_ext.evaluation.shared_prefill as shared_prefill
 import kvcache_ext.engine.reconstruction as reconstruction
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 from kvcache_ext.policies import KVzip, Policy
@@ -26,7 +25,7 @@ PREFIX = 6
 
 
 def library():
-    return KVzip.passes, reconstruction.finish, shared_prefill.finish
+    return KVzip.passes, reconstruction.finish
 
 
 @pytest.mark.parametrize("name", kvzip_prefix.READINGS)

@@ -21,7 +21,8 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.hf.cache_argument import with_cache
-from kvcache_ext.engine.eviction import LayerState, attend_block, attend_in_blocks
+from kvcache_ext.engine.eviction import attend_block, attend_in_blocks
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView, EveryStep, OneShot, Policy,
                                   PromptView, Protection, Pyramid, Random, Scorer, SnapKV, StreamingLLM,
@@ -254,7 +255,7 @@ def test_h2o_query_head_accumulators_over_blocks_and_decode(storage):
     scorer = CAOTE(H2O(), max_groups=4, gqa="group_l2")
     state = LayerState(0, 1, Policy(scorer, budget=100, schedule=EveryStep(prefill_block=5)), storage)
     state.ensure_storage(q, k)
-    state.seen = n
+    state.advance(n)
     state.ensure_budget(valid[:, :n].sum(dim=1))
     sl = lambda x, a, z: x[:, :, a:z]
     attend_in_blocks(state, sl(q, 0, n), sl(k, 0, n), sl(v, 0, n), pos[:, :n], valid[:, :n], scale, 5)

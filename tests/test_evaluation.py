@@ -10,9 +10,9 @@ from tiny_models import VOCAB, tiny_model
 import kvcache_ext
 from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.evaluation import (
-    POLICY_NAMES,
     compressed_cache,
     make_policy,
+    policy_names,
     record_prefill,
 )
 from kvcache_ext.evaluation.named_policies import parse_policies
@@ -93,7 +93,7 @@ def test_record_prefill_refuses_a_patched_model_and_block_schedules_cannot_share
 
 def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert make_policy("full", 64) is None
-    for name in POLICY_NAMES[1:]:
+    for name in policy_names()[1:]:
         assert make_policy(name, 64).budget == 64
         if not name.startswith(("kvec", "kvzip", "ada-kvzip")):   # K-VEC and KVzip are one-shot only, and say so
             assert make_policy(name, 64, Schedule(prefill_block=16, decode_every=1)).schedule.prefill_block == 16
@@ -111,7 +111,7 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert make_policy("ahakv-nopool", 64).scorer.score_pool is None
     assert make_policy("kvec-nopool", 64).scorer.kernel == 1 and make_policy("snapkv-nopool", 64).scorer.kernel == 1
     assert make_policy("roco-pool", 64).scorer.pooling.kernel == 7
-    assert parse_policies("all") == list(POLICY_NAMES)
+    assert parse_policies("all") == list(policy_names())
     assert parse_policies(" SnapKV , full") == ["snapkv", "full"]
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("snapkv2", 64)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvcache_ext.evaluation.shared_prefill import record_prefill
-from kvcache_ext.policies import (AdaKV, BlockwisePrefill, EveryNSteps, ExpectedAttention, OneShot, Policy,
-                                  Uniform)
+from kvcache_ext.policies import (AdaKV, BlockwisePrefill, EveryNSteps, ExpectedAttention, ModelParts, OneShot,
+                                  Policy, Uniform)
 from test_patch import assert_paths_agree, inputs
 from tiny_models import tiny_model
 
@@ -69,9 +69,9 @@ def test_scores_equal_an_independent_implementation(scorer):
     ids, _ = inputs(batch=1, length=40, seed=5)
     recorded = record_prefill(model, ids)
     for view in recorded.views:
-        view = dataclasses.replace(view, rotary=recorded.rotary)
+        view = dataclasses.replace(view, model=recorded.model)
         got, _ = scorer.prompt_scores(view)
-        torch.testing.assert_close(got[0].double(), independent(scorer, view, recorded.rotary),
+        torch.testing.assert_close(got[0].double(), independent(scorer, view, recorded.model.rotary),
                                    atol=1e-6, rtol=1e-4)
 
 
@@ -81,6 +81,6 @@ def test_errors_name_what_is_wrong():
         with pytest.raises(ValueError, match=name):
             ExpectedAttention(**kwargs)
     model = tiny_model("llama")
-    view = dataclasses.replace(record_prefill(model, inputs(length=20)[0]).views[0], rotary=None)
+    view = dataclasses.replace(record_prefill(model, inputs(length=20)[0]).views[0], model=ModelParts())
     with pytest.raises(RuntimeError, match="rotary"):
         ExpectedAttention().prompt_scores(view)   # not run through patch: no rotary embedding

@@ -2,7 +2,7 @@
 
 - a literal per-row, per-head implementation (float64, explicit softmax, loops), run layer after
   layer with the coverage counts carried over, against the engine's one-shot prefill
-  (``compress_prompt`` on ``LayerState`` objects sharing one dict): the same tokens kept in
+  (``compress_prompt`` on ``LayerState`` objects sharing one ``SharedByLayers``): the same tokens kept in
   every head of every layer, GQA, left padding, ratio budgets and a pyramid included;
 - hand-checked cases: which heads are re-scored, the coverage bonus, the β protection;
 - validation (schedules, Ada-KV, protections) and the reductions to the plain windowed scorer;
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.engine.eviction import LayerState, compress_prompt
+from kvcache_ext.engine.prompt import compress_prompt
+from kvcache_ext.engine.state import LayerState, SharedByLayers
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot, Policy,
                                   PromptView, Protection, Pyramid, SnapKV, Uniform)
@@ -175,10 +176,10 @@ def literal_kvec(views: list[PromptView], s: KVEC, policy: Policy):
 
 
 def engine_kvec(views: list[PromptView], policy: Policy, storage):
-    """The engine's one-shot prefill, layer after layer, one shared dict."""
-    shared = {}
+    """The engine's one-shot prefill, layer after layer, sharing what a cache's layers share."""
+    shared = SharedByLayers()
     L = len(views)
-    states = [LayerState(layer, L, policy, storage, shared) for layer in range(L)]
+    states = [LayerState(layer, L, policy, storage, shared=shared) for layer in range(L)]
     kept = []
     for state, p in zip(states, views):
         state.ensure_storage(p.q, p.k)
@@ -187,7 +188,7 @@ def engine_kvec(views: list[PromptView], policy: Policy, storage):
         B, H = parts["mask"].shape[:2]
         kept.append([[set(parts["pos"][b, h][parts["mask"][b, h]].tolist()) for h in range(H)]
                      for b in range(B)])
-    return kept, shared.get(SHARED_KEY)
+    return kept, shared.scorer_state.get(SHARED_KEY)
 
 
 CASES = [
@@ -232,7 +233,7 @@ def test_engine_keeps_the_literal_tokens_layer_after_layer(case, storage):
 
 
 def test_prompt_scores_directly_layer_by_layer():
-    """The PromptView interface alone (one shared dict, layers in order): the scores' top-B per
+    """The PromptView interface alone (one cache_state dict, layers in order): the scores' top-B per
     head is the literal selection; layers out of order are refused."""
     scorer = KVEC(kernel=1, window=4, extended_window=8, delta=1)
     policy = Policy(scorer, budget=10)
@@ -241,7 +242,7 @@ def test_prompt_scores_directly_layer_by_layer():
     assert gap > 1e-5
     shared = {}
     for layer, p in enumerate(views):
-        p.shared, p.budget = shared, torch.tensor([10, 10])
+        p.cache_state, p.budget = shared, torch.tensor([10, 10])
         scores, channels = scorer.prompt_scores(p)
         assert channels is None and scores.dtype == torch.float32
         keep = top_k_mask(scores, p.pos, p.valid, torch.full((2, 2), 10))
@@ -253,7 +254,7 @@ def test_prompt_scores_directly_layer_by_layer():
         scorer.prompt_scores(views[2])          # layer 2 again, after 3 layers
     fresh = make_layers(7, [30, 22], 30, 2, 2, 3)[1]
     fresh.budget = torch.tensor([10, 10])
-    with pytest.raises(RuntimeError, match="same shared dict"):
+    with pytest.raises(RuntimeError, match="same cache_state dict"):
         scorer.prompt_scores(fresh)             # layer 1 with a dict no layer 0 has seen
     with pytest.raises(ValueError, match="budget"):
         scorer.prompt_scores(make_layers(7, [30, 22], 30, 2, 2, 1)[0])
@@ -435,7 +436,7 @@ def test_ragged_path_equals_reference_path(scorer, allocation):
         assert ragged.layer_kv(layer).store.num_tokens == int(ragged.layer_kv(layer).lens.sum())
     assert int(ragged.kept_tokens()[0].sum()) < 2 * 2 * (60 + 6)      # eviction happened
     # The coverage counts follow what the layers really kept (indices = position + padding).
-    states = [ragged.layers[0].state.shared[SHARED_KEY], reference.layers[0].state.shared[SHARED_KEY]]
+    states = [ragged.scorer_state[SHARED_KEY], reference.scorer_state[SHARED_KEY]]
     for state in states:
         assert state.layers == 3
         for b, pad in enumerate((0, 7)):
@@ -455,21 +456,21 @@ def test_every_prefill_starts_with_fresh_coverage():
     with kvcache_ext.patch(model, policy) as handle:
         first = handle.new_cache()
         logits = teacher_forced(model, first, ids, mask, steps=2)
-        counts = first.layers[0].state.shared[SHARED_KEY].counts.clone()
+        counts = first.scorer_state[SHARED_KEY].counts.clone()
         assert int(counts.max()) <= 3 and int(counts.max()) > 0
         teacher_forced(model, handle.new_cache(), other, other_mask, steps=2)   # something else
         second = handle.new_cache()
-        assert second.layers[0].state.shared == {}
+        assert second.scorer_state == {}
         torch.testing.assert_close(teacher_forced(model, second, ids, mask, steps=2), logits, atol=0, rtol=0)
-        assert torch.equal(second.layers[0].state.shared[SHARED_KEY].counts, counts)
-        first.reset()                                   # clears the cache's shared dict
-        assert first.layers[0].state.shared == {}
+        assert torch.equal(second.scorer_state[SHARED_KEY].counts, counts)
+        first.reset()                                   # empties the scorer's cross-layer state
+        assert first.scorer_state == {}
         torch.testing.assert_close(teacher_forced(model, first, ids, mask, steps=2), logits, atol=0, rtol=0)
-        state = first.layers[0].state.shared[SHARED_KEY]
+        state = first.scorer_state[SHARED_KEY]
         assert isinstance(state, CoverageState) and state.layers == 3
         assert torch.equal(state.counts, counts)
         assert kept_prompt_positions(first, 3, 50) == kept_prompt_positions(second, 3, 50)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                              return_dict_in_generate=True)
         assert out.sequences.shape == (2, 53)
-        assert torch.equal(out.past_key_values.layers[0].state.shared[SHARED_KEY].counts, counts)
+        assert torch.equal(out.past_key_values.scorer_state[SHARED_KEY].counts, counts)

@@ -16,7 +16,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvcache_ext.engine.eviction import LayerState, compress_prompt
+from kvcache_ext.engine.prompt import compress_prompt
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView, EveryNSteps, EveryStep,
                                   OneShot, Policy, PromptView, Protection, Pyramid, Random, Schedule,
@@ -465,8 +466,11 @@ def test_protection_masks(B, H, span, sinks, recent, seed):
             want = [q < sinks or q in newest for q in pos[b, h].tolist()]
             assert got[b, h].tolist() == want
     scores = torch.rand(pos.shape, generator=gen)
-    applied = prot.apply(scores, pos, last_pos)
-    assert torch.equal(applied, torch.where(got, torch.full_like(scores, float("inf")), scores))
+    applied, protected = prot.apply(scores.half(), pos, last_pos, mask)
+    assert torch.equal(protected, got & mask)
+    assert applied.dtype == torch.float32
+    assert torch.equal(applied, torch.where(got & mask, torch.full_like(scores, float("inf")),
+                                            scores.half().float()))
     assert prot.size == sinks + recent
 
 

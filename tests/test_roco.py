@@ -17,7 +17,9 @@ import math
 import pytest
 import torch
 
-from kvcache_ext.engine.eviction import LayerState, attend_block, attend_in_blocks, compress_prompt
+from kvcache_ext.engine.eviction import attend_block, attend_in_blocks
+from kvcache_ext.engine.prompt import compress_prompt
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, CacheView, EveryNSteps, EveryStep, OneShot,
                                   Policy, PromptView, Pyramid, RoCo, Schedule, ScissorHands, Uniform)

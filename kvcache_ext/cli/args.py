@@ -23,12 +23,19 @@ def positive_int(text: str, low: int = 1, high: int | None = None) -> int:
     return value
 
 
+class _Named:
+    """An argparse type under the name argparse shows in its messages ("invalid integer value")."""
+
+    def __init__(self, name: str, parse):
+        self.__name__, self.parse = name, parse
+
+    def __call__(self, text: str):
+        return self.parse(text)
+
+
 def int_range(low: int, high: int | None = None):
     """An argparse type: an integer in [low, high]."""
-    def parse(text: str) -> int:
-        return positive_int(text, low, high)
-    parse.__name__ = "integer"
-    return parse
+    return _Named("integer", lambda text: positive_int(text, low, high))
 
 
 def _number_list(text: str, kind, what: str, ok) -> list:
@@ -72,8 +79,7 @@ def choice_list(choices):
         if bad or not names:
             raise argparse.ArgumentTypeError(f"takes {', '.join(choices)} (comma-separated); got {text!r}")
         return names
-    parse.__name__ = "list"
-    return parse
+    return _Named("list", parse)
 
 
 def output_file(text: str) -> str:

@@ -35,6 +35,16 @@ class Row:
     def kv_fraction(self) -> float:
         return sum(self.kv_bytes) / max(sum(self.full_bytes), 1)
 
+    def add(self, correct: bool, kv_bytes: int, full_bytes: int, prefill_s: float,
+            decode_s_per_token: float) -> None:
+        """One more prompt's results."""
+        self.prompts += 1
+        self.correct += correct
+        self.kv_bytes.append(kv_bytes)
+        self.full_bytes.append(full_bytes)
+        self.prefill_s.append(prefill_s)
+        self.decode_s_per_token.append(decode_s_per_token)
+
 
 def demo_policies(budget: int) -> dict:
     """The policies the demo compares, by name (None: HF's full cache, unpatched)."""
@@ -91,13 +101,7 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
                 held = cache_bytes(cache)
                 if handle is None:
                     full[i] = held
-                row = rows[name]
-                row.prompts += 1
-                row.correct += check_answer(text, p.answer)
-                row.kv_bytes.append(held)
-                row.full_bytes.append(full[i])
-                row.prefill_s.append(prefill)
-                row.decode_s_per_token.append(decode)
+                rows[name].add(check_answer(text, p.answer), held, full[i], prefill, decode)
                 bar.update(1)
                 if on_run is not None:
                     on_run([r for r in rows.values() if r.prompts])

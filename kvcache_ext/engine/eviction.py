@@ -1,96 +1,19 @@
 """The eviction engine: one layer's attention call on a patched model, with its policy.
 
 Called by the attention function that ``kvcache_ext.patch`` registers, for a layer whose cache
-is a ``RaggedCache``. Storage-agnostic: ``LayerState.kv`` is the ragged store
-(``layer_kv.RaggedLayerKV``) or the reference's masked dense cache.
+is a ``RaggedCache`` (``layer_forward``), and by the evaluation harness to build a cache from a
+recorded dense prefill (``prefill_dense``). Storage-agnostic: ``LayerState.kv`` is the ragged
+store (``ragged_storage.RaggedLayerKV``) or the reference's masked dense cache.
 """
 from __future__ import annotations
 
 import torch
 
-from kvcache_ext.hf.cache_argument import EITHER_NAME
-from kvcache_ext.policies.policy import Policy
-from kvcache_ext.policies.views import CacheView, PromptView
-from kvcache_ext.engine.reconstruction import attend_context, hold_context
-from kvcache_ext.engine.storage import LayerStorage
-
-MAX_BLOCK = 256   # the attention kernel's largest query block
-
-
-class LayerState:
-    """What one layer's cache knows besides its tokens."""
-
-    def __init__(self, layer_idx: int, num_layers: int, policy: Policy, storage: type[LayerStorage],
-                 shared: dict | None = None):
-        self.layer_idx, self.num_layers = layer_idx, num_layers
-        self.policy, self.storage = policy, storage
-        self.shared = {} if shared is None else shared   # one dict per cache: cross-layer state
-        self.rotary = None   # the model's rotary embedding (scorers that model future queries)
-        self.max_cache_len = None   # the longest sequence the cache will see (RaggedCache's argument)
-        self.reset()
-
-    def reset(self) -> None:
-        self.kv = None              # the storage, created at the first call
-        self.seen = 0               # tokens seen, padding included: HF's sequence length
-        self.last_pos = None        # [B] newest position of every row
-        self.budget = None          # [B] this layer's per-head budget (prefill, block eviction)
-        self.decode_budget = None   # [B] per-head budget of decode-time eviction
-        self.decode_steps = 0
-        self.context = None         # a prompt held for reconstruction passes (reconstruction.py)
-        if self.layer_idx == 0:
-            self.shared.clear()
-
-    def ensure_storage(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Makes the storage at the first call; checks later calls' tokens against it (before
-        anything changes: a cache cannot take another model's or another batch's tokens)."""
-        B, H, _, D = k.shape
-        if self.kv is None:
-            self.groups = q.shape[1] // H
-            self.layout = (H, D, self.groups)
-            self.tokens = (B, k.dtype, k.device)
-            self.kv = self.storage(B, H, D, k.dtype, k.device, self.policy.scorer.channels)
-            self.last_pos = torch.full((B,), -1, dtype=torch.long, device=k.device)
-        elif (H, D, q.shape[1] // H) != self.layout or (B, k.dtype, k.device) != self.tokens:
-            check_tokens(self, q, k)
-
-    def check_positions(self, n: int) -> None:
-        """Positions go on after eviction; the kernels hold them as int32."""
-        if self.seen + n > 2**31 - 1:
-            raise ValueError(f"layer {self.layer_idx}: the cache has seen {self.seen} tokens; {n} more "
-                             "would take positions past 2^31 - 1, which the store cannot hold")
-
-    def ensure_budget(self, prompt_len: torch.Tensor) -> None:
-        """Fixes the layer's budgets from the first prompt's length [B]."""
-        if self.budget is not None:
-            return
-        p = self.policy
-        reserved = p.protection.size
-        layer = lambda base, length: p.allocation.layer_budget(base, self.layer_idx, self.num_layers,
-                                                               length, reserved)
-        base = p.budget_for(prompt_len)
-        self.budget = layer(base, prompt_len)
-        # Decoding grows the cache past a short prompt: its budgets are not capped by the prompt.
-        target = torch.full_like(prompt_len, p.schedule.decode_target) if p.schedule.decode_target else base
-        self.decode_budget = layer(target, torch.maximum(prompt_len, 2 * target))
-        # Host copies (one sync, at prefill): "is every head within its budget?" is then asked
-        # of the store's host lengths at every step without touching the device.
-        self.budget_host, self.decode_budget_host = self.budget.cpu(), self.decode_budget.cpu()
-
-
-def check_tokens(state: LayerState, q, k) -> None:
-    """Raises ValueError naming what differs between new tokens and the cache's."""
-    B, H, _, D = k.shape
-    have_H, have_D, have_G = state.layout
-    have_B, dtype, device = state.tokens
-    if (H, D, q.shape[1] // H) != state.layout:
-        raise ValueError(f"{EITHER_NAME}: layer {state.layer_idx} of this cache holds {have_H} KV heads of "
-                         f"dimension {have_D} ({have_G} query heads each); the model gives {H} of dimension "
-                         f"{D} ({q.shape[1] // H} each): a cache serves one model; use a fresh one")
-    if B != have_B:
-        raise ValueError(f"{EITHER_NAME}: layer {state.layer_idx} of this cache holds a batch of {have_B}; "
-                         f"the input has a batch of {B} (a cache serves one batch; use a fresh one)")
-    raise ValueError(f"{EITHER_NAME}: layer {state.layer_idx} of this cache holds {dtype} tokens on "
-                     f"{device}; the model gives {k.dtype} on {k.device}: use a fresh cache")
+from kvcache_ext.engine.prompt import compress_prompt, release_prefill_slack
+from kvcache_ext.engine.reconstruction import attend_context, hold_prompt
+from kvcache_ext.engine.state import LayerState
+from kvcache_ext.policies.schedule import MAX_BLOCK
+from kvcache_ext.policies.views import CacheView
 
 
 def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention_mask, scale,
@@ -109,14 +32,14 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     state.check_positions(n)
     valid, all_valid = step_validity(state, attention_mask, n, B, q.device)
     pos = new_positions(position_ids, state.seen, n, B, q.device)
+    schedule = state.policy.schedule
+    if state.seen == 0 and n > 1 and schedule.prefill_block is None:
+        out = dense_attention(module, q, k, v, attention_mask, scaling=scale, dropout=0.0, **kwargs)[0]
+        prefill_dense(state, q, k, v, pos, valid, scale)
+        return out
     state.ensure_storage(q, k)
     fresh = state.seen == 0
-    state.seen += n
-    schedule = state.policy.schedule
-    if fresh and n > 1 and schedule.prefill_block is None:
-        out = dense_attention(module, q, k, v, attention_mask, scaling=scale, dropout=0.0, **kwargs)[0]
-        store_dense_prompt(state, q, k, v, pos, valid, scale)
-        return out
+    state.advance(n)
     if fresh:
         state.ensure_budget(valid.sum(dim=1))
     if n == 1:
@@ -146,41 +69,35 @@ def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
     ``attend_block`` would do the same work through its general path."""
     B = q.shape[0]
     if (B, k.dtype, k.device) != state.tokens or k.shape[1] != state.layout[0]:
-        check_tokens(state, q, k)
+        state.check_tokens(q, k)
     state.check_positions(1)
     pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
     out = state.kv.append_and_attend(k, v, pos, q, scale)   # first: nothing has changed if it refuses
-    state.seen += 1
-    state.decode_steps += 1
-    state.last_pos = torch.maximum(state.last_pos, pos[:, 0])
+    state.advance(1)
+    state.count_decode_step()
+    state.note_newest(pos[:, 0])
     return out.transpose(1, 2)
 
 
-def store_dense_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
-    """What a one-shot prefill leaves in a layer's cache once the model's dense attention has
-    run on the prompt: the compressed prompt, without the prefill's slack. The one path for a
-    dense prefill: the patched model and the evaluation's shared prefill both take it."""
+def prefill_dense(state: LayerState, q, k, v, pos, valid, scale) -> None:
+    """What a one-shot prefill leaves in a fresh layer once the model's dense attention has run
+    on the prompt q [B, Hq, n, D], k, v [B, H, n, D] (positions ``pos``, ``valid`` [B, n]): the
+    storage made, the tokens counted and the compressed prompt stored, without the prefill's
+    slack (or, for a scorer that reconstructs the prompt, the prompt held for its passes). The
+    one door for a dense prefill: the patched model's attention and the evaluation's shared
+    prefill (which replays a recorded one) both take it."""
+    n = k.shape[2]
+    if state.seen:
+        raise RuntimeError(f"layer {state.layer_idx} has seen {state.seen} tokens: a dense prefill "
+                           "fills a fresh cache")
+    state.check_positions(n)
+    state.ensure_storage(q, k)
+    state.advance(n)
     if state.policy.scorer.reconstructs:
-        note_prompt(state, pos, valid)
-        hold_context(state, k, v, pos, valid, scale)   # scored and compressed after the passes
+        hold_prompt(state, k, v, pos, valid, scale)   # scored and compressed after the passes
         return
     compress_prompt(state, q, k, v, pos, valid, scale)
     release_prefill_slack(state)
-
-
-def release_prefill_slack(state: LayerState) -> None:
-    """After a prompt, a layer holds its kept tokens in whole pages and no free page: a
-    block-wise prefill needs budget + block tokens per head while it runs, and the pages its
-    evictions emptied are given back here (one repack). A cache that decoding holds at its
-    budget also keeps pages for the tokens that arrive between two evictions, so that
-    decoding allocates nothing. A cache that grows while decoding takes a page when one fills
-    up, unless its length to come is known (``max_cache_len``, which generate gives): then it
-    keeps pages for every token still to come, and decoding allocates nothing either."""
-    every = state.policy.schedule.decode_every
-    if every is not None:
-        state.kv.trim(every)
-    else:
-        state.kv.trim(max(0, state.max_cache_len - state.seen) if state.max_cache_len else 0)
 
 
 def update_channels(kv, scorer, stats: dict) -> None:
@@ -224,39 +141,6 @@ def attend_in_blocks(state: LayerState, q, k, v, pos, valid, scale, block: int,
     return out
 
 
-def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:
-    """One-shot prefill: score the dense prompt, keep each head's budget, store only that."""
-    note_prompt(state, pos, valid)
-    view = PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
-                      layer_idx=state.layer_idx, num_layers=state.num_layers,
-                      budget=state.budget, shared=state.shared, rotary=state.rotary)
-    scores, channels = state.policy.scorer.prompt_scores(view)
-    keep_prompt(state, k, v, pos, valid, scores, channels)
-
-
-def note_prompt(state: LayerState, pos, valid) -> None:
-    """A fresh prompt's budgets and newest positions."""
-    state.ensure_budget(valid.sum(dim=1))
-    state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
-
-
-def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels) -> None:
-    """Stores each head's budget of a prompt by ``scores`` [B, H, n] (protection and the
-    allocation applied), with the scorer's ``channels`` when the schedule evicts again."""
-    p, kv = state.policy, state.kv
-    B, H, n, _ = k.shape
-    pos_h = pos[:, None, :].expand(B, H, n)
-    mask = valid[:, None, :].expand(B, H, n)
-    protected = p.protection.mask(pos_h, state.last_pos) & mask
-    scores = scores.float().masked_fill(protected, float("inf"))
-    counts = lambda s, m, total: kv.prompt_grouped_counts(s, pos, valid, total)
-    per_head = p.allocation.head_budgets(state.budget, scores, mask, protected, counts)
-    keep = kv.prompt_keep(scores, pos, valid, per_head)
-    kv.append(k, v, pos, keep)
-    if channels is not None and p.schedule.evicts_over_cache:
-        kv.set_prompt_channels(channels, keep)
-
-
 def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, active=None,
                  all_valid: bool = False):
     """Appends a block (or one decode token), attends over the cache, feeds the scorer, evicts.
@@ -266,13 +150,13 @@ def attend_block(state: LayerState, q, k, v, pos, valid, scale, decode: bool, ac
     p, kv = state.policy, state.kv
     B, H, m, _ = k.shape
     kv.append(k, v, pos, None if all_valid else valid[:, None, :].expand(B, H, m))
-    state.last_pos = torch.maximum(state.last_pos, pos.masked_fill(~valid, -1).max(dim=1).values)
+    state.note_newest(pos.masked_fill(~valid, -1).max(dim=1).values)
     # Padding queries see nothing (q_pos -1); a lone real decode query needs no positions.
     q_pos = pos.masked_fill(~valid, -1) if m > 1 or not all_valid else None
     if decode:
-        state.decode_steps += 1
+        steps = state.count_decode_step()
         every = p.schedule.decode_every
-        evict_now = every is not None and state.decode_steps % every == 0
+        evict_now = every is not None and steps % every == 0
         target, target_host = state.decode_budget, state.decode_budget_host
     else:
         evict_now = p.schedule.prefill_block is not None
@@ -316,8 +200,9 @@ def cache_view(state: LayerState, stats: dict, stat_queries: int, target: torch.
     return CacheView(pos=parts["pos"], mask=parts["mask"], channels=parts["channels"],
                      last_pos=state.last_pos, layer_idx=state.layer_idx, num_layers=state.num_layers,
                      groups=state.groups, stats=parts["stats"], stat_queries=stat_queries,
-                     k=parts.get("k"), v=parts.get("v"), budget=target, shared=state.shared,
-                     q=q, q_pos=q_pos, scale=scale, rotary=state.rotary)
+                     k=parts.get("k"), v=parts.get("v"), budget=target, q=q, q_pos=q_pos, scale=scale,
+                     model=state.model, layer_state=state.scorer_state,
+                     cache_state=state.shared.scorer_state)
 
 
 def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, stats: dict, stat_queries: int,
@@ -330,9 +215,7 @@ def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, st
     view = cache_view(state, stats, stat_queries, target, queries)
     mask = view.mask
     lens = mask.sum(dim=-1)
-    scores = p.scorer.cache_scores(view).float()
-    protected = p.protection.mask(view.pos, state.last_pos) & mask
-    scores = scores.masked_fill(protected, float("inf"))
+    scores, protected = p.protection.apply(p.scorer.cache_scores(view), view.pos, state.last_pos, mask)
     per_head = p.allocation.head_budgets(target.to(scores.device), scores, mask, protected, kv.grouped_counts)
     if active is not None:
         per_head = torch.where(active.to(per_head.device)[:, None], per_head, lens)
@@ -346,19 +229,20 @@ def _union(a, b):
 
 def step_validity(state: LayerState, mask, n: int, batch: int, device) -> tuple[torch.Tensor, bool]:
     """(valid [B, n], all_valid: no padding among them, on the host). HF hands every layer of a
-    step the same mask, so a decode step's answer is kept in the cache's shared state and the
-    other layers reuse it: one host sync per step, not one per layer. (Only a decode step's:
-    a prompt's mask is large, and holding it would keep it alive after the prefill.)"""
+    step the same mask, so a decode step's answer is kept in what the cache's layers share
+    (``StepValidity``) and the other layers reuse it: one host sync per step, not one per layer.
+    (Only a decode step's: a prompt's mask is large, and holding it would keep it alive after
+    the prefill.)"""
     if mask is None:   # no padding anywhere: known without looking at the device
         return torch.ones(batch, n, dtype=torch.bool, device=device), True
-    key = "_kvcache_ext_step_validity"
-    cached = state.shared.get(key) if n == 1 else None
-    if cached is not None and cached[0] is mask and cached[1] == (state.seen, device):
-        return cached[2], cached[3]
+    memo = state.shared.step_validity
+    known = memo.get(mask, state.seen, device) if n == 1 else None
+    if known is not None:
+        return known
     valid = new_token_validity(mask, state.seen, n, batch, device)
     all_valid = bool(valid.all())
     if n == 1:
-        state.shared[key] = (mask, (state.seen, device), valid, all_valid)
+        memo.put(mask, state.seen, device, valid, all_valid)
     return valid, all_valid
 
 

@@ -1,14 +1,17 @@
-"""Scoring a prefilled context by reconstruction passes of the model (KVzip's protocol).
+"""Scoring a prefilled context by reconstruction passes of the model (KVzip's protocol): the
+engine's side of every ``ReconstructionScorer`` (``policies.scorer``; ``policies.KVzip``).
 
-A scorer with ``reconstructs = True`` (``policies.KVzip``) cannot score a prompt inside one
-layer's attention call: its scores come from running the whole model again. So a one-shot
-prefill with such a scorer keeps each layer's dense prompt aside (``Context``, the full
-cache's K and V for the time of the passes) and stores nothing; ``reconstruct`` then feeds
-each reconstruction input over it, and every layer's attention in that mode
-(``attend_context``) computes its output exactly (softmax over the whole context and the
-pass's own tokens, causal) and folds the probabilities into the context's scores. The pass's
-tokens are never cached. Finally each layer keeps its budget by those scores (``finish``),
-exactly as a one-shot prefill keeps its scorer's.
+Such a scorer cannot score a prompt inside one layer's attention call: its scores come from
+running the whole model again. So a one-shot prefill with such a scorer keeps each layer's
+dense prompt aside (``hold_prompt``: a ``Context``, the full cache's K and V for the time of
+the passes) and stores nothing; ``reconstruct`` then feeds each reconstruction input over it,
+and every layer's attention in that mode (``attend_context``) computes its output exactly
+(softmax over the whole context and the pass's own tokens, causal) and folds the
+probabilities into the context's scores. The pass's tokens are never cached. Finally each
+layer keeps its budget by those scores (``finish``), exactly as a one-shot prefill keeps its
+scorer's. The patched model runs the passes when the forward that prefilled the prompt
+returns (``score_after_forward``); ``score_prompt`` runs them on a cache by hand, and
+``PromptTokens`` tokenizes the scorer's instructions.
 
 Extra memory: one pass's activations (``chunk`` tokens plus the instruction) and, per layer
 call, one block of queries' logits over the scored keys (about 2 MiB, ``block_rows``) and,
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.engine.prompt import keep_prompt, note_prompt, release_prefill_slack
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.hf.cache_argument import cache_argument
 
 
@@ -37,6 +42,17 @@ class Context:
     window: tuple[int, int] = (0, 0)   # context indices the current pass rebuilds
     pass_real: torch.Tensor | None = None   # [B, r] the current pass's real tokens (None: no pass)
     scorable: torch.Tensor | None = None    # [B, n] the tokens the scores rate (None: every valid one)
+
+    def rate_only(self, scorable: torch.Tensor) -> None:
+        """The passes rate these tokens [B, n] only (a skipped prefix is not rated)."""
+        self.scorable = scorable
+
+    def start_pass(self, window: tuple[int, int], real: torch.Tensor) -> None:
+        """A pass that rebuilds context indices ``window`` with its real tokens ``real`` [B, r]."""
+        self.window, self.pass_real = window, real
+
+    def end_pass(self) -> None:
+        self.pass_real = None
 
 
 def attend_context(state, q, k, v, pos):
@@ -205,16 +221,89 @@ def score_pass(ctx, scorer, q, norm, scored: ScoredKeys, real):
     ctx.scores[..., lo:hi] = torch.maximum(ctx.scores[..., lo:hi], scorer.pass_scores(probs, G))
 
 
-def hold_context(state, k, v, pos, valid, scale) -> None:
-    """Instead of compressing a fresh prompt now: keep it for the reconstruction passes."""
+def hold_prompt(state: LayerState, k, v, pos, valid, scale) -> None:
+    """Instead of compressing a fresh prompt now: note it and keep it for the reconstruction passes."""
     B, H, n, _ = k.shape
-    state.context = Context(k=k, v=v, pos=pos, valid=valid, scale=scale,
-                            scores=torch.zeros(B, H, n, dtype=torch.float32, device=k.device))
+    note_prompt(state, pos, valid)
+    state.hold(Context(k=k, v=v, pos=pos, valid=valid, scale=scale,
+                       scores=torch.zeros(B, H, n, dtype=torch.float32, device=k.device)))
+
+
+def engine_states(cache) -> list[LayerState]:
+    """The layer states of an engine cache (a ``RaggedCache``); [] for any other object."""
+    states = [getattr(layer, "state", None) for layer in getattr(cache, "layers", None) or ()]
+    return states if all(isinstance(state, LayerState) for state in states) else []
 
 
 def awaiting(cache) -> bool:
-    """Whether a cache holds prompts that reconstruction passes must score."""
-    return any(getattr(layer.state, "context", None) is not None for layer in cache.layers)
+    """Whether ``cache`` is an engine cache that holds prompts reconstruction passes must score."""
+    return any(state.context is not None for state in engine_states(cache))
+
+
+def check_tokenizer(scorer, tokenizer) -> None:
+    """Raises ValueError when ``scorer`` needs the model's tokenizer and ``patch`` was not given one."""
+    if scorer.reconstructs and scorer.needs_tokenizer and tokenizer is None:
+        raise ValueError(f"{type(scorer).__name__} prompts the model with text instructions: pass the "
+                         "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids "
+                         "(and skip_prefix as token ids or None)")
+
+
+def chat_template_tokens(tokenizer, part: str) -> list[int]:
+    """Token ids of the tokenizer's chat template around one user message: ``"prefix"``, what
+    comes before the user's text (nothing without a template); ``"suffix"``, what follows it up
+    to the assistant's answer (a newline without a template)."""
+    text = "\n" if part == "suffix" else ""
+    if getattr(tokenizer, "chat_template", None):
+        mark = "\x00kvcache_ext\x00"
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                             tokenize=False)
+        text = turn.split(mark, 1)[0 if part == "prefix" else 1]
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+class PromptTokens:
+    """``tokens(text) -> list[int]``, what a ReconstructionScorer's ``passes`` and ``rebuilt``
+    tokenize their text with: ``text``'s token ids by the model's tokenizer (no special tokens);
+    ``"chat"`` and ``"chat_prefix"``: the parts of its chat template after and before a user's
+    text (``chat_template_tokens``)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"tokenizing {text!r} needs the model's tokenizer: patch(model, policy, tokenizer=...)")
+        if text in ("chat", "chat_prefix"):
+            return chat_template_tokens(self.tokenizer, "prefix" if text == "chat_prefix" else "suffix")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def score_after_forward(forward, cache_key: str, tokens):
+    """``forward`` (a model's) wrapped so that a prompt held for reconstruction passes is scored
+    and compressed as soon as the forward that prefilled it returns (inside ``generate`` too);
+    ``cache_key``: the keyword the model takes its cache under."""
+    def forward_then_score(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        cache = kwargs.get(cache_key, kwargs.get("past_key_values"))   # the older name still works
+        if awaiting(cache):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            reconstruct(forward, cache, ids, kwargs.get("attention_mask"), tokens)
+        return out
+    return forward_then_score
+
+
+def score_prompt(forward, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokens,
+                 scores: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    """Scores and compresses the prompt ``input_ids`` that ``cache`` holds for reconstruction
+    passes (``reconstruct``), or None when it holds none. ``scores``: the scores the passes gave
+    this prompt and scorer before (a harness that compresses one prompt at several budgets runs
+    them once): the passes are skipped and every layer keeps its budget by them (``finish``)."""
+    if not awaiting(cache):
+        return None
+    if scores is not None:
+        finish(cache, scores)
+        return scores
+    return reconstruct(forward, cache, input_ids, attention_mask, tokens)
 
 
 @torch.no_grad()
@@ -224,7 +313,7 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
     ``input_ids`` [B, n] of every layer) through ``forward`` (the model's unwrapped forward),
     then compresses every layer by the scores. Returns the scores [B, H, n] per layer (a
     harness that compresses the same prompt at several budgets reuses them: ``finish``)."""
-    states = [layer.state for layer in cache.layers]
+    states = engine_states(cache)
     scorer = states[0].policy.scorer
     if input_ids is None:
         raise ValueError("KVzip's reconstruction needs the prompt's input_ids (not inputs_embeds)")
@@ -239,10 +328,10 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
         scorable = rebuilt | (valid & (states[0].context.pos < scorer.sinks))
         start = int(rebuilt.any(dim=0).nonzero()[0]) if bool(rebuilt.any()) else 0
         for state in states:
-            state.context.scorable = scorable
+            state.context.rate_only(scorable)
     for inputs, real, lo, hi in scorer.passes(input_ids, rebuilt, tokens, start):
         for state in states:
-            state.context.window, state.context.pass_real = (lo, hi), real
+            state.context.start_pass((lo, hi), real)
         pos = newest[:, None] + real.long().cumsum(dim=1)       # after the context, padding skipped
         mask = torch.cat([valid, real], dim=1).long()
         try:
@@ -250,7 +339,7 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
                     use_cache=True, logits_to_keep=1, **{key: cache})
         finally:
             for state in states:
-                state.context.pass_real = None
+                state.context.end_pass()
     scores = [state.context.scores for state in states]
     if scorable is not None:   # softmax="context" rates every key it sees: not a skipped one
         for layer_scores in scores:
@@ -262,8 +351,7 @@ def reconstruct(forward, cache, input_ids: torch.Tensor, attention_mask: torch.T
 def finish(cache, scores: list[torch.Tensor]) -> None:
     """Every layer keeps its budget of its held prompt by ``scores`` and drops the rest (the
     layers' budgets first split by all the scores when the allocation asks: AcrossLayers)."""
-    from kvcache_ext.engine.eviction import keep_prompt, release_prefill_slack
-    states = [layer.state for layer in cache.layers]
+    states = engine_states(cache)
     policy = states[0].policy
     if policy.allocation.whole_model:
         ranked = []
@@ -271,13 +359,13 @@ def finish(cache, scores: list[torch.Tensor]) -> None:
             ctx = state.context
             B, H, n = layer_scores.shape
             held = ctx.valid[:, None, :].expand(B, H, n)
-            protected = policy.protection.mask(ctx.pos[:, None, :].expand(B, H, n), state.last_pos) & held
-            ranked.append(layer_scores.masked_fill(~held, float("-inf")).masked_fill(protected, float("inf")))
+            protected_first, _ = policy.protection.apply(layer_scores, ctx.pos[:, None, :].expand(B, H, n),
+                                                         state.last_pos, held)
+            ranked.append(protected_first.masked_fill(~held, float("-inf")))
         base = policy.budget_for(states[0].context.valid.sum(dim=1))
         for state, budget in zip(states, policy.allocation.layer_budgets(base, ranked)):
-            state.budget, state.budget_host = budget, budget.cpu()
-    for layer, layer_scores in zip(cache.layers, scores):
-        state = layer.state
-        ctx, state.context = state.context, None
+            state.set_budget(budget)
+    for state, layer_scores in zip(states, scores):
+        ctx = state.release_context()
         keep_prompt(state, ctx.k, ctx.v, ctx.pos, ctx.valid, layer_scores, None)
         release_prefill_slack(state)

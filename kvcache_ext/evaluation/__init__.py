@@ -1,10 +1,11 @@
 """The evaluation harness behind ``kvcache-ext eval``: retrieval (passkey, needle), perplexity
 under block-wise eviction, and fidelity of the next-token distributions against the full cache."""
-from kvcache_ext.evaluation.named_policies import POLICY_NAMES, make_policy
+from kvcache_ext.evaluation.named_policies import make_policy, policy_names, register_policy
 from kvcache_ext.evaluation.shared_prefill import (
     RecordedPrefill,
     compressed_cache,
     record_prefill,
 )
 
-__all__ = ["POLICY_NAMES", "RecordedPrefill", "compressed_cache", "make_policy", "record_prefill"]
+__all__ = ["RecordedPrefill", "compressed_cache", "make_policy", "policy_names", "record_prefill",
+           "register_policy"]

@@ -1,11 +1,23 @@
-"""The policies the harness knows by name, each at a budget and with a schedule.
+"""The registry of named policies: what the harness knows by name, each at a budget and with a
+schedule.
 
-Names are what ``kvcache-ext eval --policy`` takes. "full" is HF's full cache (the model
-unpatched). The schedule is the same for every named policy of one run (``--prefill-block``,
-``--decode-every``), so that methods are compared under one protocol; the papers' own protocols
-are in docs/policies.md and the protocol of each result in docs/results.md.
+Names are what ``kvcache-ext eval --policy`` and ``make_policy`` take. "full" is HF's full cache
+(the model unpatched). The schedule is the same for every named policy of one run
+(``--prefill-block``, ``--decode-every``), so that methods are compared under one protocol; the
+papers' own protocols are in docs/policies.md and the protocol of each result in docs/results.md.
+
+A scorer joins the registry under a name with one call, from its own file or from the script
+that runs it, and is then run by that name like any other (``kvcache-ext eval`` in the same
+process, ``make_policy``)::
+
+    register_policy("my-scorer", scorer=lambda budget: MyScorer())
+    register_policy("ada-my-scorer", scorer=lambda budget: MyScorer(), allocation=AdaKV)
+
+The library's own policies are the entries of ``BUILT_IN`` below.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvcache_ext.policies import (
     CAOTE,
@@ -34,8 +46,8 @@ def _h2o(budget: int) -> H2O:
     return H2O(recent=budget // 2)
 
 
-# name -> (scorer(budget), allocation())
-_RECIPES = {
+# name -> (scorer(budget), allocation() or None: the Policy's default, uniform)
+BUILT_IN = {
     "streamingllm": (lambda b: StreamingLLM(), None),
     "random": (lambda b: Random(), None),
     "h2o": (_h2o, None),
@@ -85,7 +97,48 @@ _RECIPES = {
     "roco-pool": (lambda b: Pooled(RoCo()), None),
 }
 
-POLICY_NAMES = ("full",) + tuple(_RECIPES)
+RESERVED = ("full", "all")   # HF's full cache; every name (parse_policies)
+_REGISTRY: dict[str, tuple[Callable, Callable | None]] = {}
+
+
+def register_policy(name: str, scorer: Callable, allocation: Callable | None = None, *,
+                    replace: bool = False) -> None:
+    """Makes ``name`` a policy that ``make_policy`` and ``kvcache-ext eval --policy`` know.
+
+    ``scorer(budget)`` builds its scorer (a ``kvcache_ext.policies.Scorer``) for a budget in
+    tokens per KV head; ``allocation()`` builds its allocation (a class such as ``AdaKV``, or a
+    function), None: the Policy's default (uniform). Names are lower case, without spaces or
+    commas; a name already taken is refused unless ``replace=True``."""
+    if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name or " " in name:
+        raise ValueError(f"register_policy name must be a non-empty lower-case name without spaces or "
+                         f"commas, got {name!r}")
+    if name in RESERVED:
+        raise ValueError(f"register_policy name {name!r} is reserved ({', '.join(RESERVED)})")
+    if not callable(scorer):
+        raise TypeError(f"register_policy scorer must be a function of the budget that returns a Scorer, "
+                        f"got {type(scorer).__name__}")
+    if allocation is not None and not callable(allocation):
+        raise TypeError(f"register_policy allocation must be a function (or class) that returns an "
+                        f"Allocation, or None, got {type(allocation).__name__}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"policy {name!r} is already registered (replace=True replaces it)")
+    _REGISTRY[name] = (scorer, allocation)
+
+
+def unregister_policy(name: str) -> None:
+    """Forgets a registered name (ValueError if it is not registered)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"policy {name!r} is not registered; registered: {', '.join(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every name ``make_policy`` takes: "full", then the registered policies in order."""
+    return ("full",) + tuple(_REGISTRY)
+
+
+for _name, (_scorer, _allocation) in BUILT_IN.items():
+    register_policy(_name, _scorer, _allocation)
 
 
 def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Policy | None:
@@ -93,9 +146,9 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
     key = name.strip().lower()
     if key == "full":
         return None
-    if key not in _RECIPES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
-    scorer, allocation = _RECIPES[key]
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+    scorer, allocation = _REGISTRY[key]
     kwargs = {"schedule": schedule} if schedule is not None else {}
     if allocation is not None:
         kwargs["allocation"] = allocation()
@@ -105,13 +158,14 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
 def parse_policies(text: str) -> list[str]:
     """A comma-separated list of names; "all" is every name."""
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    known = policy_names()
     if not names:
-        raise ValueError(f"no policy named in {text!r}; known: {', '.join(POLICY_NAMES)} (or all)")
+        raise ValueError(f"no policy named in {text!r}; known: {', '.join(known)} (or all)")
     if names == ["all"]:
-        return list(POLICY_NAMES)
-    unknown = [n for n in names if n not in POLICY_NAMES]
+        return list(known)
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)} (or all)")
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)} (or all)")
     return names
 
 

@@ -5,7 +5,7 @@ attention and compresses each layer's keys and values right after: the prefill i
 layer's queries, keys, values and the prompt's logits) does not depend on the policy. The
 harness therefore runs it once per prompt, recording each layer's dense prompt, and builds
 each policy's cache from the recording exactly as the patched prefill would
-(``eviction.store_dense_prompt``, the patched model's own path, on the same tensors).
+(``eviction.prefill_dense``, the patched model's own path, on the same tensors).
 ``tests/test_evaluation.py`` checks that this gives the same tokens and logits as running the
 patched model on the prompt.
 """
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 import kvcache_ext
+from kvcache_ext.engine.eviction import prefill_dense
+from kvcache_ext.engine.reconstruction import awaiting
 from kvcache_ext.hf.cache import RaggedCache
 from kvcache_ext.hf.cache_argument import with_cache
-from kvcache_ext.engine.eviction import store_dense_prompt
 from kvcache_ext.policies import Policy, Scorer
-from kvcache_ext.policies.views import PromptView
-from kvcache_ext.engine.reconstruction import awaiting, finish
+from kvcache_ext.policies.views import ModelParts, PromptView
 
 
 class _Recorder(Scorer):
@@ -44,7 +44,7 @@ class RecordedPrefill:
     views: list            # per layer, the dense PromptView (q, k, v after RoPE, positions)
     logits: torch.Tensor   # [B, n, V] logits of the prompt
     seconds: float = 0.0   # the prefill's wall time
-    rotary: object = None  # the model's rotary embedding (for the caches built from this)
+    model: ModelParts = field(default_factory=ModelParts)   # what the model hands its scorers
     # Scores of reconstruction passes (KVzip), per scorer: computed once per prompt and reused
     # at every budget, with the passes' wall time.
     reconstructed: dict = field(default_factory=dict)
@@ -61,20 +61,17 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, handle.new_cache()),
                     use_cache=True)
         seconds = time.perf_counter() - start
-    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, rotary=handle.rotary)
+    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, model=handle.model_parts)
 
 
 def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
     """The RaggedCache that a model patched with ``policy`` holds after the recorded prefill."""
     if policy.schedule.prefill_block is not None:
         raise ValueError("a block-wise prefill depends on the policy: it cannot share a recording")
-    cache = RaggedCache(policy, len(recorded.views), rotary=recorded.rotary)
+    cache = RaggedCache(policy, len(recorded.views), model=recorded.model)
     for layer, view in zip(cache.layers, recorded.views):
-        state = layer.state
         layer.lazy_initialization(view.k, view.v)
-        state.ensure_storage(view.q, view.k)
-        state.seen += view.k.shape[2]
-        store_dense_prompt(state, view.q, view.k, view.v, view.pos, view.valid, view.scale)
+        prefill_dense(layer.state, view.q, view.k, view.v, view.pos, view.valid, view.scale)
     return cache
 
 
@@ -86,10 +83,10 @@ def score_by_reconstruction(handle, cache: RaggedCache, recorded: RecordedPrefil
     if not awaiting(cache):
         return 0.0
     key = repr(cache.policy.scorer)
-    if key not in recorded.reconstructed:
+    if key in recorded.reconstructed:
+        handle.score_prompt(cache, input_ids, attention_mask, scores=recorded.reconstructed[key][0])
+    else:
         start = time.perf_counter()
         scores = handle.score_prompt(cache, input_ids, attention_mask)
         recorded.reconstructed[key] = (scores, time.perf_counter() - start)
-    else:
-        finish(cache, recorded.reconstructed[key][0])
     return recorded.reconstructed[key][1]

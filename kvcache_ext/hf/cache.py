@@ -14,6 +14,8 @@ from kvcache_ext.engine.eviction import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.checks import check_page_size, integer
 from kvcache_ext.policies.policy import ModelShape, Policy
+from kvcache_ext.engine.state import SharedByLayers
+from kvcache_ext.policies.views import ModelParts
 
 # The attention function finds its layer's state through the cache's update() that HF calls
 # just before it (same thread, same key tensor): HF does not pass the cache to attention.
@@ -127,12 +129,14 @@ class RaggedCache(Cache):
     cache that grows while decoding (a schedule without ``decode_every``) keeps pages for every
     token still to come as soon as its prompt is compressed, so decoding allocates nothing;
     tokens beyond it still fit (pages are added as they fill up). ``shrink_to_fit`` gives back
-    what an early stop left unused.
+    what an early stop left unused. ``model``: the parts of the model its scorer may need
+    (``kvcache_ext.policies.views.ModelParts``: the rotary embedding, for ExpectedAttention),
+    which ``handle.new_cache()`` passes.
     """
 
     storage = RaggedLayerKV
 
-    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, rotary=None,
+    def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, model: ModelParts | None = None,
                  max_cache_len: int | None = None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
@@ -141,11 +145,13 @@ class RaggedCache(Cache):
             max_cache_len = integer(max_cache_len, "RaggedCache max_cache_len", 1)
         self.policy, self.page_size = policy, check_page_size(page_size)
         self._checked_for = None     # the ModelShape the policy was last checked against
-        shared = {}   # cross-layer state of the policy (e.g. K-VEC's coverage counts)
-        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), shared))
+        if model is not None and not isinstance(model, ModelParts):
+            raise TypeError(f"RaggedCache model must be a kvcache_ext.policies.views.ModelParts (what "
+                            f"handle.new_cache() passes), got {type(model).__name__}")
+        shared = SharedByLayers()   # what the layers share: the scorer's cross-layer state, the engine's memo
+        super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), model=model,
+                                                        max_cache_len=max_cache_len, shared=shared))
                                  for i in range(num_layers)])
-        for layer in self.layers:   # ``rotary``: the model's RoPE, for scorers that need it (ExpectedAttention)
-            layer.state.rotary, layer.state.max_cache_len = rotary, max_cache_len
 
     def storage_factory(self):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""
@@ -183,6 +189,12 @@ class RaggedCache(Cache):
         """Per layer, [B, H] tokens held per (batch item, KV head)."""
         return [layer.state.kv.lens if layer.state.kv is not None else torch.zeros(0, dtype=torch.long)
                 for layer in self.layers]
+
+    @property
+    def scorer_state(self) -> dict:
+        """What its scorer keeps across the layers of this cache, for inspection (K-VEC's
+        coverage counts: ``cache.scorer_state["kvec"]``); emptied by ``reset()``."""
+        return self.layers[0].state.shared.scorer_state
 
     def shrink_to_fit(self) -> None:
         """Gives back every page that holds no token (free pages, and the pages reserved for

@@ -23,7 +23,8 @@ from kvcache_ext.hf.cache_argument import cache_argument
 from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.eviction import layer_forward
 from kvcache_ext.policies.policy import ModelShape, Policy
-from kvcache_ext.engine.reconstruction import awaiting, reconstruct
+from kvcache_ext.policies.views import ModelParts
+from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
 
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # The model's own dense attention runs the prefill; each gets its own registered name so that
@@ -69,17 +70,9 @@ def _register() -> None:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[dense])
 
 
-def chat_template_tokens(tokenizer, part: str) -> list[int]:
-    """Token ids of the tokenizer's chat template around one user message: ``"prefix"``, what
-    comes before the user's text (nothing without a template); ``"suffix"``, what follows it up
-    to the assistant's answer (a newline without a template)."""
-    text = "\n" if part == "suffix" else ""
-    if getattr(tokenizer, "chat_template", None):
-        mark = "\x00kvcache_ext\x00"
-        turn = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
-                                             tokenize=False)
-        text = turn.split(mark, 1)[0 if part == "prefix" else 1]
-    return tokenizer.encode(text, add_special_tokens=False) if text else []
+def model_parts(model) -> ModelParts:
+    """What a patched HF causal LM hands its scorers: its rotary embedding (``rotary_emb``)."""
+    return ModelParts(rotary=getattr(getattr(model, "model", None), "rotary_emb", None))
 
 
 class PatchHandle:
@@ -90,26 +83,20 @@ class PatchHandle:
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size, self.tokenizer = page_size, tokenizer
         self.reserve_new_tokens = reserve_new_tokens
-        self.rotary = getattr(getattr(model, "model", None), "rotary_emb", None)   # HF's RoPE module
+        self.model_parts = model_parts(model)   # what the caches hand the scorers
+        self.tokens = PromptTokens(tokenizer)    # tokens(text): a ReconstructionScorer's instructions
         self.shape = ModelShape.of(model)
         self._last_cache = None
         self._hooks = []
 
-    def tokens(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens); ``"chat"`` and ``"chat_prefix"``: the parts
-        of the tokenizer's chat template after and before a user's text (``chat_template_tokens``)."""
-        if text in ("chat", "chat_prefix"):
-            return chat_template_tokens(self.tokenizer, "prefix" if text == "chat_prefix" else "suffix")
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, forward=None):
+    def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, scores=None):
         """Runs the reconstruction passes of a scorer that needs them (KVzip) on a cache that
-        holds the dense prompt ``input_ids``, and compresses it; returns the scores per layer
-        (None when the cache awaits nothing). The patched model calls this after a prompt."""
-        if not awaiting(cache):
-            return None
-        forward = forward or getattr(self.model, "_kvcache_ext_forward", self.model.forward)
-        return reconstruct(forward, cache, input_ids, attention_mask, self.tokens)
+        holds the dense prompt ``input_ids`` and compresses it; returns the scores per layer
+        (None when the cache awaits nothing). ``scores``: the scores of an earlier run on this
+        prompt, used instead of running the passes again. The patched model runs them itself
+        after a prompt (``kvcache_ext.engine.reconstruction.score_prompt``)."""
+        forward = getattr(self.model, "_kvcache_ext_forward", self.model.forward)
+        return score_prompt(forward, cache, input_ids, attention_mask, self.tokens, scores)
 
     @property
     def num_layers(self) -> int:
@@ -121,14 +108,18 @@ class PatchHandle:
         ``max_cache_len``: the longest sequence it will see, prompt included (see ``RaggedCache``)."""
         if reference:
             from kvcache_ext.reference.masked_cache import MaskedCache
-            return MaskedCache(self.policy, self.num_layers, rotary=self.rotary, max_cache_len=max_cache_len)
-        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, rotary=self.rotary,
+            return MaskedCache(self.policy, self.num_layers, model=self.model_parts, max_cache_len=max_cache_len)
+        return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, model=self.model_parts,
                            max_cache_len=max_cache_len)
 
     @property
     def last_cache(self) -> RaggedCache | None:
         """The cache of the latest ``generate`` call, while something else still holds it."""
         return self._last_cache() if self._last_cache is not None else None
+
+    def remember_cache(self, cache: RaggedCache) -> None:
+        """``last_cache`` is now ``cache`` (held weakly)."""
+        self._last_cache = weakref.ref(cache)
 
     def unpatch(self) -> None:
         unpatch(self.model)
@@ -163,10 +154,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
         raise TypeError(f"patch tokenizer must be the model's tokenizer (with an encode method), "
                         f"got {type(tokenizer).__name__}")
-    if policy.scorer.reconstructs and policy.scorer.needs_tokenizer and tokenizer is None:
-        raise ValueError(f"{type(policy.scorer).__name__} prompts the model with text instructions: pass the "
-                         "model's tokenizer (patch(model, policy, tokenizer=...)), or give them as token ids "
-                         "(and skip_prefix as token ids or None)")
+    check_tokenizer(policy.scorer, tokenizer)
     config = getattr(model, "config", None)
     model_type = getattr(config.get_text_config() if config is not None else None, "model_type", None)
     if model_type not in SUPPORTED_MODELS:
@@ -212,12 +200,13 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
                     .arguments.get("max_cache_length")
             cache = handle.new_cache(max_cache_len=length or None)
             model_kwargs[key] = cache
-            handle._last_cache = weakref.ref(cache)
+            handle.remember_cache(cache)
         return prepare(generation_config, model_kwargs, *args, **kwargs)
 
     model._prepare_cache_for_generation = _prepare_cache_for_generation
-    if policy.scorer.reconstructs:
-        _score_prompts_after_forward(model, handle, key)
+    if policy.scorer.reconstructs:   # its passes run as soon as the forward that prefilled a prompt returns
+        original = model.forward
+        model._kvcache_ext_forward, model.forward = original, score_after_forward(original, key, handle.tokens)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 
@@ -232,22 +221,6 @@ def _user_stacklevel() -> int:
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _score_prompts_after_forward(model, handle: PatchHandle, key: str) -> None:
-    """Wraps ``model.forward`` so that a prompt held for reconstruction passes is scored and
-    compressed as soon as the forward that prefilled it returns (inside ``generate`` too)."""
-    original = model.forward
-
-    def forward(*args, **kwargs):
-        out = original(*args, **kwargs)
-        cache = kwargs.get(key, kwargs.get("past_key_values"))   # the older name still works
-        if isinstance(cache, RaggedCache) and awaiting(cache):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            handle.score_prompt(cache, ids, kwargs.get("attention_mask"), forward=original)
-        return out
-
-    model._kvcache_ext_forward, model.forward = original, forward
 
 
 def _check_cuda_head_dim(model) -> None:

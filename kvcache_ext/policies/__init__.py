@@ -26,16 +26,16 @@ from kvcache_ext.policies.random_eviction import Random
 from kvcache_ext.policies.roco import RoCo
 from kvcache_ext.policies.schedule import BlockwisePrefill, EveryNSteps, EveryStep, OneShot, Schedule
 from kvcache_ext.policies.scissorhands import ScissorHands
-from kvcache_ext.policies.scorer import Scorer
+from kvcache_ext.policies.scorer import ReconstructionScorer, Scorer
 from kvcache_ext.policies.snapkv import SnapKV
 from kvcache_ext.policies.streaming_llm import StreamingLLM
 from kvcache_ext.policies.tova import TOVA
 from kvcache_ext.policies.uniform import Uniform
-from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.policies.views import CacheView, ModelParts, PromptView
 
-__all__ = ["Policy", "ModelShape", "Scorer", "Allocation", "Schedule", "Protection",
+__all__ = ["Policy", "ModelShape", "Scorer", "ReconstructionScorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "KVzip", "ExpectedAttention", "CAOTE", "FastCAOTE", "caote_policy",
            "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
-           "PromptView", "CacheView"]
+           "PromptView", "CacheView", "ModelParts"]

@@ -194,8 +194,9 @@ class AhaKV(Scorer):
             return scores
         return self.score_pool(scores, mask & ~newest(pos, last_pos, self.recent))
 
-    def _key(self, what: str, layer_idx: int) -> str:
-        return f"ahakv.{what}.{layer_idx}"
+    # This layer's state between calls, in ``view.layer_state``: the prompt length (``decode_i=
+    # "prefill"``'s i) and the newest positions at the previous call.
+    PROMPT_LEN, LAST_POS = "ahakv.prompt_len", "ahakv.last_pos"
 
     def _window_scores(self, view, q, q_pos, q_valid, v, k_real, last_pos, budget):
         """Alg. 1 lines 6-10 on a sequence: gamma_bar * (SG attention summed over the window).
@@ -217,8 +218,8 @@ class AhaKV(Scorer):
         B, H, n, _ = p.k.shape
         k_real = p.valid[:, None, :].expand(B, H, n)
         scores = self._window_scores(p, p.q, p.pos, p.valid, p.v, k_real, p.last_pos, p.budget)
-        p.shared[self._key("prompt_len", p.layer_idx)] = p.last_pos + 1     # decode_i="prefill"
-        p.shared[self._key("last_pos", p.layer_idx)] = p.last_pos.clone()
+        p.layer_state[self.PROMPT_LEN] = p.last_pos + 1                     # decode_i="prefill"
+        p.layer_state[self.LAST_POS] = p.last_pos.clone()
         pooled = self.pooled(scores, p.pos[:, None, :].expand(B, H, n), k_real, p.last_pos)
         return pooled, scores.unsqueeze(-1)                                 # F_0 = F^_s (line 19)
 
@@ -226,7 +227,7 @@ class AhaKV(Scorer):
         """Per batch row, by its real queries in the call: several (a prompt block) re-score
         like a prompt (lines 6-10); one (a decode step, or a block of one token: the two are
         the same computation) adds its SG-softmax row (line 27); none keeps the scores."""
-        q, mask, shared = view.q, view.mask, view.shared
+        q, mask, state = view.q, view.mask, view.layer_state
         B, _, m, D = q.shape
         F_prev = view.channels[..., 0]
         if view.q_pos is not None:
@@ -236,21 +237,20 @@ class AhaKV(Scorer):
             # position has not moved since this layer's previous call appended nothing: its
             # query is a padding slot (a block of one token that the row sits out).
             q_pos = view.last_pos[:, None].expand(B, m)
-            before = shared.get(self._key("last_pos", view.layer_idx))
+            before = state.get(self.LAST_POS)
             if before is not None:
                 q_pos = q_pos.masked_fill((view.last_pos <= before)[:, None], -1)
-        shared[self._key("last_pos", view.layer_idx)] = view.last_pos.clone()
+        state[self.LAST_POS] = view.last_pos.clone()
         q_real = q_pos >= 0
         count = q_real.sum(dim=1)                                               # [B]
-        n_key = self._key("prompt_len", view.layer_idx)
-        prompt_len = shared.get(n_key, torch.full_like(view.last_pos, -1))
+        prompt_len = state.get(self.PROMPT_LEN, torch.full_like(view.last_pos, -1))
         F_new = F_prev
         several = count > 1
         if bool(several.any()):
             fresh = self._window_scores(view, q, q_pos, q_real, view.v, mask, view.last_pos, view.budget)
             F_new = torch.where(several[:, None, None], fresh, F_new)
             prompt_len = torch.where(several, view.last_pos + 1, prompt_len)
-            shared[n_key] = prompt_len
+            state[self.PROMPT_LEN] = prompt_len
         one = count == 1
         if bool(one.any()):
             index, real = newest_queries(q_real, q_pos, 1)

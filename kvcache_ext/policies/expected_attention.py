@@ -15,7 +15,8 @@ block after the sinks, kvpress's reading); ``future``: positions averaged over (
 ``covariance``: the ``k'Sk`` term (True); ``vnorm`` and ``epsilon``: scores ``(p + epsilon) *
 ||v||`` (True, 0); ``sinks``: the first tokens, kept and left out of the statistics (4).
 
-RoPE comes from the model (``kvcache_ext.patch`` hands its rotary embedding to the cache).
+RoPE comes from the model (``kvcache_ext.patch`` hands its rotary embedding to the cache, which
+hands it to every view: ``view.model.rotary``).
 """
 from __future__ import annotations
 
@@ -74,12 +75,12 @@ class ExpectedAttention(Scorer):
         return Protection(sinks=self.sinks)
 
     def prompt_scores(self, p: PromptView):
-        return self.expected(p.q, p.pos, p.valid, p.k, p.v, p.valid, p.last_pos, p.scale, p.rotary), None
+        return self.expected(p.q, p.pos, p.valid, p.k, p.v, p.valid, p.last_pos, p.scale, p.model.rotary), None
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
         q_pos = view.q_pos if view.q_pos is not None else view.last_pos[:, None].expand(-1, view.q.shape[2])
         return self.expected(view.q, q_pos, q_pos >= 0, view.k, view.v, view.mask, view.last_pos,
-                             view.scale, view.rotary)
+                             view.scale, view.model.rotary)
 
     def expected(self, q, q_pos, q_real, k, v, k_real, last_pos, scale, rope) -> torch.Tensor:
         """[B, H, L] scores of keys k, v [B, H, L, D] (k_real [B, L] or [B, H, L]) from queries

@@ -15,12 +15,13 @@ from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
 from kvcache_ext.policies.views import PromptView
 
 IMPORTANCE_HEADS = ("query", "kv")
-SHARED_KEY = "kvec"   # PromptView.shared[SHARED_KEY]: the CoverageState of the current prefill
+SHARED_KEY = "kvec"   # PromptView.cache_state[SHARED_KEY]: the CoverageState of the current prefill
 
 
 @dataclass
 class CoverageState:
-    """The cross-layer state of one prefill (Eq. 12), kept in ``PromptView.shared``.
+    """The cross-layer state of one prefill (Eq. 12), kept in ``PromptView.cache_state`` (the
+    dict every layer of a cache shares; ``RaggedCache.scorer_state`` shows it).
 
     ``counts[b, t]`` = n_t: how many of the layers processed so far kept token t (by index in
     the prompt) in at least one of their KV heads. ``h_top[l]``: the KV heads [B, δ] that layer
@@ -37,6 +38,17 @@ class CoverageState:
         (the paper's coverage C / T, Tables 6-7)."""
         covered = ((self.counts > 0) & self.valid).sum(dim=1).float()
         return covered / self.valid.sum(dim=1).clamp_min(1).float()
+
+    def add_layer(self, kept: torch.Tensor, h_top: torch.Tensor) -> None:
+        """One more layer done: ``kept`` [B, n] bool, the tokens it kept in some KV head."""
+        self.counts += kept.to(self.counts.dtype)
+        self.layers += 1
+        self.h_top.append(h_top)
+
+    def move_to(self, device: torch.device) -> None:
+        """Follows the layers to their device (a model split over several)."""
+        if self.counts.device != device:
+            self.counts, self.valid = self.counts.to(device), self.valid.to(device)
 
 
 @dataclass
@@ -150,27 +162,24 @@ class KVEC(Scorer):
         # The engine keeps the top-B of these scores per KV head (Uniform / Pyramid: B is the
         # layer's budget for every head); the same selection here feeds n_t (Eq. 12).
         keep = top_k_mask(scores, p.pos, p.valid, budget[:, None].expand(B, H))
-        state.counts += keep.any(dim=1).to(state.counts.dtype)
-        state.layers += 1
-        state.h_top.append(layer.h_top)
+        state.add_layer(keep.any(dim=1), layer.h_top)
         return scores, None
 
     def _state(self, p: PromptView) -> CoverageState:
         B, _, n, _ = p.q.shape
         if p.layer_idx == 0:      # a new prefill: fresh counts, whatever the dict held
             state = CoverageState(torch.zeros(B, n, dtype=torch.int32, device=p.q.device), p.valid.clone())
-            p.shared[SHARED_KEY] = state
+            p.cache_state[SHARED_KEY] = state
             return state
-        state = p.shared.get(SHARED_KEY)
+        state = p.cache_state.get(SHARED_KEY)
         if state is None or state.layers != p.layer_idx or tuple(state.counts.shape) != (B, n):
             done = ("no layer" if state is None else
                     f"{state.layers} layer(s) of a {list(state.counts.shape)} prompt")
             raise RuntimeError(
                 f"K-VEC's coverage counts (Eq. 12) carry over the layers of one prefill, in order "
-                f"0 .. L-1, through PromptView.shared; layer {p.layer_idx} of a {[B, n]} prompt "
-                f"came after {done}. Give every layer's PromptView the same shared dict, in order")
-        if state.counts.device != p.q.device:   # layers on several devices
-            state.counts, state.valid = state.counts.to(p.q.device), state.valid.to(p.q.device)
+                f"0 .. L-1, through PromptView.cache_state; layer {p.layer_idx} of a {[B, n]} prompt "
+                f"came after {done}. Give every layer's PromptView the same cache_state dict, in order")
+        state.move_to(p.q.device)   # layers on several devices
         return state
 
     def window_probs(self, p: PromptView) -> tuple[torch.Tensor, torch.Tensor]:

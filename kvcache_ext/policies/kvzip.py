@@ -7,10 +7,11 @@ largest attention probability that any reconstruction query of any query head of
 pays it. Tokens the model needs to rebuild its context are the ones a later, unknown question
 is likely to need too, so the scores do not depend on the question.
 
-The passes run the model, so this scorer has no per-layer ``prompt_scores``: the patched
-model defers the compression of a fresh prompt, ``kvcache_ext.engine.reconstruction`` runs the passes
-(``patch(..., tokenizer=...)`` tokenizes the instructions) and then every layer keeps its
-budget by these scores. Compression is therefore one-shot only.
+The passes run the model, so this scorer has no per-layer ``prompt_scores``: it is a
+``ReconstructionScorer``; the patched model defers the compression of a fresh prompt,
+``kvcache_ext.engine.reconstruction`` runs the passes (``patch(..., tokenizer=...)`` tokenizes
+the instructions) and then every layer keeps its budget by these scores. Compression is
+therefore one-shot only.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext.policies.protection import Protection
-from kvcache_ext.policies.scorer import Scorer
-from kvcache_ext.policies.views import PromptView
+from kvcache_ext.policies.scorer import ReconstructionScorer
 
 SOFTMAX_KEYS = ("chunk", "context")
 PromptText = str | tuple[int, ...]
@@ -35,7 +35,7 @@ def _check_text(name: str, value) -> None:
 
 
 @dataclass
-class KVzip(Scorer):
+class KVzip(ReconstructionScorer):
     """Parameters (defaults: the KVzip paper's code as kvpress 0.5.5 runs it, unless noted):
 
     - ``chunk``: context tokens reconstructed per pass (1024; KVzip's code and kvpress use 2048).
@@ -76,8 +76,6 @@ class KVzip(Scorer):
     sinks: int = 4
     skip_prefix: PromptText | None = "chat"
 
-    reconstructs = True   # the engine runs ``kvcache_ext.engine.reconstruction`` to score a prompt
-
     def __post_init__(self):
         for name in ("chunk", "overlap", "sinks"):
             value = getattr(self, name)
@@ -100,19 +98,7 @@ class KVzip(Scorer):
     def default_protection(self) -> Protection:
         return Protection(sinks=self.sinks)
 
-    def check(self, schedule) -> None:
-        if schedule.prefill_block is not None or schedule.evicts_over_cache:
-            raise ValueError("KVzip scores a prefilled context by reconstructing it, once: it needs the "
-                             f"one-shot schedule (OneShot()), got {schedule}")
-
-    def prompt_scores(self, p: PromptView):
-        raise RuntimeError("KVzip scores come from reconstruction passes of the whole model; the "
-                           "patched model runs them (kvcache_ext.engine.reconstruction)")
-
-    def cache_scores(self, view):
-        raise RuntimeError("KVzip evicts once, after the prompt (one-shot schedule only)")
-
-    # --- the reconstruction passes ----------------------------------------------------------
+    # --- the reconstruction passes (ReconstructionScorer) ------------------------------------
     def rebuilt(self, ids: torch.Tensor, valid: torch.Tensor, tokens) -> torch.Tensor:
         """[B, n] bool: the context tokens the passes rebuild and the scores rate: ``valid``,
         less the ``skip_prefix`` tokens of each row whose real tokens open with them."""

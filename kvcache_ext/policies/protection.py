@@ -33,10 +33,14 @@ class Protection:
         """pos [B, H, L] positions, last_pos [B] newest position per row -> protected [B, H, L]."""
         return (pos < self.sinks) | newest(pos, last_pos, self.recent)
 
-    def apply(self, scores: torch.Tensor, pos: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
-        if not self.size:
-            return scores
-        return scores.masked_fill(self.mask(pos, last_pos), float("inf"))
+    def apply(self, scores: torch.Tensor, pos: torch.Tensor, last_pos: torch.Tensor,
+              held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every selection of the engine starts from: ``(scores, protected)``, the scores
+        [B, H, L] as float32 with the protected tokens' at +inf, and ``protected`` [B, H, L],
+        the tokens among ``held`` (bool, the real ones) that this protection keeps. ``pos``
+        [B, H, L] positions; ``last_pos`` [B] the newest position of each row."""
+        protected = self.mask(pos, last_pos) & held
+        return scores.float().masked_fill(protected, float("inf")), protected
 
 
 def newest(pos: torch.Tensor, last_pos: torch.Tensor, count: int) -> torch.Tensor:

@@ -18,6 +18,16 @@ class Scorer:
       (elementwise, so it works on any layout); called after every attention over the cache
       when the schedule will evict again.
     - ``cache_scores``: scores of the cached tokens at an eviction step.
+
+    State between calls: the per-token channels (``channels`` of them, kept by the storage
+    beside each token: ``view.channels``), and two dicts that the cache owns and empties when
+    it is reset: ``view.layer_state``, this layer's (AhaKV's prompt length), and
+    ``view.cache_state``, one that every layer of the cache shares, for state carried from
+    layer to layer (K-VEC's coverage counts). Keys are the scorer's to choose (prefixed by its
+    name: a wrapper and its base see the same dicts). Nothing else of a view outlives the call.
+
+    A scorer whose prompt scores come from running the whole model again over the prompt
+    rather than from one layer's attention subclasses ``ReconstructionScorer``.
     """
 
     channels: int = 0                        # float32 per-token channels the scorer owns
@@ -28,7 +38,7 @@ class Scorer:
     needs_queries: bool = False              # views carry the latest call's queries (view.q)
     output_after_eviction: bool = False      # a block's output over the kept tokens only (CAOTE Eq. 7)
     updates_from_view: bool = False          # ``update_view`` runs after every attention over the cache
-    reconstructs: bool = False               # prompt scores from reconstruction passes (reconstruction.py)
+    reconstructs: bool = False               # True for a ReconstructionScorer (below)
 
     def default_protection(self) -> Protection:
         return Protection()
@@ -77,6 +87,69 @@ class Scorer:
     def cache_head_scores(self, view: CacheView) -> torch.Tensor | None:
         """[B, H, G, L] scores of the cached tokens per query head, or None."""
         return None
+
+
+class ReconstructionScorer(Scorer):
+    """A query-agnostic scorer that rates a prompt's tokens by how much the model attends to
+    them while it reconstructs the prompt (KVzip's context reconstruction), over several
+    forward passes of the whole model; it has no per-layer ``prompt_scores``.
+
+    The engine (``kvcache_ext.engine.reconstruction``) keeps each layer's dense prompt aside
+    after a one-shot prefill, marks the tokens to rebuild (``rebuilt``), feeds the inputs of
+    ``passes`` through the model, and folds each pass's attention probabilities over the
+    prompt into one score per KV head and token with ``pass_scores`` (the largest so far is
+    kept); then every layer keeps its budget by those scores. What it asks of the scorer:
+
+    - ``softmax``: the keys a pass's scoring softmax runs over: ``"context"``, every key the
+      query sees (the model's own probabilities); ``"chunk"``, the first ``sinks`` tokens, the
+      pass's rebuilt window of the prompt and the pass's own tokens;
+    - ``sinks``: the first positions, rated (and, under ``"chunk"``, scored against) always;
+    - ``needs_tokenizer``: whether ``passes`` and ``rebuilt`` need text tokenized (``patch``
+      then requires the model's tokenizer);
+    - ``rebuilt`` and ``passes``: which tokens the passes rebuild and rate, and the passes'
+      inputs; ``tokens(text) -> list[int]`` tokenizes (``"chat"`` / ``"chat_prefix"``: the parts
+      of the tokenizer's chat template after and before a user's text);
+    - ``pass_scores``: the probabilities of a pass's queries per query head -> scores per KV head.
+
+    Such a scorer needs the one-shot schedule (its scores come once, after the prompt).
+    """
+
+    reconstructs = True
+    softmax: str = "context"                 # "context" or "chunk" (above)
+    sinks: int = 0                           # the first positions, always rated
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return False
+
+    def check(self, schedule) -> None:
+        if schedule.prefill_block is not None or schedule.evicts_over_cache:
+            raise ValueError(f"{type(self).__name__} scores a prefilled context by reconstructing it, once: "
+                             f"it needs the one-shot schedule (OneShot()), got {schedule}")
+
+    def rebuilt(self, ids: torch.Tensor, valid: torch.Tensor, tokens) -> torch.Tensor:
+        """[B, n] bool: the tokens of the prompt ``ids`` [B, n] (``valid``: False on padding)
+        that the passes rebuild and the scores rate; by default every valid one."""
+        return valid
+
+    def passes(self, ids: torch.Tensor, rebuilt: torch.Tensor, tokens, start: int = 0) -> list:
+        """The passes over a prompt ``ids`` [B, n] whose tokens ``rebuilt`` are to be rebuilt,
+        from column ``start`` on (the first rebuilt column): a list of ``(inputs [B, r], real
+        [B, r], lo, hi)``, each pass's token ids (left-padded: ``real`` False on padding) and
+        the window ``lo .. hi`` of prompt columns it rebuilds."""
+        raise NotImplementedError
+
+    def pass_scores(self, probs: torch.Tensor, groups: int) -> torch.Tensor:
+        """[B, Hq, c, n] probabilities of c pass queries over n prompt keys -> [B, H, n] (H =
+        Hq / ``groups``): what the pass says of each token, per KV head."""
+        raise NotImplementedError
+
+    def prompt_scores(self, p: PromptView):
+        raise RuntimeError(f"{type(self).__name__} scores come from reconstruction passes of the whole model; "
+                           "the patched model runs them (kvcache_ext.engine.reconstruction)")
+
+    def cache_scores(self, view: CacheView) -> torch.Tensor:
+        raise RuntimeError(f"{type(self).__name__} evicts once, after the prompt (one-shot schedule only)")
 
 
 def group_reduce(x: torch.Tensor, groups: int, mode: str = "mean") -> torch.Tensor:

@@ -8,6 +8,11 @@ takes its probabilities from ``PromptView.probs`` / ``query_probs`` / ``newest_p
 ``CacheView.probs`` / ``query_probs``, which all call it (causal by position, blind to
 padding, float32). ``softmax_over_keys`` is the softmax itself, for scorers whose logits are not
 a query's (Expected Attention's expected logits).
+
+Besides the tokens, both views carry what the model hands its scorers (``model``, a
+``ModelParts``) and the two places where a scorer keeps state between calls, both owned by the
+cache and emptied when it is reset: ``layer_state`` (this layer's) and ``cache_state`` (one
+dict that every layer of the cache shares). The engine keeps nothing of its own in them.
 """
 from __future__ import annotations
 
@@ -57,6 +62,16 @@ def newest_queries(valid: torch.Tensor, pos: torch.Tensor, r: int):
     return index, valid.gather(1, index)
 
 
+@dataclass(frozen=True, eq=False)
+class ModelParts:
+    """What a patched model hands its scorers besides each layer's tokens: parts of the model
+    itself. ``patch`` reads them from the model once (``hf.patching.model_parts``) and one
+    object travels from there through the cache and each layer's state to every view, so that
+    a scorer that needs one more part of the model costs one field here and one line there."""
+
+    rotary: object = None   # the model's rotary embedding (HF's ``rotary_emb``): ExpectedAttention
+
+
 @dataclass
 class PromptView:
     """A fresh prompt of one layer, before anything is cached (one-shot prefill scoring)."""
@@ -70,9 +85,10 @@ class PromptView:
     layer_idx: int
     num_layers: int
     budget: torch.Tensor | None = None   # [B] this layer's per-head budget (average over heads)
-    shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
     chunk: int = 256         # query rows per block of ``probs``: bounds its [c, n] memory
-    rotary: object = None    # the model's rotary embedding (HF's ``rotary_emb``), when patched
+    model: ModelParts = field(default_factory=ModelParts)   # parts of the model, when patched
+    layer_state: dict = field(default_factory=dict)   # the scorer's own state of this layer
+    cache_state: dict = field(default_factory=dict)   # the scorer's state shared by every layer
 
     @property
     def groups(self) -> int:
@@ -147,11 +163,12 @@ class CacheView:
     k: torch.Tensor | None = None   # [B, H, L, D] when the scorer needs keys or values
     v: torch.Tensor | None = None
     budget: torch.Tensor | None = None   # [B] per-head budget this eviction keeps (average over heads)
-    shared: dict = field(default_factory=dict)   # state shared by the layers of one cache
     q: torch.Tensor | None = None        # [B, Hq, n, D] the latest call's queries (needs_queries)
     q_pos: torch.Tensor | None = None    # [B, n] their positions (-1: padding), None for one decode query
     scale: float | None = None           # the model's softmax scale
-    rotary: object = None                # the model's rotary embedding, when patched
+    model: ModelParts = field(default_factory=ModelParts)   # parts of the model, when patched
+    layer_state: dict = field(default_factory=dict)   # the scorer's own state of this layer
+    cache_state: dict = field(default_factory=dict)   # the scorer's state shared by every layer
 
     def query_probs(self, q: torch.Tensor, q_pos: torch.Tensor | None, scale=None) -> torch.Tensor:
         """Softmax ``[B, Hq, r, L]`` of any queries ``q [B, Hq, r, D]`` at positions ``q_pos

@@ -1,0 +1,229 @@
+"""The package's structure, read from its source: no import cycle between its modules, every
+module importable on its own, and every object's attributes written by its own class only
+(``self.x = ...`` inside a method), so that each piece of state has one owner."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kvcache_ext
+
+PACKAGE = Path(kvcache_ext.__file__).resolve().parent
+NAME = PACKAGE.name
+
+# Entry scripts: importing them runs the command.
+NOT_IMPORTED_ALONE = {f"{NAME}.__main__"}
+
+# The few places that must write attributes of an object they do not own, each with its reason:
+# (module, enclosing function, target as written) -> why.
+PATCHES_THE_MODEL = ("patching an HF model puts kvcache_ext's own methods on the model instance "
+                     "(transformers offers no hook for them) and unpatch takes them off again")
+THREAD_LOCAL = ("hf/cache.py's own per-thread state (threading.local has no methods: it is written by "
+                "attribute; a subclass with methods is traced by torch.compile, which then breaks the "
+                "update()-to-attention handshake: tests/test_ops.py's torch.compile test)")
+ALLOWED_FOREIGN_WRITES = {
+    (f"{NAME}.hf.patching", "patch", "model._prepare_cache_for_generation"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "patch", "setattr(model, _HANDLE_ATTR)"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "patch", "model._kvcache_ext_forward"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "patch", "model.forward"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "unpatch", "model._prepare_cache_for_generation"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "unpatch", "model.forward"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "unpatch", "model._kvcache_ext_forward"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.patching", "unpatch", "delattr(model, _HANDLE_ATTR)"): PATCHES_THE_MODEL,
+    (f"{NAME}.hf.models", "load_model", "tokenizer.pad_token"):
+        "the loader sets the public settings of the tokenizer it has just made (left padding, a pad token)",
+    (f"{NAME}.hf.models", "load_model", "tokenizer.padding_side"):
+        "the loader sets the public settings of the tokenizer it has just made (left padding, a pad token)",
+    (f"{NAME}.hf.models", "load_model", "model.generation_config.pad_token_id"):
+        "the loader gives the model it has just made the tokenizer's pad token for generate",
+    (f"{NAME}.hf.cache", "enter_patched_forward", "_forward.depth"): THREAD_LOCAL,
+    (f"{NAME}.hf.cache", "exit_patched_forward", "_forward.depth"): THREAD_LOCAL,
+    (f"{NAME}.hf.cache", "take_pending", "_pending.entry"): THREAD_LOCAL,
+    (f"{NAME}.hf.cache", "RaggedLayer.update", "_pending.entry"): THREAD_LOCAL,
+    (f"{NAME}.checks", "check_fields", "object.__setattr__(obj, name)"):
+        "every dataclass calls check_fields(self, ...) from its own __post_init__ to store its checked "
+        "fields (object.__setattr__: frozen dataclasses too)",
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every Python module of the package by dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = (NAME,) + path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def extensions() -> set[str]:
+    """The compiled modules (``_C``): imported like the others, importing nothing of the package."""
+    return {".".join((NAME,) + path.relative_to(PACKAGE).parent.parts + (path.name.split(".")[0],))
+            for pattern in ("*.so", "*.pyd") for path in PACKAGE.rglob(pattern)}
+
+
+def imported(name: str, path: Path, known) -> set[str]:
+    """The package's modules that ``name`` imports anywhere (inside functions too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from a import b`` imports the module a.b when there is one, else a's name b.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                       for alias in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t in known and t != name)
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_find_cycle_names_the_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_between_the_package_modules():
+    known = modules()
+    graph = {name: imported(name, path, set(known) | extensions()) for name, path in known.items()}
+    graph.update({name: set() for name in extensions()})
+    assert graph[f"{NAME}.hf.cache"], "the import graph came out empty: the parser misses imports"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imported first, in an interpreter where no other module of the package is
+    loaded (torch and transformers stay loaded: they are not what is tested)."""
+    names = [name for name in modules() if name not in NOT_IMPORTED_ALONE]
+    script = (
+        "import importlib, sys, traceback\n"
+        "import torch, transformers\n"
+        "failed = []\n"
+        "for name in sys.argv[1:]:\n"
+        f"    for loaded in [m for m in sys.modules if m.split('.')[0] == {NAME!r} and m != {NAME + '._C'!r}]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception:\n"
+        "        failed.append(name + ': ' + traceback.format_exc(limit=-3))\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE.parent),
+                                                                    os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True,
+                          env=env, cwd=PACKAGE.parent, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def foreign_writes(name: str, path: Path) -> list[tuple[str, str, int]]:
+    """(enclosing function, target, line) of every write to an attribute that is not the
+    writing method's own object's: assignments (``=``, ``+=``, annotated), ``del`` and
+    ``setattr``/``delattr``/``object.__setattr__`` calls. Only ``self.x`` / ``cls.x`` inside a
+    class's method passes."""
+    out = []
+
+    def own(target: ast.expr, in_method: bool) -> bool:
+        return in_method and isinstance(target, ast.Name) and target.id in ("self", "cls")
+
+    def flat(targets):
+        for t in targets:
+            if isinstance(t, (ast.Tuple, ast.List)):
+                yield from flat(t.elts)
+            elif isinstance(t, ast.Starred):
+                yield from flat([t.value])
+            else:
+                yield t
+
+    def visit(node, function: str, in_method: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{function}.{child.name}".lstrip("."), False)
+                continue
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                method = isinstance(node, ast.ClassDef) or in_method
+                label = getattr(child, "name", "<lambda>")
+                visit(child, f"{function}.{label}".lstrip(".") if not in_method else function, method)
+                continue
+            targets = []
+            if isinstance(child, ast.Assign):
+                targets = list(flat(child.targets))
+            elif isinstance(child, (ast.AugAssign, ast.AnnAssign)):
+                targets = [child.target]
+            elif isinstance(child, ast.Delete):
+                targets = list(flat(child.targets))
+            for t in targets:
+                if isinstance(t, ast.Attribute) and not own(t.value, in_method):
+                    out.append((function, ast.unparse(t), child.lineno))
+            if isinstance(child, ast.Call) and child.args:
+                called = ast.unparse(child.func)
+                if called in ("setattr", "delattr", "object.__setattr__", "object.__delattr__"):
+                    if not own(child.args[0], in_method):
+                        shown = ", ".join(ast.unparse(a) for a in child.args[:2])
+                        out.append((function, f"{called}({shown})", child.lineno))
+            visit(child, function, in_method)
+
+    visit(ast.parse(path.read_text(), str(path)), "", False)
+    return out
+
+
+def test_foreign_writes_are_found(tmp_path):
+    source = ("class A:\n    def f(self, other):\n        self.x = 1\n        other.y = 2\n"
+              "        def g():\n            self.z = 3\n"
+              "def h(state):\n    state.seen += 1\n    a, state.b = 1, 2\n    setattr(state, 'c', 3)\n"
+              "    del state.d\n")
+    path = tmp_path / "sample.py"
+    path.write_text(source)
+    found = [(f, t) for f, t, _ in foreign_writes("sample", path)]
+    assert found == [("A.f", "other.y"), ("h", "state.seen"), ("h", "state.b"),
+                     ("h", "setattr(state, 'c')"), ("h", "state.d")]
+
+
+def test_no_module_writes_another_objects_attributes():
+    """State has one owner: outside the few writes ``ALLOWED_FOREIGN_WRITES`` lists (with why),
+    an object's attributes are assigned by its own class's methods only."""
+    found, used = [], set()
+    for name, path in modules().items():
+        for function, target, line in foreign_writes(name, path):
+            key = (name, function.split(".")[0] if function else "", target)
+            if (name, function, target) in ALLOWED_FOREIGN_WRITES:
+                used.add((name, function, target))
+            elif key in ALLOWED_FOREIGN_WRITES:
+                used.add(key)
+            else:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({function or 'module'}): {target}")
+    assert not found, "attributes written outside their object's class:\n" + "\n".join(found)
+    assert used == set(ALLOWED_FOREIGN_WRITES), f"allowed but no longer written: {set(ALLOWED_FOREIGN_WRITES) - used}"
