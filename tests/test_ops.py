@@ -245,7 +245,7 @@ def _graph_ops(gm):
 def test_patched_tiny_model_under_torch_compile(policy_name):
     """A patched tiny model's forward under torch.compile gives the eager logits, and the
     kernels run as ops inside the compiled graphs (the store's host steps break the graph:
-    see README "Custom ops")."""
+    see docs/kernels.md "Custom ops")."""
     from tiny_models import tiny_model
     from kvcache_ext.policies import H2O, EveryStep, Policy, SnapKV
 

@@ -1,4 +1,4 @@
-"""The Python examples of README.md, docs/store.md and docs/kernels.md run as written.
+"""The Python examples of README.md, docs/store.md, docs/kernels.md and docs/evaluation.md run as written.
 
 Each ```python block runs verbatim, in a fresh namespace. The ```text block that follows it
 (nothing but blank lines between) is what it prints to stdout, line for line and exactly; only
@@ -30,7 +30,7 @@ import kvcache_ext
 from kvcache_ext.hf import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md", "docs/store.md", "docs/kernels.md"]
+PAGES = ["README.md", "docs/store.md", "docs/kernels.md", "docs/evaluation.md"]
 BLOCK = re.compile(r"```python\n(.*?)```(?:\s*```text\n(.*?)```)?", re.S)
 
 

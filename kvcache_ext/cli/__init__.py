@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", type=output_file, default=None,
                       help="also write the results to this JSON file (rewritten as each run ends)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from kvcache_ext.evaluation.run import add_arguments
+    from kvcache_ext.cli.eval import add_arguments
     evaluate = sub.add_parser("eval", help="one task over policies x budgets: JSON, table, plot",
                               description="Retrieval (passkey, needle) in query-aware and "
                               "query-agnostic prompt modes, several questions over one compressed "
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         from kvcache_ext.cli.demo import main as demo_main
         return demo_main(args)
     if args.command == "eval":
-        from kvcache_ext.evaluation.run import main as eval_main
+        from kvcache_ext.cli.eval import main as eval_main
         return eval_main(args)
     return 2
 

@@ -135,7 +135,7 @@ def main(args) -> int:
     if loaded is None:
         return 2
     model, tokenizer = loaded
-    from kvcache_ext.evaluation.run import check_lengths
+    from kvcache_ext.cli.eval import check_lengths
     from types import SimpleNamespace
     problem = check_lengths(SimpleNamespace(task="passkey", lengths=lengths, depths=depths,
                                             max_new_tokens=args.max_new_tokens), model, tokenizer)

@@ -3,7 +3,7 @@
 Two implementations: ``kvcache_ext.engine.ragged_storage.RaggedLayerKV`` (the compiled ragged store: only the
 kept tokens are held) and ``kvcache_ext.reference.masked_cache.MaskedLayerKV`` (plain PyTorch, a
 dense full-size cache with evicted entries masked: the reference the tests compare against).
-The engine (``kvcache_ext.engine.eviction``) talks to a storage through these methods only, so that a
+The engine (``kvcache_ext.engine.eviction`` and ``prompt``) talks to a storage through these methods only, so that a
 new layout (a paged store, say) is a new class of this shape and nothing else.
 
 Layouts: "padded" tensors are [B, H, L, ...] with each head's tokens first, in position order

@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache_ext.hf.cache_argument import EITHER_NAME
-from kvcache_ext.engine.eviction import LayerState
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.checks import check_page_size, integer
 from kvcache_ext.policies.policy import ModelShape, Policy
