@@ -333,10 +333,7 @@ void store_append(at::TensorList pool, const at::Tensor& page_table, const at::T
   TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
                     " segments but the page table has ", S);
   check_tokens(v, k, "v");
-  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
-  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) || pos32.sizes() == at::IntArrayRef({B, n}),
-                    "pos must have shape [batch, n] = [", B, ", ", n, "] or [n], got ", pos32.sizes());
-  pos32 = pos32.expand({B, n}).contiguous();
+  const at::Tensor pos32 = append_positions(pos, device, B, n);
   const bool has_rank = rank_in.has_value() && rank_in->defined();
   const bool has_counts = counts_in.has_value() && counts_in->defined();
   TORCH_CHECK_VALUE(has_rank == has_counts, "rank and counts are given together or not at all");

@@ -79,6 +79,16 @@ inline at::Tensor as_position32(const at::Tensor& t, const at::Device& device, c
   return t.to(device, at::kInt).contiguous();
 }
 
+// The positions of n appended tokens ([n] or [batch, n] integers in [0, 2^31 - 1]) as a
+// contiguous int32 [batch, n] on ``device``: store_append's rule, which the page allocator
+// applies too before it gives the segments pages.
+inline at::Tensor append_positions(const at::Tensor& pos, const at::Device& device, int64_t B, int64_t n) {
+  at::Tensor pos32 = as_position32(pos, device, "pos", 0);
+  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) || pos32.sizes() == at::IntArrayRef({B, n}),
+                    "pos must have shape [batch, n] = [", B, ", ", n, "] or [n], got ", pos32.sizes());
+  return pos32.expand({B, n}).contiguous();
+}
+
 // The attention's q_pos ([n] or [batch, n] integers; negative: a query that sees no slot, as
 // padding does) as a contiguous int32 [batch, n] on ``device``.
 inline at::Tensor query_positions(const at::Tensor& q_pos_in, const at::Device& device, int64_t B, int64_t n) {

@@ -167,12 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> PageAllocator::prepare_append(
   const int64_t n = k.size(2);
   check_tokens(k, n, "k");
   check_tokens(v, n, "v");
-  at::Tensor pos32 = as_position32(pos, device(), "pos", 0);
-  TORCH_CHECK_VALUE(pos32.sizes() == at::IntArrayRef({n}) ||
-                        pos32.sizes() == at::IntArrayRef({batch_, n}),
-                    "pos must have shape [batch, n] = [", batch_, ", ", n, "] or [n], got ",
-                    pos32.sizes());
-  pos32 = pos32.expand({batch_, n}).contiguous();
+  const at::Tensor pos32 = append_positions(pos, device(), batch_, n);
   const int64_t S = num_segments();
 
   std::vector<int64_t> incoming(S, n);
