@@ -43,6 +43,26 @@ def time_op(fn, device: str, *, setup=None, repeats: int = 7, warmup: int = 2) -
     return statistics.median(times)
 
 
+def kernel_time(fn, device: str, *, setup=None, repeats: int = 7, warmup: int = 2) -> float:
+    """Seconds of device work per fn() call: on CUDA the sum of the kernels' and copies' own
+    durations (torch.profiler, CUPTI), the mean over ``repeats`` calls, without the launch
+    gaps and host work that the wall time of ``time_op`` includes. On CPU there is no device
+    apart from the host: the wall time (``time_op``'s median) is returned."""
+    if not device.startswith("cuda"):
+        return time_op(fn, device, setup=setup, repeats=repeats, warmup=warmup)
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn(setup()) if setup else fn()
+    args = [setup() if setup else None for _ in range(repeats)]   # untimed, outside the trace
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for arg in args:
+            fn(arg) if setup else fn()
+        sync(device)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us * 1e-6 / repeats
+
+
 def time_interleaved(fns: dict, device: str, *, repeats: int = 7, warmup: int = 2) -> dict:
     """Median seconds of each fn in ``fns`` ({name: fn}), the calls taken in turns (a, b, c,
     a, b, c, ...) so that a slow stretch of the machine weighs on every ratio's both sides."""
@@ -92,7 +112,7 @@ def build_description() -> dict:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, or $KVCACHE_EXT_COMMIT where the tree travelled without .git (gpu_check.sh)."""
+    """HEAD's short hash, or $KVCACHE_EXT_COMMIT where the tree travelled without .git (gpu_verify.sh)."""
     if os.environ.get("KVCACHE_EXT_COMMIT"):
         return os.environ["KVCACHE_EXT_COMMIT"]
     try:

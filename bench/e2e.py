@@ -78,6 +78,7 @@ import argparse
 import contextlib
 import gc
 import importlib.metadata
+import json
 import os
 import statistics
 import sys
@@ -356,7 +357,10 @@ def budgets_of(args, context: int) -> list[int]:
     return args.budgets or [round(keep * context) for keep in args.keep]
 
 
-def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
+def run_grid(model, tokenizer, args, device: str, progress: bool, checkpoint=None) -> list[dict]:
+    """Every run of the grid; ``checkpoint(rows)``, when given, gets the rows so far (runs of the
+    current context and batch as single-run records) after every run, so that a run stopped by a
+    time limit leaves what it measured (bench/gpu_verify.sh)."""
     from tqdm.auto import tqdm
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget_methods = [m for m in args.methods if m != "full"]
@@ -392,6 +396,8 @@ def run_grid(model, tokenizer, args, device: str, progress: bool) -> list[dict]:
                                 on_prefill=keep_masks(budget) if method == "ada-snapkv" and not rep else None,
                                 warmup=args.warmup))
                     bar.update()
+                    if checkpoint is not None:
+                        checkpoint(rows + [median_record(r) for r in repeats.values() if r])
             for method, budget in runs:
                 record = median_record(repeats[(method, budget)])
                 record["model_bytes"] = model_bytes
@@ -518,7 +524,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def report(paths: list[str], out: str | None, png: str | None) -> int:
     """The rows of several result files as one table (each (context, batch) from one run)."""
-    import json
     docs = [json.load(open(p)) for p in paths]
     rows = [r for d in docs for r in d["rows"]]
     seen = {}
@@ -625,7 +630,12 @@ def main(argv=None) -> int:
           f", {args.steps} decode steps (after {args.warmup}, median of {args.repeats} interleaved runs), "
           f"commit {git_commit()}, kvcache_ext from {package}, transformers "
           f"{transformers.__version__}" + (f", kvpress {kvpress}" if kvpress else ""))
-    rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress)
+    def checkpoint(rows_so_far):   # the rows measured so far, marked partial
+        with open(args.out, "w") as f:
+            json.dump(dict(benchmark="e2e", device=device_name(device), partial=True, commit=git_commit(),
+                           rows=rows_so_far), f, indent=2)
+    rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress,
+                    checkpoint=checkpoint if args.out else None)
     largest = derive(rows)
     print(format_table(rows))
     print("largest batch x context that ran: " +
@@ -637,7 +647,6 @@ def main(argv=None) -> int:
                  largest_fit=largest, kvpress_ratios=kvpress_ratios(rows), table=format_table(rows))
     path = args.out
     if path:
-        import json
         import datetime
         doc = dict(benchmark="e2e", device=device_name(device), date=datetime.date.today().isoformat(),
                    commit=git_commit(),

@@ -3,6 +3,7 @@
 // functions. The fake implementations, for torch.compile, are in kvcache_ext/kernels/ops.py.
 #include "ops.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -41,19 +42,30 @@ namespace {
 // copies that functionalization makes under torch.compile, say) gets their addresses, never
 // stale ones. A key whose addresses were freed and reused by an equal pool maps to equal
 // addresses, so no entry is ever wrong.
+//
+// On CUDA the addresses are copied up without a sync (non-blocking, on the current stream),
+// so an entry is also keyed by that stream: a kernel on the same stream runs after the copy
+// (stream order), and when the entry is dropped its memory returns to the caching allocator
+// as a block of that stream, which it hands out again only in that stream's order, after the
+// kernels that read it. An op called on another stream gets (and uploads) its own entry:
+// one small copy per stream and pool, no sync, no record_stream, never a read of an
+// address list whose copy has not run yet, nor of one freed under a running kernel.
 
 struct PoolKey {
   c10::Device device;
+  c10::StreamId stream;  // the stream the addresses were copied up on (CPU: its default)
   int64_t record_bytes;
   std::vector<std::pair<uintptr_t, int64_t>> slabs;  // address, pages
   bool operator==(const PoolKey& o) const {
-    return device == o.device && record_bytes == o.record_bytes && slabs == o.slabs;
+    return device == o.device && stream == o.stream && record_bytes == o.record_bytes &&
+           slabs == o.slabs;
   }
 };
 
 struct PoolKeyHash {
   size_t operator()(const PoolKey& k) const {
-    size_t h = std::hash<c10::Device>()(k.device) ^ std::hash<int64_t>()(k.record_bytes);
+    size_t h = std::hash<c10::Device>()(k.device) ^ std::hash<int64_t>()(k.record_bytes) ^
+               (std::hash<int64_t>()(k.stream) << 1);
     for (const auto& [address, pages] : k.slabs) {
       h = h * 1000003u ^ std::hash<uintptr_t>()(address) ^ (std::hash<int64_t>()(pages) << 1);
     }
@@ -62,7 +74,9 @@ struct PoolKeyHash {
 };
 
 at::Tensor page_base_of(at::TensorList pool, int64_t record_bytes, const c10::Device& device) {
-  PoolKey key{device, record_bytes, {}};
+  // The current stream of `device`, read without CUDA headers (this file builds for CPU too).
+  const c10::StreamId stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device).id();
+  PoolKey key{device, stream, record_bytes, {}};
   key.slabs.reserve(pool.size());
   int64_t pages = 0;
   for (const at::Tensor& slab : pool) {
@@ -197,7 +211,7 @@ void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType 
 
 StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                      int64_t page_size, int64_t head_dim, int64_t score_channels,
-                     at::ScalarType dtype) {
+                     at::ScalarType dtype, bool check_contents = true) {
   const int32_t shift = page_shift(page_size);
   TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= 65536, "head_dim must be in [1, 65536], got ", head_dim);
   TORCH_CHECK_VALUE(score_channels >= 0 && score_channels <= 65536,
@@ -233,7 +247,7 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
                              page_table.size(1), shift, record};
   st.segments = S;
   st.capacity = pages << shift;
-  if (device.is_cpu()) check_contents_cpu(page_table, len, pages, shift, nullptr, 0);
+  if (check_contents && device.is_cpu()) check_contents_cpu(page_table, len, pages, shift, nullptr, 0);
   return st;
 }
 
@@ -427,6 +441,27 @@ void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::
   KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
 }
 
+at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                       int64_t page_size, int64_t head_dim, int64_t score_channels,
+                       at::ScalarType dtype) {
+  // The layout checks of every op, but not the contents (that is what this op reports).
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels,
+                                  dtype, /*check_contents=*/false);
+  // Device-side tensor ops: no host sync, on CPU and CUDA alike.
+  const int64_t width = page_table.size(1), pages = st.capacity >> st.view.shift;
+  const at::Tensor lens = len.to(at::kLong);
+  const at::Tensor need = (lens + (page_size - 1)).div(page_size, "floor");  // pages in use
+  const at::Tensor in_use = at::arange(width, lens.options()).unsqueeze(0) < need.unsqueeze(1);
+  const at::Tensor table = page_table.to(at::kLong);
+  const at::Tensor bad_page =
+      in_use.logical_and(table.lt(0).logical_or(table.ge(pages))).any(1);
+  const auto code = [&](int32_t c) { return at::full({}, c, len.options()); };
+  at::Tensor codes = at::zeros_like(len);
+  codes = at::where(bad_page, code(kStoreCheckBadPage), codes);
+  codes = at::where(need.gt(width), code(kStoreCheckTooFewColumns), codes);
+  return at::where(lens.lt(0), code(kStoreCheckNegativeLength), codes);
+}
+
 std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
                                               const at::Tensor& len,
                                               const c10::optional<at::Tensor>& scores,
@@ -557,6 +592,8 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
 TORCH_LIBRARY(kvcache_ext, m) {
   m.def("store_append(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor k, Tensor v, "
         "Tensor pos, Tensor? rank, Tensor? counts, int page_size, int score_channels) -> ()");
+  m.def("store_check(Tensor[] pool, Tensor page_table, Tensor len, int page_size, int head_dim, "
+        "int score_channels, ScalarType dtype) -> Tensor");
   m.def("store_replace(Tensor(a!)[] pool, Tensor page_table, Tensor len, Tensor slot, Tensor k, "
         "Tensor v, Tensor pos, int page_size, int head_dim, int score_channels, ScalarType dtype, "
         "bool check_bounds) -> ()");
@@ -577,6 +614,7 @@ TORCH_LIBRARY(kvcache_ext, m) {
 
 TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("store_append", &kvcache_ext::ops::store_append);
+  m.impl("store_check", &kvcache_ext::ops::store_check);
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
   m.impl("store_topk", &kvcache_ext::ops::store_topk);
@@ -588,6 +626,7 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
 #ifdef KVCACHE_EXT_WITH_CUDA
 TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("store_append", &kvcache_ext::ops::store_append);
+  m.impl("store_check", &kvcache_ext::ops::store_check);
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
   m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);

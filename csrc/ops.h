@@ -54,6 +54,17 @@ void store_append(at::TensorList pool, const at::Tensor& page_table, const at::T
                   const c10::optional<at::Tensor>& rank, const c10::optional<at::Tensor>& counts,
                   int64_t page_size, int64_t score_channels);
 
+// store_check: what every op trusts of the state's contents, reported per segment without a
+// host sync (int32 [S], on the state's device): 0 consistent, kStoreCheckNegativeLength
+// (len < 0), kStoreCheckTooFewColumns (len needs more pages than the page table has columns),
+// kStoreCheckBadPage (a page the live tokens lie in is not a page of the pool). The ops check
+// this themselves on CPU stores (free there); on CUDA reading it costs a sync, so they trust it
+// and this op is the opt-in check (RaggedKVStore.validate raises on a bad segment).
+constexpr int32_t kStoreCheckNegativeLength = 1, kStoreCheckTooFewColumns = 2, kStoreCheckBadPage = 3;
+at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                       int64_t page_size, int64_t head_dim, int64_t score_channels,
+                       at::ScalarType dtype);
+
 // store_replace: token slot[b, h] (0 <= slot < len) of every segment becomes the token
 // k, v [B, H, 1, D] at position pos [B]. Bounds are checked on CPU always, on CUDA when
 // check_bounds (one host sync).
@@ -99,9 +110,11 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, const 
 // attention_plan (not an op: it reads the lengths on the host): the work partition of an
 // attention call over segments of the given lengths (lens: CPU int32 [S]) for `rows` query
 // rows per segment (G * n), on `device`. CPU: the lengths themselves (int32 [S], the CPU
-// kernel cuts its units from them). CUDA: int32 [3 W + S + 1] on the device: W splits
-// (segment, first token, end token), then the first split of every segment; copied up
-// without a sync. A plan is valid until the lengths change (the next append or compact).
+// kernel cuts its units from them). CUDA: int32 [3 W + S + 2] on the device: W splits
+// (segment, first token, end token), the first split of every segment, then S; copied up
+// without a sync (attention/attention_plan.h). A plan is balanced for the lengths it was made
+// for; with other lengths of the same store (a stale plan) CPU refuses it, CUDA gives the same
+// result unbalanced (no sync could check it), and a plan of another S gives NaN rows on CUDA.
 at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device);
 
 // attention_run: the attention of q [B, Hq, n, D] over the state (kv_heads H per batch item,

@@ -2,7 +2,7 @@
 
 The CUDA attention kernel serves head_dim 64/128/256, so these models use head_dim 64
 (test_patch.py's tiny models use 16). Every test needs a GPU and a CUDA build; on a machine
-without one the module is skipped (bench/gpu_check.sh runs it on a lent GPU).
+without one the module is skipped (bench/gpu_verify.sh --stages test runs it on a lent GPU).
 """
 import pytest
 import torch

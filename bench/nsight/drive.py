@@ -7,7 +7,8 @@ Builds a bf16 store of about --gib GiB of live K+V (8 KV heads, head_dim 128), r
 decode attention (G = 4 query heads per KV head, n = 1) --warmup times unprofiled, then
 between cudaProfilerStart/Stop (what ``ncu --profile-from-start off`` and
 ``nsys --capture-range=cudaProfilerApi`` wait for): --iters decode calls without statistics,
-one with stats=True, and one in-place compaction keeping half of the slots at random. Each
+one with stats=True, the segmented and grouped top-k of a quarter of each segment's tokens
+(--no-select skips them), and one in-place compaction keeping half of the slots at random. Each
 step sits in an NVTX range. bench/nsight/profile.sh runs it under ncu or nsys.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-stats", action="store_true", help="skip the stats=True call")
     parser.add_argument("--no-compact", action="store_true", help="skip the compaction")
+    parser.add_argument("--no-select", action="store_true", help="skip the top-k")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -59,6 +61,8 @@ def main(argv=None):
     gen = torch.Generator(device=device).manual_seed(2)
     q = torch.randn(args.batch, HKV * G, 1, D, dtype=dtype, device=device, generator=gen)
     keep = torch.rand(store.capacity, device=device, generator=gen) < 0.5
+    scores = torch.rand(store.capacity, device=device, generator=gen)
+    budget = max(1, int(lens.float().mean()) // 4)
 
     for _ in range(args.warmup):
         kvcache_ext.ragged_attention(q, store)
@@ -76,6 +80,13 @@ def main(argv=None):
         nvtx.range_push("decode attention, stats=True")
         kvcache_ext.ragged_attention(q, store, stats=True)
         nvtx.range_pop()
+    if not args.no_select:
+        nvtx.range_push("segmented top-k, a quarter")
+        store.select(budget, scores)
+        nvtx.range_pop()
+        nvtx.range_push("grouped top-k, a quarter")
+        store.select(budget * HKV, scores, grouped=True)
+        nvtx.range_pop()
     if not args.no_compact:
         nvtx.range_push("compact, keep 1/2")
         store.compact(keep)
@@ -83,6 +94,7 @@ def main(argv=None):
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print(f"profiled: {args.iters} decode call(s)" + ("" if args.no_stats else ", 1 with stats")
+          + ("" if args.no_select else ", 2 top-k (segmented, grouped)")
           + ("" if args.no_compact else f", 1 compaction ({store.num_tokens} tokens kept)"), flush=True)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Profiles the ragged attention and compaction kernels with Nsight Compute, or records an
+# Profiles the ragged attention, selection and compaction kernels with Nsight Compute, or records an
 # Nsight Systems timeline of the same driver (bench/nsight/drive.py). See bench/README.md,
 # section "Nsight".
 #
@@ -28,9 +28,10 @@ results="$root/bench/results"
 PYTHON=${PYTHON:-python}
 NCU=${NCU:-ncu}
 NSYS=${NSYS:-nsys}
-# attend_split, combine_splits, slot_stats: csrc/attention/attention_cuda.cu;
-# compact_kernel: csrc/store/store_cuda.cu.
-KERNEL_REGEX=${KERNEL_REGEX:-'attend_split|combine_splits|slot_stats|compact_kernel'}
+# Every kernel of ours (csrc/attention, csrc/select, csrc/store: namespace kvcache_ext), matched
+# against the demangled name, whatever the kernels of issue 42's rewrite are called, and CUB's
+# kernels that a selection may launch.
+KERNEL_REGEX=${KERNEL_REGEX:-'kvcache_ext::|cub::'}
 
 die() { echo "profile.sh: error: $*" >&2; exit 1; }
 usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -99,7 +100,7 @@ out="$results/ncu-$tag-$date"
 # --profile-from-start off: only the launches between drive.py's cudaProfilerStart/Stop.
 set +e
 "$NCU" --clock-control none --set "$set_name" --profile-from-start off \
-  --kernel-name "regex:$KERNEL_REGEX" --target-processes all \
+  --kernel-name-base demangled --kernel-name "regex:$KERNEL_REGEX" --target-processes all \
   --force-overwrite --export "$out" \
   "$PYTHON" "$here/drive.py" ${drive_args[@]+"${drive_args[@]}"} 2>&1 | tee "$out.log"
 status=${PIPESTATUS[0]}

@@ -24,6 +24,8 @@
 // The plan of splits (attention_plan, ops.h) is built on the host from the store's host copy
 // of the lengths and copied up without a sync, once per step and layer; the run (the
 // attention_run op) then takes it as a tensor, which keeps the run capturable in a CUDA graph.
+// A stale plan (other lengths) gives the same result, a foreign one (other segments) NaN
+// rows: attention/attention_plan.h says how, without a host sync.
 //
 // Logits are kept in base 2 (q is pre-scaled by scale * log2(e)), so exp2f does the softmax.
 #include <ATen/Dispatch.h>
@@ -40,6 +42,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "attention/attention_plan.h"
 #include "attention/cuda_head_dims.h"
 
 namespace kvcache_ext::attention {
@@ -48,7 +51,7 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
-constexpr int kTile = 128;     // slots whose logits sit in shared memory at once
+constexpr int kTile = kPlanTile;  // slots whose logits sit in shared memory at once
 constexpr int kUnroll = 4;     // K or V rows a lane has in flight
 constexpr int kMaxRows = 4;    // query rows per block: RB is 1, 2 or 4 (more rows: more
                                // blocks on the same split, which meet in L2)
@@ -143,10 +146,6 @@ __device__ inline void slice_to_float(const uint4 (&w)[RowLayout<T, D>::kWords],
 // ---------------------------------------------------------------------------------------
 // Kernel parameters
 
-struct Split {  // a piece of one segment's live tokens: token indices [begin, end)
-  int32_t segment, begin, end;
-};
-
 template <typename T>
 struct Params {
   const T* q;             // [B, Hq, n, D]
@@ -155,6 +154,8 @@ struct Params {
   const int32_t* len;     // [S] live tokens: a split ends there at the latest
   const Split* splits;    // [W]
   const int32_t* seg_first_split;  // [S + 1]: splits of segment s are [first[s], first[s+1])
+  const int32_t* plan_segments;    // the plan's S (its last word): != segments refuses it
+  int32_t segments;                // S of the store
   // Queries [i0, i0 + n) of the n_total in q are attended in this pass (see run()); the
   // rows of a segment in this pass are r = g * n + i for i < n.
   int32_t heads, groups, n_total, i0, n, rows, row_tiles;
@@ -216,10 +217,11 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   __shared__ int32_t chunk_page[kTile];        // the pages of a tile (TileRows)
   __shared__ const char* chunk_base[kTile];
 
+  if (*p.plan_segments != p.segments) return;  // a foreign plan: combine_splits writes NaN
   const int64_t w = blockIdx.x / p.row_tiles;
-  Split split = p.splits[w];
-  const int s = split.segment;
-  split.end = min(split.end, p.len[s]);  // a plan never reaches past the live tokens
+  const int s = p.splits[w].segment;
+  // The live tokens of s that this split covers, whatever lengths the plan was made for.
+  const Split split = effective_split(p.splits[w], static_cast<int32_t>(w), p.seg_first_split, p.len[s]);
   const int b = s / p.heads;
   const int row0 = static_cast<int>(blockIdx.x % p.row_tiles) * RB;
   const int nrows = min(RB, p.rows - row0);
@@ -408,6 +410,15 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int64_t s = item / p.rows;
   const int r = static_cast<int>(item % p.rows);
+  if (*p.plan_segments != p.segments) {  // a plan of another store: refused, loudly
+    T* o = out + p.q_row(s, r) * D;
+    for (int d = lane; d < D; d += 32) o[d] = static_cast<T>(NAN);
+    if (final_m && lane == 0) {
+      final_m[item] = NAN;
+      final_inv_l[item] = NAN;
+    }
+    return;
+  }
   const int first = p.seg_first_split[s], last = p.seg_first_split[s + 1];
 
   float m = kNegInf;
@@ -452,9 +463,10 @@ struct StatsOut {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) slot_stats(Params<T> p, StatsOut st) {
-  Split split = p.splits[blockIdx.x];
-  const int s = split.segment;
-  split.end = min(split.end, p.len[s]);
+  if (*p.plan_segments != p.segments) return;
+  const int s = p.splits[blockIdx.x].segment;
+  const Split split = effective_split(p.splits[blockIdx.x], static_cast<int32_t>(blockIdx.x),
+                                      p.seg_first_split, p.len[s]);
   const int b = s / p.heads;
   const float* m = st.final_m + static_cast<int64_t>(s) * p.rows;
   const float* inv_l = st.final_inv_l + static_cast<int64_t>(s) * p.rows;
@@ -494,44 +506,20 @@ int rows_per_block(int64_t rows) {
   return rb;
 }
 
-// Splits of every segment's live slots, sized so that the grid has a few blocks per SM
-// even when one segment holds every token. Returns the splits and first split per segment.
-void plan_splits(const std::vector<int32_t>& len, int64_t row_tiles, std::vector<Split>& splits,
-                 std::vector<int32_t>& first) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t tiles = 0;
-  for (int32_t l : len) tiles += (static_cast<int64_t>(l) + kTile - 1) / kTile;
-  const int64_t target_blocks = int64_t{8} * sms;
-  const int64_t tiles_per_split =
-      std::max<int64_t>(1, (tiles * row_tiles + target_blocks - 1) / target_blocks);
-  const int64_t split_len = tiles_per_split * kTile;
-  first.assign(len.size() + 1, 0);
-  for (size_t s = 0; s < len.size(); ++s) {
-    first[s] = static_cast<int32_t>(splits.size());
-    for (int64_t b0 = 0; b0 < len[s]; b0 += split_len) {
-      splits.push_back({static_cast<int32_t>(s), static_cast<int32_t>(b0),
-                        static_cast<int32_t>(std::min<int64_t>(len[s], b0 + split_len))});
-    }
-  }
-  first[len.size()] = static_cast<int32_t>(splits.size());
-}
-
-// The plan of attention_plan (ops.h) on the device: [3 W] splits, then [S + 1] first split
-// of every segment; one host-to-device copy from pinned memory, no sync.
+// The plan of attention_plan (ops.h) on the device (layout: attention/attention_plan.h); one
+// host-to-device copy from pinned memory, no sync.
 at::Tensor make_plan(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   const int rb = rows_per_block(rows);
   const int64_t row_tiles = (rows + rb - 1) / rb;
   std::vector<Split> splits;
   std::vector<int32_t> first;
-  plan_splits(len, row_tiles, splits, first);
-  const int64_t W = static_cast<int64_t>(splits.size()), S = static_cast<int64_t>(len.size());
-  static_assert(sizeof(Split) == 3 * sizeof(int32_t), "Split is three int32");
-  at::Tensor plan_host =
-      at::empty({3 * W + S + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  int32_t* ph = plan_host.data_ptr<int32_t>();
-  if (W > 0) std::memcpy(ph, splits.data(), W * sizeof(Split));
-  std::memcpy(ph + 3 * W, first.data(), (S + 1) * sizeof(int32_t));
+  plan_splits(len, row_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, splits,
+              first);
+  const std::vector<int32_t> words = plan_words(splits, first);
+  at::Tensor plan_host = at::empty({static_cast<int64_t>(words.size())},
+                                   at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  std::memcpy(plan_host.data_ptr<int32_t>(), words.data(), words.size() * sizeof(int32_t));
   // The caching host allocator keeps the pinned buffer until the copy has run.
   return plan_host.to(device, at::kInt, /*non_blocking=*/true);
 }
@@ -580,9 +568,9 @@ void run(const Problem& p, Result& r) {
   // The plan (attention_plan), made here when the caller brought none. Every pass over a
   // chunk of queries uses it: its splits are sized for the chunk's rows.
   const at::Tensor plan = p.plan.defined() ? p.plan : make_plan(*p.len_host, max_rows, p.q.device());
-  TORCH_CHECK_VALUE(plan.numel() >= S + 1 && (plan.numel() - S - 1) % 3 == 0,
-                    "the attention plan does not fit ", S, " segments: make it with attention_plan");
-  const int64_t W = (plan.numel() - S - 1) / 3;
+  const int64_t W = plan_splits_count(plan.numel(), S);
+  TORCH_CHECK_VALUE(W >= 0, "the attention plan (", plan.numel(), " words) does not fit ", S,
+                    " segments: make it with attention_plan");
 
   for (int64_t i0 = 0; i0 < n_total; i0 += chunk) {
     const int64_t n = std::min(chunk, n_total - i0);
@@ -608,6 +596,8 @@ void run(const Problem& p, Result& r) {
     prm.len = p.len.data_ptr<int32_t>();
     prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
     prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
+    prm.plan_segments = plan.data_ptr<int32_t>() + plan.numel() - 1;
+    prm.segments = static_cast<int32_t>(S);
     prm.heads = static_cast<int32_t>(S / B);
     prm.groups = static_cast<int32_t>(p.groups);
     prm.n_total = static_cast<int32_t>(n_total);

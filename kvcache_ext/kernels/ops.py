@@ -16,6 +16,7 @@ which the Python ``RaggedKVStore`` holds and passes to the ops (``RaggedKVStore.
 op                  what it does
 ==================  ==========================================================================
 ``store_append``    writes k, v [B, H, n, D] (and pos) after each segment's tokens; len += n
+``store_check``     per segment, whether len and page_table are consistent with the pool (no sync)
 ``store_replace``   overwrites token slot[b, h] of each segment with one new token
 ``store_compact``   stable in-place removal of the slots whose keep flag is False; new len
 ``store_topk``      (CPU) keep mask and counts of the k best tokens per segment or group
@@ -41,7 +42,7 @@ import torch
 
 from kvcache_ext import _C  # noqa: F401  (loads the library that defines the ops)
 
-OPS = ("store_append", "store_replace", "store_compact", "store_topk", "segmented_topk",
+OPS = ("store_append", "store_check", "store_replace", "store_compact", "store_topk", "segmented_topk",
        "grouped_topk", "attention_run")
 
 ops = torch.ops.kvcache_ext
@@ -74,6 +75,12 @@ def _store_append_fake(pool, page_table, len, k, v, pos, rank, counts, page_size
     _refuse_meta_mix(("pos",), page_table=page_table, pool=pool, len=len, k=k, v=v, pos=pos,
                      rank=rank, counts=counts)
     return None
+
+
+@torch.library.register_fake("kvcache_ext::store_check")
+def _store_check_fake(pool, page_table, len, page_size, head_dim, score_channels, dtype):
+    _refuse_meta_mix(page_table=page_table, pool=pool, len=len)
+    return torch.empty_like(len)
 
 
 @torch.library.register_fake("kvcache_ext::store_replace")

@@ -173,6 +173,26 @@ class RaggedKVStore:
                           self._head_dim, self._channels, self._dtype)
         self._allocator.finish_compact()
 
+    # Codes of the store_check op (csrc/ops.h): what is wrong with a segment's metadata.
+    _CHECK_FAULTS = {1: "len < 0", 2: "len needs more pages than the page table has columns",
+                     3: "a page its live tokens lie in is not a page of the pool"}
+
+    def validate(self) -> None:
+        """Raises ValueError when ``len`` and ``page_table`` are inconsistent with the pool.
+
+        The store's own operations keep them consistent (the page allocator writes both); this
+        checks state handed to the ops by other code. The ops check it themselves on a CPU
+        store; on CUDA they trust it (reading it costs a host sync): this costs that one sync.
+        """
+        codes = ops.store_check(*self._current(), self._page_size, self._head_dim, self._channels,
+                                self._dtype).cpu()
+        bad = codes.nonzero().flatten().tolist()
+        if bad:
+            s = bad[0]
+            raise ValueError(f"the store's state is inconsistent: segment {s} (batch {s // self.heads}, "
+                             f"head {s % self.heads}): {self._CHECK_FAULTS[int(codes[s])]}"
+                             f" ({len(bad)} bad segments)")
+
     def reserve(self, extra: int) -> None:
         """Gives every segment pages for ``extra`` more tokens (new pages only where missing)."""
         self._allocator.reserve(checks.integer(extra, "reserve extra", 0))

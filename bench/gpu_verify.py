@@ -1,0 +1,321 @@
+"""The Python half of bench/gpu_verify.sh: the kernel table, the checks at benchmark scale, the
+sanitizers' driver and the final report.
+
+    python bench/gpu_verify.py table [--device cuda|cpu] [--quick] [--out JSON]
+    python bench/gpu_verify.py sanitize-driver [--device cuda|cpu]
+    python bench/gpu_verify.py report JSON [--e2e JSON] [--stages JSON]
+
+``table``: every kernel of issue 42 against its torch baseline (bench/kernels.py: top-k segmented
+and grouped, compaction, append; bench/attention.py: decode and prefill attention), each with
+wall and kernel time, plus correctness at benchmark scale (top-k keep masks against an exact
+sort, compaction against a gather of the dense cache, append against the tokens appended,
+attention against SDPA, which bench/attention.py measures). Writes the rows to JSON (default
+bench/results/gpu-verify-<device>-<date>.json, with the device, date and commit).
+
+``sanitize-driver``: small stores that go through every store op, both compaction paths (few
+long segments: the multi-tile path; more segments than SMs, short: one tile each), top-k
+(segmented and grouped) and attention with statistics. Run under compute-sanitizer by
+gpu_verify.sh; exits non-zero if a result differs from the CPU store's.
+
+``report``: the one table gpu_verify.sh prints last: metric | ours (wall, kernel) | baseline |
+ratio | goal | met, from the table's JSON, the e2e JSON and the stages' summary.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
+import kvcache_ext  # noqa: E402
+from common import RESULTS, build_description, device_name, git_commit  # noqa: E402
+
+# The goals of issue 42 (and issue 18's attention targets, bench/attention.py).
+TOPK_GOAL = 1.0            # fair torch.topk time / ours (wall)
+COMPACT_COPY_GOAL = 0.70   # of the copy bandwidth, by kernel time
+COMPACT_TORCH_GOAL = 1.0   # index_select time / ours (wall)
+STEP_EVICTION_GOAL = 0.9   # H2O every step decode tokens/s over one-shot SnapKV's
+
+
+# --- correctness at benchmark scale ---------------------------------------------------------
+def exact_topk_keep(store, scores: torch.Tensor, k: int, grouped: bool) -> torch.Tensor:
+    """The reference's rule (kvcache_ext.reference.select: higher score first, then lower
+    position) for finite scores, vectorized: a stable sort by position, then a stable sort by
+    score descending; the first k of each segment (grouped: of each batch item) are kept."""
+    B, H = store.batch, store.heads
+    index, mask = store.slot_index()
+    pos = store.pos.long()[index].masked_fill(~mask, 2**40)
+    sc = scores[index].masked_fill(~mask, float("-inf"))
+    rows = (B, -1) if grouped else (B * H, -1)
+    pos, sc, slots = pos.reshape(rows), sc.reshape(rows), index.masked_fill(~mask, store.capacity).reshape(rows)
+    by_pos = pos.argsort(dim=1, stable=True)
+    sc, slots = sc.gather(1, by_pos), slots.gather(1, by_pos)
+    by_score = (-sc).argsort(dim=1, stable=True)
+    take = k * H if grouped else k
+    chosen = slots.gather(1, by_score)[:, :take]
+    chosen_live = mask.reshape(rows).gather(1, by_pos).gather(1, by_score)[:, :take]
+    keep = torch.zeros(store.capacity + 1, dtype=torch.bool, device=scores.device)
+    keep[chosen[chosen_live]] = True
+    return keep[:store.capacity]
+
+
+def check_topk(batch, heads, length, k, device, grouped) -> dict:
+    from kernels import filled_store
+    store = filled_store(batch, heads, length, device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    # Scores in steps of 1/64: many ties, which the position must break.
+    scores = torch.randint(0, 256, (store.capacity,), generator=gen, device=device).float() / 64
+    got = store.select(k * heads if grouped else k, scores, grouped=grouped)
+    got = got[0] if grouped else got
+    want = exact_topk_keep(store, scores, k, grouped)
+    return {"check": f"{'grouped' if grouped else 'segmented'} top-k keep mask = exact sort "
+                     f"({batch}x{heads}x{length}, k {k}, tied scores)",
+            "ok": bool(torch.equal(got, want)), "mismatches": int((got != want).sum())}
+
+
+def check_compact(segments, length, keep_fraction, device) -> dict:
+    from kernels import compaction_mask, filled_store
+    store = filled_store(1, segments, length, device)
+    keep = compaction_mask(store, keep_fraction, seed=5)
+    before = store.to_dense()
+    keep_padded = store.to_padded(keep, False)
+    store.compact(keep)
+    after = store.to_dense()
+    # Stable: the kept tokens of each segment, in order, first.
+    order = (~keep_padded).to(torch.uint8).argsort(dim=-1, stable=True)
+    ok = torch.equal(after.lens, keep_padded.sum(-1).cpu().to(after.lens.dtype))
+    L = after.k.shape[2]
+    for name in ("k", "v", "pos"):
+        src = getattr(before, name)
+        idx = order[..., :L] if src.dim() == 3 else order[..., :L, None].expand(-1, -1, -1, src.shape[-1])
+        want = src.gather(2, idx)
+        live = after.mask if src.dim() == 3 else after.mask[..., None]
+        ok = ok and torch.equal(getattr(after, name).masked_fill(~live, 0), want.masked_fill(~live, 0))
+    return {"check": f"compaction = stable gather of the kept tokens (32x{length}, keep {keep_fraction})",
+            "ok": bool(ok)}
+
+
+def check_append(segments, length, n, device) -> dict:
+    from kernels import D, DTYPE, filled_store
+    store = filled_store(1, segments, length, device)
+    new = torch.randn(1, segments, n, D, dtype=DTYPE, device=device)
+    store.append(new, -new, torch.arange(length, length + n, device=device))
+    dense = store.to_dense()
+    ok = (torch.equal(dense.k[:, :, length:length + n], new) and torch.equal(dense.v[:, :, length:], -new)
+          and torch.equal(dense.pos[0, 0, length:].cpu(), torch.arange(length, length + n, dtype=dense.pos.dtype)))
+    return {"check": f"append = the tokens appended (32x{length} + {n})", "ok": bool(ok)}
+
+
+# --- table ----------------------------------------------------------------------------------
+def attention_rows(device: str, quick: bool) -> list[dict]:
+    import attention as att
+    gpu = device.startswith("cuda")
+    scale = 1 / 64 if quick else 1
+    dtype = torch.bfloat16 if gpu else torch.float32
+    decode = int((65536 if gpu else 8192) * scale)
+    prefill = int((16384 if gpu else 2048) * scale)
+    cases = [("decode", "uniform", 4, decode, 1, att.HKV), ("decode", "skewed", 4, decode, 1, att.HKV),
+             ("decode", "uniform", 1, 4 * att.HKV * decode, 1, 1),
+             ("prefill", "uniform", 1, prefill, 64, att.HKV)]
+    rows = []
+    for kind, lengths, batch, mean_len, n_block, heads in cases:
+        row = att.run_case(kind, lengths, dtype, batch, max(mean_len, 64), device, att.has_enable_gqa(device),
+                           repeats=3 if quick else 10, n_block=n_block, heads=heads)
+        rows.append(row)
+    return rows
+
+
+def table(args) -> dict:
+    import kernels
+    device = args.device
+    rows, copy_gbps = kernels.run_all(device, args.quick)
+    attn = attention_rows(device, args.quick)
+    gpu = device.startswith("cuda")
+    scale = 1 / 64 if args.quick else 1
+    L = max(64, int((32768 if gpu else 8192) * scale))
+    checks = [check_topk(4, 8, L, max(8, L // 8), device, False),
+              check_topk(4, 8, L, max(8, L // 8), device, True),
+              check_compact(32, L, 0.125, device), check_compact(32, L, 0.5, device),
+              check_append(32, L // 2, 512 if not args.quick else 8, device)]
+    tol = 3e-2 if gpu else 1e-3
+    for r in attn:
+        diff = r["max_abs_diff_vs_sdpa"]
+        checks.append({"check": f"attention {r['case']} {r['lengths']} B={r['batch']} Hkv={r['kv_heads']} "
+                                f"= SDPA (max abs diff {diff if diff is None else f'{diff:.2g}'} <= {tol})",
+                       "ok": diff is not None and diff <= tol})
+    doc = {"benchmark": "gpu-verify", "device": device_name(device), "date": datetime.date.today().isoformat(),
+           "commit": git_commit(), "torch": torch.__version__, "build": build_description(),
+           "copy_GBps": copy_gbps, "kernel_time": "profiler (CUDA)" if gpu else "wall time (CPU)",
+           "kernels": rows, "attention": attn, "checks": checks}
+    out = args.out or os.path.join(RESULTS, f"gpu-verify-{'cpu' if not gpu else device_name(device).replace(' ', '-')}"
+                                            f"-{doc['date']}.json")
+    if not args.quick or args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {out}")
+    print_report(doc)
+    return doc
+
+
+# --- the report -----------------------------------------------------------------------------
+def _ms(s):
+    return "—" if s is None else f"{s * 1e3:.3f} ms"
+
+
+def report_rows(doc: dict | None, e2e: dict | None, stages: dict | None) -> list[tuple]:
+    """(metric, ours, baseline, ratio, goal, met) rows."""
+    out = []
+    if doc:
+        for r in doc["kernels"]:
+            ours = f"{_ms(r['seconds'])} / {_ms(r['kernel_seconds'])}"
+            base = f"{_ms(r['torch_seconds'])} / {_ms(r['torch_kernel_seconds'])}"
+            ratio = r["speedup_vs_torch"]
+            if r["op"] in ("segmented_topk", "grouped_topk"):
+                name = f"{r['op']} {r['batch']}x{r['heads']}x{r['length']} k {r['k']}"
+                out.append((name, ours, base, f"{ratio:.2f}x", f">= {TOPK_GOAL}x", ratio >= TOPK_GOAL))
+            elif r["op"] == "compact":
+                name = f"compact keep {r['keep']} ({r['moved_MiB']:.0f} MiB moved)"
+                out.append((name + " vs index_select", ours, base, f"{ratio:.2f}x", f">= {COMPACT_TORCH_GOAL}x",
+                            ratio >= COMPACT_TORCH_GOAL))
+                out.append((name + " of copy (kernel)", f"{r['GBps']:.0f} GB/s", f"{doc['copy_GBps']:.0f} GB/s",
+                            f"{r['fraction_of_copy']:.0%}", f">= {COMPACT_COPY_GOAL:.0%}",
+                            r["fraction_of_copy"] >= COMPACT_COPY_GOAL))
+            else:
+                out.append((f"append n {r['n']} (32x{r['length']})", ours, base, f"{ratio:.2f}x", "—", None))
+        import attention as att
+        for r in doc["attention"]:
+            goal = att.SPEED_TARGETS.get((r["case"], r["lengths"]))
+            ratio = r["sdpa_packed_over_ours"]
+            name = f"attention {r['case']} {r['lengths']} B={r['batch']} Hkv={r['kv_heads']} n={r['n']}"
+            out.append((name + " vs SDPA", _ms(r["seconds"]), _ms(r["sdpa_packed_seconds"]),
+                        "—" if ratio is None else f"{ratio:.2f}x", "—" if goal is None else f">= {goal:.2f}x",
+                        None if goal is None or ratio is None else ratio >= goal))
+            out.append((name + " stats overhead", _ms(r["stats_seconds"]), _ms(r["seconds"]),
+                        f"{r['stats_overhead']:.2f}x", f"<= {att.STATS_TARGET}x",
+                        r.get("shrunk_stats_overhead", r["stats_overhead"]) <= att.STATS_TARGET))
+        for c in doc["checks"]:
+            out.append((c["check"], "—", "—", "—", "equal", c["ok"]))
+    if e2e:
+        out.extend(e2e_rows(e2e))
+    if stages:
+        for name in ("sanitize", "test", "gtest"):
+            if name in stages:
+                st = stages[name]["status"]
+                out.append((f"stage {name}", st, "—", "—", "passed", st == "passed"))
+    return out
+
+
+def e2e_rows(e2e: dict) -> list[tuple]:
+    """Decode tokens/s, prefill seconds, peak memory of each method; the per-step goal (per
+    context, batch and budget)."""
+    out, tps = [], {}
+    for rec in e2e.get("rows", []):
+        method, where = rec.get("method"), (rec.get("context"), rec.get("batch"), rec.get("budget"))
+        name = f"e2e {method} ctx {where[0]} x {where[1]}, budget {where[2]}"
+        if rec.get("status") != "ok":
+            out.append((name, rec.get("status", "?"), "—", "—", "—", None))
+            continue
+        tps[method, where] = rec["decode_tokens_per_s"]
+        peak = rec.get("peak_bytes")
+        out.append((name, f"{rec['decode_tokens_per_s']:.1f} tok/s", f"prefill {rec['prefill_s']:.2f} s",
+                    "—" if peak is None else f"peak {peak / 2**30:.1f} GiB", "—", None))
+    for (method, where), value in tps.items():
+        if method == "h2o-step" and ("snapkv", where) in tps:
+            ratio = value / tps["snapkv", where]
+            out.append((f"e2e H2O every step / one-shot SnapKV decode tok/s (ctx {where[0]} x {where[1]})",
+                        f"{value:.1f}", f"{tps['snapkv', where]:.1f}", f"{ratio:.2f}x",
+                        f">= {STEP_EVICTION_GOAL}x", ratio >= STEP_EVICTION_GOAL))
+    return out
+
+
+def print_report(doc=None, e2e=None, stages=None) -> None:
+    rows = report_rows(doc, e2e, stages)
+    head = ("metric", "ours (wall / kernel)", "baseline (wall / kernel)", "ratio", "goal", "met")
+    cells = [head] + [tuple(str(c) if i < 5 else ("—" if c is None else ("yes" if c else "NO"))
+                            for i, c in enumerate(r)) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(6)]
+    print()
+    if doc:
+        print(f"{doc['device']}, {doc['date']}, commit {doc['commit']}; kernel time: {doc['kernel_time']}; "
+              f"copy {doc['copy_GBps']:.0f} GB/s")
+    for i, r in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    missed = [r[0] for r in rows if r[5] is False]
+    print(f"goals missed: {len(missed)} of {sum(r[5] is not None for r in rows)}")
+
+
+# --- the sanitizers' driver -----------------------------------------------------------------
+def sanitize_driver(args) -> int:
+    """Every store op on small stores, on the device and on the CPU; the results must agree."""
+    device = args.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
+    bad = []
+    # (batch, heads, length, page size): few long segments (multi-tile compaction), more
+    # segments than SMs with short ones (one tile each), a page of one token.
+    shapes = [(1, 2, 3000, 16), (2, (sms + 8) // 2 + 1, 40, 16), (1, 4, 300, 1)]
+    for batch, heads, length, page in shapes:
+        stores = {}
+        for dev in ("cpu", device):
+            gen = torch.Generator().manual_seed(11)
+            store = kvcache_ext.RaggedKVStore(batch, heads, 64, dtype=torch.bfloat16, device=dev, page_size=page)
+            kv = torch.randn(batch, heads, length, 64, generator=gen).to(torch.bfloat16)
+            store.append(kv.to(dev), (-kv).to(dev), torch.arange(length).to(dev))
+            keep = (torch.rand(store.capacity, generator=gen) < 0.3).to(dev)
+            store.compact(keep)                                          # compaction
+            more = torch.randn(batch, heads, 5, 64, generator=gen).to(torch.bfloat16)
+            store.append(more.to(dev), more.to(dev), torch.arange(length, length + 5).to(dev))
+            q = torch.randn(batch, heads * 2, 3, 64, generator=gen).to(torch.bfloat16).to(dev)
+            out, stats = kvcache_ext.ragged_attention(q, store, q_pos=torch.arange(length, length + 3).to(dev),
+                                                      stats=True)      # attention with statistics
+            scores = torch.rand(store.capacity, generator=gen).to(dev)
+            seg = store.select(7, scores)                                # top-k
+            grp, _ = store.select(7 * heads, scores, grouped=True)
+            store.compact(seg)                                           # compaction again
+            one = more[:, :, :1].contiguous().to(dev)
+            store.replace(torch.zeros(batch, heads, dtype=torch.long), one, one, torch.full((batch,), 10**6))
+            stores[dev] = (store.to_dense(), out.float().cpu(), stats.mass.cpu(), grp.cpu())
+        (d0, o0, m0, g0), (d1, o1, m1, g1) = stores["cpu"], stores[device]
+        same = all(torch.equal(getattr(d0, f).cpu(), getattr(d1, f).cpu()) for f in ("k", "v", "pos", "lens"))
+        close = torch.allclose(o0, o1, atol=2e-2, rtol=2e-2) and torch.allclose(m0, m1, atol=1e-3)
+        if not (same and close and torch.equal(g0, g1)):
+            bad.append((batch, heads, length, page, same, close))
+        print(f"store {batch}x{heads}x{length} page {page}: store ops {'equal' if same else 'DIFFER'}, "
+              f"attention {'close' if close else 'DIFFERS'}, grouped top-k {'equal' if torch.equal(g0, g1) else 'DIFFERS'}",
+              flush=True)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--quick", action="store_true", help="tiny sizes (the CPU smoke test)")
+    t.add_argument("--out")
+    s = sub.add_parser("sanitize-driver")
+    s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    r = sub.add_parser("report")
+    r.add_argument("table_json", nargs="?")
+    r.add_argument("--e2e")
+    r.add_argument("--stages")
+    args = parser.parse_args(argv)
+    if args.cmd == "table":
+        doc = table(args)
+        return 0 if all(c["ok"] for c in doc["checks"]) else 1
+    if args.cmd == "sanitize-driver":
+        return sanitize_driver(args)
+    load = (lambda p: json.load(open(p)) if p and os.path.exists(p) else None)
+    print_report(load(args.table_json), load(args.e2e), (load(args.stages) or {}).get("stages"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
