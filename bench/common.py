@@ -59,7 +59,10 @@ def kernel_time(fn, device: str, *, setup=None, repeats: int = 7, warmup: int = 
         for arg in args:
             fn(arg) if setup else fn()
         sync(device)
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    # The device's own events only (kernels, copies, memsets): a CPU-side event (an op, a runtime
+    # call) also reports the time of the kernels under it, which would count them twice.
+    total_us = sum(e.device_time_total for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
     return total_us * 1e-6 / repeats
 
 
