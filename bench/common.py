@@ -45,25 +45,27 @@ def time_op(fn, device: str, *, setup=None, repeats: int = 7, warmup: int = 2) -
 
 def kernel_time(fn, device: str, *, setup=None, repeats: int = 7, warmup: int = 2) -> float:
     """Seconds of device work per fn() call: on CUDA the sum of the kernels' and copies' own
-    durations (torch.profiler, CUPTI), the mean over ``repeats`` calls, without the launch
-    gaps and host work that the wall time of ``time_op`` includes. On CPU there is no device
-    apart from the host: the wall time (``time_op``'s median) is returned."""
+    durations (torch.profiler, CUPTI), the median over ``repeats`` calls, each profiled alone
+    (``setup()``, untimed, runs before each, outside the profile), without the launch gaps and
+    host work that the wall time of ``time_op`` includes. On CPU there is no device apart from
+    the host: the wall time (``time_op``'s median) is returned."""
     if not device.startswith("cuda"):
         return time_op(fn, device, setup=setup, repeats=repeats, warmup=warmup)
     from torch.profiler import ProfilerActivity, profile
     for _ in range(warmup):
         fn(setup()) if setup else fn()
-    args = [setup() if setup else None for _ in range(repeats)]   # untimed, outside the trace
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for arg in args:
-            fn(arg) if setup else fn()
+    times = []
+    for _ in range(repeats):
+        arg = setup() if setup else None
         sync(device)
-    # The device's own events only (kernels, copies, memsets): a CPU-side event (an op, a runtime
-    # call) also reports the time of the kernels under it, which would count them twice.
-    total_us = sum(e.device_time_total for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us * 1e-6 / repeats
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(arg) if setup else fn()
+            sync(device)
+        # The device's own events only (kernels, copies, memsets): a CPU-side event (an op, a
+        # runtime call) also reports the time of the kernels under it, which would count twice.
+        times.append(sum(e.device_time_total for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA) * 1e-6)
+    return statistics.median(times)
 
 
 def time_interleaved(fns: dict, device: str, *, repeats: int = 7, warmup: int = 2) -> dict:
