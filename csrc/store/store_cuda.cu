@@ -18,6 +18,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "store/compact_schedule.h"
 #include "store/store_kernels.h"
@@ -615,6 +618,49 @@ void replace_cuda(const PagedView& view, const at::Tensor& slot, const at::Tenso
   launch_write_tokens(view, new_k, new_v, new_pos, new_k.size(0), 1, slot_of);
 }
 
+namespace {
+
+// What the launch of compact_kernel needs from the runtime, asked once per device and size:
+// an eviction step compacts every layer, and these queries cost microseconds of host time
+// each. With smem > 0 the kernel is also allowed that much dynamic shared memory (over
+// 48 KiB needs the opt-in); the allowance only grows, so a launch with a smaller size that
+// was allowed before stays allowed.
+struct CompactLaunchConfig {
+  int64_t static_smem;  // bytes of the kernel's static __shared__ variables
+  int blocks_per_sm;    // resident blocks per SM with smem bytes of dynamic shared memory
+};
+
+CompactLaunchConfig compact_launch_config(int device, int64_t smem) {
+  static std::mutex lock;
+  static std::map<int, int64_t> static_smem, allowed;
+  static std::map<std::pair<int, int64_t>, int> blocks_per_sm;
+  const std::lock_guard<std::mutex> guard(lock);
+  if (!static_smem.count(device)) {
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, compact_kernel));
+    static_smem[device] = static_cast<int64_t>(attributes.sharedSizeBytes);
+  }
+  CompactLaunchConfig config{static_smem[device], 0};
+  if (smem > 0) {
+    if (allowed[device] < smem) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+      allowed[device] = smem;
+    }
+    const auto key = std::make_pair(device, smem);
+    if (!blocks_per_sm.count(key)) {
+      int n = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, compact_kernel, kCompactThreads,
+                                                                   static_cast<size_t>(smem)));
+      blocks_per_sm[key] = n;
+    }
+    config.blocks_per_sm = blocks_per_sm[key];
+  }
+  return config;
+}
+
+}  // namespace
+
 void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& keep) {
   namespace cs = compact_schedule;
   const int64_t segments = len.numel();
@@ -632,11 +678,10 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
     row_total += row_bytes[b];
   }
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  cudaFuncAttributes attributes{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, compact_kernel));
+  const int device = len.get_device();
   // Dynamic shared memory a block may have: the opt-in maximum less the static variables.
   const int64_t most = static_cast<int64_t>(props->sharedMemPerBlockOptin) -
-                       static_cast<int64_t>(attributes.sharedSizeBytes);
+                       compact_launch_config(device, 0).static_smem;
   // Rows per chunk: as many as fit in the budget (4 * 15: alignment padding of the staging
   // parts), at most one per thread. row_total >= 4: pos rows are 4 bytes.
   const int64_t fixed = compact_layout(0, row_bytes).total + 4 * 15;
@@ -646,12 +691,7 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
   TORCH_CHECK_VALUE(smem <= most, "compact: one token (", row_total,
                     " bytes of K, V, pos and scores) does not fit in the device's shared memory (",
                     most, " bytes)");
-  // Over 48 KiB of dynamic shared memory needs the opt-in.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, compact_kernel,
-                                                               kCompactThreads, static_cast<size_t>(smem)));
+  const int per_sm = compact_launch_config(device, smem).blocks_per_sm;
   const int64_t resident = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
   // Tiles of kMaxSpan tokens unless the store could not give every resident block two
   // tiles: then shorter ones, down to kMinSpan. The host knows no lengths (no sync), only
