@@ -18,7 +18,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <utility>
 
+#include "store/compact_schedule.h"
 #include "store/store_kernels.h"
 
 namespace kvcache_ext::store {
@@ -203,39 +207,53 @@ void launch_write_tokens(const PagedView& view, const at::Tensor& new_k, const a
 // ---------------------------------------------------------------------------------------
 // compact
 //
-// One block per segment walks the segment's live tokens i = 0 .. len - 1 (logical token
-// indices) in tiles of `tile` tokens, in order. For each tile:
-//   1. a block-wide exclusive scan of the keep flags (keep[view.slot(s, i)]) gives every
-//      kept token its index q among the tile's kept tokens; src_slot[q] records its slot.
-//      Its destination is token kept + q, where `kept` counts the kept tokens of the
-//      earlier tiles; dst_slot[q] = view.slot(s, kept + q).
-//   2. the kept rows (K, V, pos, scores) are read into shared memory (staging), barrier;
-//   3. the staged rows are written to their destinations, barrier.
-// Why this is race-free, in place:
-//   - In token indices, destinations satisfy dst <= src and dst < tile end, so a write in
-//     step 3 lands on a token that is either before the tile (read, if kept, in an earlier
-//     tile's step 2, which the barriers order before) or inside the tile (read in this
-//     tile's step 2, completed at the barrier). No token at or beyond the tile end is
-//     written, so what later tiles read is still the original data. A segment's slot
-//     mapping i -> view.slot(s, i) is injective (distinct tokens are distinct rows of its
-//     own pages), so the same holds for the slots themselves: the slot a write lands on
-//     belongs to no other token index of the segment.
-//   - __syncthreads() makes the block's global writes visible to the whole block, so
-//     the next tile (whose reads lie beyond every write so far) and step 3 see a
-//     consistent state; the trailing barrier also keeps step 3's reads of the staging
-//     buffer and of src_slot/dst_slot ahead of the next tile's overwrites.
-//   - Segments own disjoint pages, and keep, the page table and the page bases are only
-//     read, so blocks never interact. Only tokens < len[s] are read or written: the slots
-//     of a segment's pages past its length (and every other slot) are never touched.
-// A token whose destination is itself is not copied: such tokens form the fully kept
-// prefix of the segment, and a tile lying entirely in it is skipped.
-// No second full-size buffer is needed: the staging is one tile of shared memory.
-// len[s] is read and rewritten by the block of segment s only, in this one kernel, so the
-// device copy of the lengths is never seen half-updated by later work on the stream.
+// One tiled kernel for every segment count (the schedule, its wait rule and why they are
+// safe: store/compact_schedule.h). Three launches on the stream:
+//   1. the scratch words are zeroed (a memset);
+//   2. compact_plan_kernel (one block) copies the old lengths and numbers the tiles of every
+//      segment in (segment, tile) order: tile_begin[s] = the tiles of segments before s,
+//      ceil(len / span) each; tile_begin[segments] = all tiles;
+//   3. compact_kernel: blocks that stay resident take tiles by ticket (an atomic counter),
+//      so tickets, and tiles, are handed out in launch order and a tile's predecessors
+//      were taken by blocks that are running or done: a spin-wait only ever waits on such a
+//      block, which never waits on it, so it ends (the single-pass scan's argument in CUB;
+//      blockIdx order alone does not promise that a waited-for block is ever scheduled).
+//      A segment's tiles go to whichever blocks take them, so a long segment is spread over
+//      the GPU whatever the number of segments.
+// A tile (span tokens, up to kMaxSpan) counts its kept tokens with a block scan, publishes
+// the count, finds its destination by decoupled look-back (warp 0 reads 32 predecessors'
+// words at a time), then moves its kept rows through `cap` rows of shared-memory staging
+// (cp.async on sm_80+): its few top ranks that later tiles could overwrite first when that
+// avoids a chain of waits (plan_tile), the others in ascending chunks: read the chunk,
+// publish the tile's read progress, wait for at most two earlier tiles (the wait rule),
+// write the chunk.
+// Lengths: every block reads the old lengths from the copy made by the plan kernel, never
+// from len, so the tile that ends a segment writes its new length into len as soon as its
+// look-back is done, while other tiles still run: nobody in this kernel reads len.
+// Memory ordering between blocks (thread 0 of a block publishes and waits for the block):
+//   - look-back words pack status and value in one 64-bit word written by one atomicExch
+//     and read by one volatile 64-bit load: a reader sees both or neither, and nothing else
+//     is published with them, so no fence is needed;
+//   - read progress says "these source rows have been read". The rows are loaded into
+//     shared memory (cp.async.wait_all returns once they have landed), every thread passes
+//     a barrier, then thread 0 fences and publishes: the loads are complete before the flag
+//     can be seen. The waiting thread spins on volatile loads, fences, then the block passes
+//     a barrier before any thread writes: writes cannot move ahead of the observed flag.
+//   - the written rows are read by no block of this kernel (every source row is read once,
+//     before anything lands on it), so the writes need no publishing; the next kernel on
+//     the stream sees them.
+// Pages are read and written through plain pointers (no __restrict__, no __ldg): the same
+// memory is written during the kernel. Reads through L1 (cp.async.ca for 4- and 8-byte
+// units) are safe for the same reason: a row's bytes change only after it has been read.
 
-constexpr int kCompactThreads = 256;  // also the most tokens in a tile
-constexpr int64_t kCompactSmemBudget = 48 * 1024;  // no opt-in needed up to here
-constexpr int64_t kScanBytes = 2048;  // room for the scan's temporary storage
+constexpr int kCompactThreads = 256;  // also the most rows in a chunk
+constexpr int kSpanItems = 4;         // tokens a thread counts in a tile
+constexpr int64_t kMaxSpan = int64_t{kCompactThreads} * kSpanItems;
+constexpr int64_t kMinSpan = 128;
+// Dynamic shared memory per block: three blocks per SM on H100/H200 (228 KiB each) keep
+// enough reads in flight; a choice to tune on the GPU (bench/kernels.py compaction rows).
+constexpr int64_t kCompactSmemBudget = 72 * 1024;
+constexpr int64_t kScanBytes = 2048;  // room for the block scan's temporary storage
 using CompactScan = cub::BlockScan<int, kCompactThreads>;
 
 __host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) & ~int64_t{15}; }
@@ -243,55 +261,41 @@ __host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) & ~in
 // Byte offsets of the pieces of the dynamic shared memory, each 16-byte aligned (the
 // buffer itself is declared as uint4). Host and device compute it with the same code.
 struct CompactLayout {
-  int64_t src_slot;  // int64_t[kCompactThreads]
-  int64_t dst_slot;  // int64_t[kCompactThreads]
-  int64_t stage[4];  // tile rows of each part
+  int64_t kept_local;  // int32_t[kMaxSpan]: local index of each kept token, by rank
+  int64_t src_slot;    // int64_t[kCompactThreads]: the chunk's source slots
+  int64_t dst_slot;    // int64_t[kCompactThreads]: and destination slots
+  int64_t stage[4];    // cap rows of each part
   int64_t total;
 };
 
-__host__ __device__ inline CompactLayout compact_layout(int64_t tile, const int64_t* row_bytes) {
+__host__ __device__ inline CompactLayout compact_layout(int64_t cap, const int64_t* row_bytes) {
   CompactLayout l{};
   int64_t off = kScanBytes;  // the scan's storage comes first, at offset 0
+  l.kept_local = off;
+  off += align16(sizeof(int32_t) * kMaxSpan);
   l.src_slot = off;
   off += align16(sizeof(int64_t) * kCompactThreads);
   l.dst_slot = off;
   off += align16(sizeof(int64_t) * kCompactThreads);
   for (int b = 0; b < 4; ++b) {
     l.stage[b] = off;
-    off += align16(tile * row_bytes[b]);
+    off += align16(cap * row_bytes[b]);
   }
   l.total = off;
   return l;
 }
 
-// Kept row q of the tile: from its slot in the store to row q of the staging buffer.
-struct GatherRows {
-  PartRows rows;  // of the part being moved
-  char* stage;
-  const int64_t* src_slot;
-  const int64_t* dst_slot;
-  __device__ bool operator()(int q, char*& d, const char*& s) const {
-    const int64_t from = src_slot[q];
-    if (from == dst_slot[q]) return false;  // already in place
-    s = rows(from);
-    d = stage + q * rows.row_bytes;
-    return true;
-  }
+// Global scratch of one compaction, zeroed before the plan kernel (one int64 tensor).
+struct CompactScratch {
+  unsigned long long* status;  // [max_tiles] look-back words (compact_schedule.h)
+  int32_t* progress;           // [max_tiles] read progress words (compact_schedule.h)
+  int64_t* tile_begin;         // [segments + 1] first ticket of each segment's tiles
+  int32_t* old_len;            // [segments] the lengths before the compaction
+  unsigned int* ticket;        // the next tile to take
 };
 
-// Staged row q to its destination, token kept + q of the segment.
-struct ScatterRows {
-  PartRows rows;
-  const char* stage;
-  const int64_t* src_slot;
-  const int64_t* dst_slot;
-  __device__ bool operator()(int q, char*& d, const char*& s) const {
-    const int64_t to = dst_slot[q];
-    if (src_slot[q] == to) return false;  // already in place
-    s = stage + q * rows.row_bytes;
-    d = rows(to);
-    return true;
-  }
+struct CompactPlan {
+  int64_t segments, span, cap;
 };
 
 // w[b]: the unit part b is moved in.
@@ -299,154 +303,300 @@ struct CompactWidths {
   int w[4];
 };
 
-// The shared memory of a compaction block, carved from the dynamic buffer.
-struct CompactSmem {
-  CompactLayout layout;
-  char* base;
-  __device__ CompactScan::TempStorage& scan() const { return *reinterpret_cast<CompactScan::TempStorage*>(base); }
-  __device__ int64_t* src_slot() const { return reinterpret_cast<int64_t*>(base + layout.src_slot); }
-  __device__ int64_t* dst_slot() const { return reinterpret_cast<int64_t*>(base + layout.dst_slot); }
+// One unit global -> shared without a register round trip where the hardware can (sm_80+,
+// 4/8/16-byte units): a thread issues all its units of a chunk before any has landed.
+template <typename Vec>
+__device__ inline void copy_unit_async(Vec* to_shared, const Vec* from_global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(Vec) >= 4) {
+    const auto to = static_cast<unsigned int>(__cvta_generic_to_shared(to_shared));
+    if constexpr (sizeof(Vec) == 16) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(from_global)
+                   : "memory");
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(to), "l"(from_global),
+                   "n"(static_cast<int>(sizeof(Vec)))
+                   : "memory");
+    }
+  } else {
+    *to_shared = *from_global;
+  }
+#else
+  *to_shared = *from_global;
+#endif
+}
+
+// Waits for this thread's cp.async copies (a barrier then shows them to the block).
+__device__ inline void wait_async_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// The chunk's rows of one part, from the store to the staging buffer: row q from slot
+// src_slot[q]; a row whose destination is its own slot stays put (neither read nor written).
+template <typename Vec>
+__device__ void stage_rows_as(const PartRows& rows, char* stage, const int64_t* src_slot,
+                              const int64_t* dst_slot, int count) {
+  const int units = static_cast<int>(rows.row_bytes / static_cast<int64_t>(sizeof(Vec)));
+  const int total = count * units;
+  for (int u = threadIdx.x; u < total; u += blockDim.x) {
+    const int q = u / units;
+    const int64_t from = src_slot[q];
+    if (from == dst_slot[q]) continue;
+    const int c = u - q * units;
+    copy_unit_async(reinterpret_cast<Vec*>(stage + q * rows.row_bytes) + c,
+                    reinterpret_cast<const Vec*>(rows(from)) + c);
+  }
+}
+
+__device__ void stage_rows(const PartRows& rows, char* stage, const int64_t* src_slot,
+                           const int64_t* dst_slot, int count, int width) {
+  switch (width) {
+    case 16: stage_rows_as<uint4>(rows, stage, src_slot, dst_slot, count); break;
+    case 8: stage_rows_as<uint2>(rows, stage, src_slot, dst_slot, count); break;
+    case 4: stage_rows_as<uint32_t>(rows, stage, src_slot, dst_slot, count); break;
+    case 2: stage_rows_as<uint16_t>(rows, stage, src_slot, dst_slot, count); break;
+    default: stage_rows_as<uint8_t>(rows, stage, src_slot, dst_slot, count); break;
+  }
+}
+
+// Staged row q to its destination slot dst_slot[q] (rows that stay put are skipped).
+struct ScatterRows {
+  PartRows rows;
+  const char* stage;
+  const int64_t* src_slot;
+  const int64_t* dst_slot;
+  __device__ bool operator()(int q, char*& d, const char*& s) const {
+    const int64_t to = dst_slot[q];
+    if (src_slot[q] == to) return false;
+    s = stage + q * rows.row_bytes;
+    d = rows(to);
+    return true;
+  }
 };
 
-// One tile of segment s: its live tokens [b, b + rows), rows = min(tile, n - b), whose kept
-// tokens go to tokens kept, kept + 1, ... (steps 1-3 above). `between` runs after the tile's
-// rows are read and before any is written, with a barrier before it; every thread calls it.
-// Returns the tile's kept tokens (the same in every thread).
-template <typename Between>
-__device__ int compact_tile(const PagedView& view, const CompactWidths& width, int64_t s,
-                            int64_t b, int64_t n, int64_t kept, const bool* keep, int tile,
-                            const CompactSmem& sm, const Between& between) {
-  const int64_t rows = min(static_cast<int64_t>(tile), n - b);
-  const int64_t i = b + threadIdx.x;
-  // Only live tokens (i < n) are looked up: the table has no page past the segment's.
-  const int64_t slot = threadIdx.x < rows ? view.slot(s, i) : -1;
-  const int flag = (slot >= 0 && keep[slot]) ? 1 : 0;
-  int q, tile_kept;
-  CompactScan(sm.scan()).ExclusiveSum(flag, q, tile_kept);
-  // Uniform over the block: nothing moves while every token so far is kept.
-  const bool moves = kept != b || tile_kept != rows;
-  int64_t* src_slot = sm.src_slot();
-  int64_t* dst_slot = sm.dst_slot();
-  if (moves) {
-    if (flag) src_slot[q] = slot;
-    // kept + tile_kept <= b + rows <= n: every destination is a live token.
-    if (static_cast<int>(threadIdx.x) < tile_kept) dst_slot[threadIdx.x] = view.slot(s, kept + threadIdx.x);
-  }
-  __syncthreads();  // src_slot and dst_slot are complete
-  const int64_t* row_bytes = view.record.row_bytes;
-  if (moves) {
-    for (int bi = 0; bi < 4; ++bi) {
-      copy_rows(GatherRows{part_rows(view, bi), sm.base + sm.layout.stage[bi], src_slot, dst_slot},
-                tile_kept, row_bytes[bi], width.w[bi]);
-    }
-    __syncthreads();  // every kept row of the tile has been read
-  }
-  between(tile_kept);
-  if (moves) {
-    for (int bi = 0; bi < 4; ++bi) {
-      copy_rows(ScatterRows{part_rows(view, bi), sm.base + sm.layout.stage[bi], src_slot, dst_slot},
-                tile_kept, row_bytes[bi], width.w[bi]);
-    }
-  }
-  __syncthreads();  // staging, the slot lists and the scan storage are reused by the next tile
-  return tile_kept;
+__device__ inline unsigned long long load_volatile(const unsigned long long* p) {
+  return *reinterpret_cast<const volatile unsigned long long*>(p);
+}
+__device__ inline int32_t load_volatile(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
 }
 
-__device__ CompactSmem compact_smem(const PagedView& view, int tile) {
-  static_assert(sizeof(CompactScan::TempStorage) <= kScanBytes, "kScanBytes is too small");
+__device__ inline void spin_pause() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  __nanosleep(64);
+#endif
+}
+
+__device__ inline int64_t warp_sum(int64_t x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Warp 0: the segment of ticket t, searched forward from `from` (the segment of the
+// block's previous ticket: a block's tickets grow, so its segments do), 32 at a time. The
+// segment is the first s with tile_begin[s + 1] > t; tile_begin[segments] > t ends it.
+__device__ int64_t segment_of_ticket(const int64_t* tile_begin, int64_t segments, int64_t from,
+                                     int64_t t) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t base = from;; base += 32) {
+    const int64_t s = min(base + lane, segments - 1);
+    const unsigned past = __ballot_sync(0xffffffffu, tile_begin[s + 1] > t);
+    if (past) return base + __ffs(past) - 1;
+  }
+}
+
+// Warp 0: kept tokens of the segment's tiles before tile t (local index c > 0), from the
+// words its predecessors publish (compact_schedule.h). Lane l looks at predecessor k0 + l;
+// the window is used once every lane's word is published; the closest inclusive word
+// ends the walk, and the words past it (further back) are not counted.
+__device__ int64_t look_back(const unsigned long long* status, int64_t t, int64_t c) {
+  namespace cs = compact_schedule;
+  const int lane = threadIdx.x & 31;
+  int64_t sum = 0;
+  for (int64_t k0 = 1;; k0 += 32) {
+    const int64_t k = k0 + lane;
+    // Before the segment's first tile: nothing more (never used, tile 0 is inclusive).
+    uint64_t word = cs::status_word(cs::kInclusive, 0);
+    if (k <= c) {
+      // Every predecessor holds a ticket taken earlier, so it runs and publishes.
+      while (cs::status_of(word = load_volatile(status + (t - k))) == cs::kInvalid) spin_pause();
+    }
+    int64_t value = 0;
+    const bool ends = cs::look_back_step(word, value);
+    const unsigned inclusive = __ballot_sync(0xffffffffu, ends);
+    const int last_lane = inclusive ? __ffs(inclusive) - 1 : 31;
+    sum += warp_sum(lane <= last_lane ? value : 0);
+    if (inclusive) return sum;
+  }
+}
+
+// Numbers the tiles (see the top of this section) and snapshots the lengths. One block.
+// A length is taken within [0, most_tokens]: checking lengths against the page table is
+// the op's job (ops.cpp); the clamp only keeps a bad length from running past the scratch
+// and past the segment's page-table row.
+__global__ void __launch_bounds__(kCompactThreads)
+    compact_plan_kernel(const int32_t* len, int64_t segments, int64_t span, int64_t most_tokens,
+                        CompactScratch sc) {
+  using Scan = cub::BlockScan<int64_t, kCompactThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  int64_t carry = 0;  // tiles of the segments before this chunk of segments
+  for (int64_t s0 = 0; s0 < segments; s0 += kCompactThreads) {
+    const int64_t s = s0 + threadIdx.x;
+    const int32_t n = s < segments ? static_cast<int32_t>(max(int64_t{0}, min(int64_t{len[s]}, most_tokens))) : 0;
+    if (s < segments) sc.old_len[s] = n;
+    int64_t begin = 0, chunk_tiles = 0;
+    Scan(scan).ExclusiveSum(compact_schedule::tiles_of(n, span), begin, chunk_tiles);
+    if (s < segments) sc.tile_begin[s] = carry + begin;
+    carry += chunk_tiles;
+    __syncthreads();  // the scan storage is reused
+  }
+  if (threadIdx.x == 0) sc.tile_begin[segments] = carry;
+}
+
+__global__ void __launch_bounds__(kCompactThreads)
+    compact_kernel(PagedView view, CompactWidths width, int32_t* len, const bool* keep,
+                   CompactPlan plan, CompactScratch sc) {
+  namespace cs = compact_schedule;
   extern __shared__ uint4 smem_raw[];
-  return CompactSmem{compact_layout(tile, view.record.row_bytes), reinterpret_cast<char*>(smem_raw)};
-}
-
-// One block per segment, its tiles in order. The pages are read and written through plain
-// pointers (no __restrict__, no __ldg): the same memory is written during the kernel.
-__global__ void __launch_bounds__(kCompactThreads)
-    compact_kernel(PagedView view, CompactWidths width, int32_t* len, const bool* keep, int tile) {
-  const CompactSmem sm = compact_smem(view, tile);
-  const int64_t s = blockIdx.x;
-  const int64_t n = len[s];
-  int64_t kept = 0;  // kept tokens in the tiles before this one
-  for (int64_t b = 0; b < n; b += tile) {
-    kept += compact_tile(view, width, s, b, n, kept, keep, tile, sm, [](int) {});
-  }
-  // Every thread has read len[s] above (and, for n > 0, passed a barrier since).
-  __syncthreads();
-  if (threadIdx.x == 0) len[s] = static_cast<int32_t>(kept);
-}
-
-// ---------------------------------------------------------------------------------------
-// compact, several blocks per segment (stores with fewer segments than SMs, where one
-// block per segment would leave most of the GPU idle on long segments)
-//
-// Three kernels on the stream: count the kept tokens of every tile; move the tiles, one
-// block each; write the new lengths. The move is the one-block kernel's step for one tile
-// (compact_tile), with its destination kept = the kept tokens of the segment's earlier tiles
-// (from the counts). Tiles of a segment now run at once, so a tile's writes must wait:
-//   - tile c writes tokens [kept_c, kept_c + tile_kept_c), which lie in tiles
-//     kept_c / tile .. c (kept_c <= c * tile, and the range ends before tile c does);
-//   - so before writing, tile c waits until each of tiles kept_c / tile .. c - 1 has read
-//     its rows (read_done, set once a tile's reads are complete: every thread has passed
-//     the barrier after them, so their loads have returned); its own reads are done;
-//   - no other tile writes into tile c's rows before tile c has read them, by the same
-//     rule from the writer's side; destinations of different tiles are disjoint.
-// Waits only go to earlier tiles of the same segment. Blocks take their tile from a
-// ticket (an atomic counter) in (segment, tile) order, not from blockIdx: a block waits
-// only on tickets taken before its own, by blocks that are running or done, which never
-// wait on it, so the waits always end (the single-pass scan's argument in CUB).
-// The lengths are read by every block and rewritten only by the third kernel.
-
-__global__ void __launch_bounds__(kCompactThreads)
-    compact_count_kernel(PagedView view, const int32_t* len, const bool* keep, int tile,
-                         int64_t tiles, int32_t* counts) {
-  const int64_t s = blockIdx.x / tiles, c = blockIdx.x % tiles;
-  const int64_t i = c * tile + threadIdx.x, n = len[s];
-  const bool kept = threadIdx.x < tile && i < n && keep[view.slot(s, i)];
-  const int count = __syncthreads_count(kept);
-  if (threadIdx.x == 0) counts[blockIdx.x] = count;
-}
-
-__global__ void __launch_bounds__(kCompactThreads)
-    compact_tiles_kernel(PagedView view, CompactWidths width, const int32_t* len,
-                         const bool* keep, int tile, int64_t tiles, const int32_t* counts,
-                         unsigned int* ticket, int* read_done) {
-  const CompactSmem sm = compact_smem(view, tile);
-  __shared__ unsigned int my_ticket;
-  __shared__ unsigned long long kept_before;
-  if (threadIdx.x == 0) {
-    my_ticket = atomicAdd(ticket, 1u);
-    kept_before = 0;
-  }
-  __syncthreads();
-  const int64_t s = my_ticket / tiles, c = my_ticket % tiles;
-  const int64_t n = len[s], b = c * tile;
-  if (b >= n) return;  // past the segment's tokens: no later tile of it waits on this one
-  unsigned long long part = 0;
-  for (int64_t t = threadIdx.x; t < c; t += blockDim.x) part += counts[s * tiles + t];
-  atomicAdd(&kept_before, part);
-  __syncthreads();
-  const int64_t kept = static_cast<int64_t>(kept_before);
-  compact_tile(view, width, s, b, n, kept, keep, tile, sm, [&](int) {
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicExch(read_done + s * tiles + c, 1);
-      for (int64_t t = kept / tile; t < c; ++t) {
-        while (atomicAdd(read_done + s * tiles + t, 0) == 0) __nanosleep(100);
-      }
-      __threadfence();
+  static_assert(sizeof(CompactScan::TempStorage) <= kScanBytes, "kScanBytes is too small");
+  char* const smem = reinterpret_cast<char*>(smem_raw);
+  const CompactLayout layout = compact_layout(plan.cap, view.record.row_bytes);
+  CompactScan::TempStorage& scan_storage = *reinterpret_cast<CompactScan::TempStorage*>(smem);
+  int32_t* const kept_local = reinterpret_cast<int32_t*>(smem + layout.kept_local);
+  int64_t* const src_slot = reinterpret_cast<int64_t*>(smem + layout.src_slot);
+  int64_t* const dst_slot = reinterpret_cast<int64_t*>(smem + layout.dst_slot);
+  __shared__ int64_t shared_ticket, shared_segment, shared_kept_before;
+  const int64_t* row_bytes = view.record.row_bytes;
+  const int64_t span = plan.span;
+  const bool warp0 = threadIdx.x < 32;
+  // Written by the plan kernel, earlier on the stream.
+  const int64_t all_tiles = sc.tile_begin[plan.segments];
+  int64_t seg = 0;
+  for (;;) {
+    if (threadIdx.x == 0) shared_ticket = atomicAdd(sc.ticket, 1u);
+    __syncthreads();
+    const int64_t t = shared_ticket;
+    if (t >= all_tiles) break;  // the same ticket in every thread: the whole block leaves
+    if (warp0) {
+      seg = segment_of_ticket(sc.tile_begin, plan.segments, seg, t);
+      if (threadIdx.x == 0) shared_segment = seg;
     }
     __syncthreads();
-  });
-}
+    seg = shared_segment;
+    const int64_t c = t - sc.tile_begin[seg];  // local index of the tile in its segment
+    const int64_t n = sc.old_len[seg];
+    const int64_t first_token = c * span;
+    const int64_t rows = cs::tile_rows(n, span, c);  // >= 1: the segment has tile c
 
-__global__ void compact_lengths_kernel(const int32_t* counts, int64_t tiles, int32_t* len) {
-  __shared__ unsigned long long total;
-  if (threadIdx.x == 0) total = 0;
-  __syncthreads();
-  unsigned long long part = 0;
-  for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) part += counts[blockIdx.x * tiles + t];
-  atomicAdd(&total, part);
-  __syncthreads();
-  if (threadIdx.x == 0) len[blockIdx.x] = static_cast<int32_t>(total);
+    // 1. Count: thread x holds tokens x * kSpanItems + k; the scan ranks the kept ones.
+    // Only live tokens are looked up: the table has no page past the segment's.
+    int flag[kSpanItems], rank[kSpanItems];
+    for (int k = 0; k < kSpanItems; ++k) {
+      const int64_t local = int64_t{threadIdx.x} * kSpanItems + k;
+      flag[k] = (local < rows && keep[view.slot(seg, first_token + local)]) ? 1 : 0;
+    }
+    int tile_kept_int = 0;
+    CompactScan(scan_storage).ExclusiveSum(flag, rank, tile_kept_int);
+    for (int k = 0; k < kSpanItems; ++k) {
+      if (flag[k]) kept_local[rank[k]] = static_cast<int32_t>(threadIdx.x * kSpanItems + k);
+    }
+    const int64_t tile_kept = tile_kept_int;
+    if (threadIdx.x == 0) {
+      atomicExch(sc.status + t, static_cast<unsigned long long>(cs::first_word(c, tile_kept)));
+    }
+
+    // 2. Destination: kept tokens of the earlier tiles, by look-back.
+    if (warp0) {
+      const int64_t before = c == 0 ? 0 : look_back(sc.status, t, c);
+      if (threadIdx.x == 0) {
+        shared_kept_before = before;
+        if (c > 0) {
+          const uint64_t word = cs::status_word(cs::kInclusive, static_cast<uint32_t>(before + tile_kept));
+          atomicExch(sc.status + t, static_cast<unsigned long long>(word));
+        }
+        // The segment's last tile knows its new length (len is read by nobody here).
+        if (first_token + rows == n) len[seg] = static_cast<int32_t>(before + tile_kept);
+      }
+    }
+    __syncthreads();  // kept_local and shared_kept_before are complete
+    const int64_t kept_before = shared_kept_before;
+
+    // 3. Moves (compact_schedule.h, plan_tile): the tail first if the plan has one, then
+    // ascending chunks (read, publish progress, wait for at most two tiles, write), then
+    // the tail's write. Every branch below is uniform over the block.
+    // Ranks [r0, r0 + count) into staging rows [row0, row0 + count): slot lists, then the
+    // rows; when it returns every thread's reads have landed.
+    auto read_ranks = [&](int64_t r0, int count, int64_t row0) {
+      if (static_cast<int>(threadIdx.x) < count) {
+        const int64_t m = r0 + threadIdx.x;  // rank of the kept token in the tile
+        src_slot[row0 + threadIdx.x] = view.slot(seg, first_token + kept_local[m]);
+        // kept_before + m < kept_before + tile_kept <= n: a live token of the segment.
+        dst_slot[row0 + threadIdx.x] = view.slot(seg, kept_before + m);
+      }
+      __syncthreads();  // the slot lists are complete
+      for (int b = 0; b < 4; ++b) {
+        stage_rows(part_rows(view, b), smem + layout.stage[b] + row0 * row_bytes[b], src_slot + row0,
+                   dst_slot + row0, count, width.w[b]);
+      }
+      wait_async_copies();
+      __syncthreads();  // every row is in shared memory: the reads are done
+    };
+    // Thread 0 announces what the tile has read (after read_ranks' barrier).
+    auto publish_progress = [&](uint32_t word) {
+      if (threadIdx.x == 0) {
+        __threadfence();  // the block's reads come before the word that announces them
+        atomicExch(sc.progress + t, static_cast<int32_t>(word));
+      }
+    };
+    // Staging rows [row0, row0 + count) to the destinations of ranks [r0, r0 + count), once
+    // the earlier tiles under them have read their tokens there (THE WAIT RULE).
+    auto wait_and_write = [&](int64_t r0, int count, int64_t row0) {
+      if (threadIdx.x == 0) {
+        const int64_t dst_begin = kept_before + r0, dst_end = dst_begin + count;
+        const cs::TileRange waits = cs::overlapped_tiles(c, span, dst_begin, dst_end);
+        for (int64_t d = waits.first; d <= waits.last; ++d) {
+          // Tile d of the segment took ticket t - c + d, before this tile: it runs or is
+          // done, and its reads wait for nothing of this tile.
+          while (!cs::may_write(static_cast<uint32_t>(load_volatile(sc.progress + (t - c + d))), d,
+                                span, dst_begin, dst_end)) {
+            spin_pause();
+          }
+        }
+        __threadfence();  // the writes below come after the progress they waited for
+      }
+      __syncthreads();  // the destinations have been read by whoever needed them
+      for (int b = 0; b < 4; ++b) {
+        copy_rows(ScatterRows{part_rows(view, b), smem + layout.stage[b] + row0 * row_bytes[b],
+                              src_slot + row0, dst_slot + row0},
+                  count, row_bytes[b], width.w[b]);
+      }
+      __syncthreads();  // staging and slot lists are reused
+    };
+    if (cs::tile_moves_nothing(c, span, rows, kept_before, tile_kept)) {
+      // Reads nothing, writes nothing: tiles waiting on it may go on at once.
+      if (threadIdx.x == 0) atomicExch(sc.progress + t, static_cast<int32_t>(cs::progress_word(span, span, span)));
+    } else {
+      // Every thread computes the same plan from the shared kept_local.
+      const cs::TilePlan tp = cs::plan_tile(kept_local, tile_kept, c, span, kept_before, plan.cap);
+      const int tail = static_cast<int>(tile_kept - tp.tail_rank);  // staging rows [0, tail)
+      if (tp.tail_from < span) {
+        read_ranks(tp.tail_rank, tail, 0);
+        publish_progress(cs::progress_word(0, tp.tail_from, span));
+      }
+      for (int64_t m0 = 0; m0 < tp.tail_rank; m0 += tp.chunk) {
+        const int count = static_cast<int>(cs::chunk_at(kept_before, tp.tail_rank, m0, tp.chunk).count);
+        read_ranks(m0, count, tail);
+        publish_progress(cs::progress_word(cs::read_prefix(kept_local, m0 + count, tile_kept, span),
+                                           tp.tail_from, span));
+        wait_and_write(m0, count, tail);
+      }
+      if (tail > 0) wait_and_write(tp.tail_rank, tail, 0);
+    }
+    // kept_local, the scan storage and shared_ticket are reused by the next tile.
+    __syncthreads();
+  }
 }
 
 }  // namespace
@@ -468,7 +618,51 @@ void replace_cuda(const PagedView& view, const at::Tensor& slot, const at::Tenso
   launch_write_tokens(view, new_k, new_v, new_pos, new_k.size(0), 1, slot_of);
 }
 
+namespace {
+
+// What the launch of compact_kernel needs from the runtime, asked once per device and size:
+// an eviction step compacts every layer, and these queries cost microseconds of host time
+// each. With smem > 0 the kernel is also allowed that much dynamic shared memory (over
+// 48 KiB needs the opt-in); the allowance only grows, so a launch with a smaller size that
+// was allowed before stays allowed.
+struct CompactLaunchConfig {
+  int64_t static_smem;  // bytes of the kernel's static __shared__ variables
+  int blocks_per_sm;    // resident blocks per SM with smem bytes of dynamic shared memory
+};
+
+CompactLaunchConfig compact_launch_config(int device, int64_t smem) {
+  static std::mutex lock;
+  static std::map<int, int64_t> static_smem, allowed;
+  static std::map<std::pair<int, int64_t>, int> blocks_per_sm;
+  const std::lock_guard<std::mutex> guard(lock);
+  if (!static_smem.count(device)) {
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, compact_kernel));
+    static_smem[device] = static_cast<int64_t>(attributes.sharedSizeBytes);
+  }
+  CompactLaunchConfig config{static_smem[device], 0};
+  if (smem > 0) {
+    if (allowed[device] < smem) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+      allowed[device] = smem;
+    }
+    const auto key = std::make_pair(device, smem);
+    if (!blocks_per_sm.count(key)) {
+      int n = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, compact_kernel, kCompactThreads,
+                                                                   static_cast<size_t>(smem)));
+      blocks_per_sm[key] = n;
+    }
+    config.blocks_per_sm = blocks_per_sm[key];
+  }
+  return config;
+}
+
+}  // namespace
+
 void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& keep) {
+  namespace cs = compact_schedule;
   const int64_t segments = len.numel();
   // With no pages (a fresh store) every length is already 0 and nothing moves.
   if (segments == 0 || keep.numel() == 0) return;
@@ -483,58 +677,51 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
     width.w[b] = vec_width(row_bytes[b], {});
     row_total += row_bytes[b];
   }
-  // As many tokens per tile as fit in 48 KiB (4 * 15: alignment padding of the pieces).
-  // row_total >= 4: pos rows are 4 bytes.
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int device = len.get_device();
+  // Dynamic shared memory a block may have: the opt-in maximum less the static variables.
+  const int64_t most = static_cast<int64_t>(props->sharedMemPerBlockOptin) -
+                       compact_launch_config(device, 0).static_smem;
+  // Rows per chunk: as many as fit in the budget (4 * 15: alignment padding of the staging
+  // parts), at most one per thread. row_total >= 4: pos rows are 4 bytes.
   const int64_t fixed = compact_layout(0, row_bytes).total + 4 * 15;
-  int64_t tile = std::min<int64_t>(kCompactThreads, (kCompactSmemBudget - fixed) / row_total);
-  int64_t smem = 0;
-  if (tile >= 1) {
-    smem = compact_layout(tile, row_bytes).total;
-  } else {
-    // Rows over ~40 KiB (head_dim > 5000 in fp32): one token per tile, with opt-in memory.
-    tile = 1;
-    smem = compact_layout(tile, row_bytes).total;
-    const int64_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-    TORCH_CHECK_VALUE(smem <= optin, "compact: one token (", row_total,
-                      " bytes of K, V, pos and scores) does not fit in the device's shared memory (",
-                      optin, " bytes)");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-  }
+  const int64_t cap = cs::chunk_rows(std::min(kCompactSmemBudget, most), fixed, row_total, kCompactThreads);
+  const int64_t smem = compact_layout(cap, row_bytes).total;
+  // One row of staging always fits unless a token is over ~210 KiB (fp32 head_dim > ~27000).
+  TORCH_CHECK_VALUE(smem <= most, "compact: one token (", row_total,
+                    " bytes of K, V, pos and scores) does not fit in the device's shared memory (",
+                    most, " bytes)");
+  const int per_sm = compact_launch_config(device, smem).blocks_per_sm;
+  const int64_t resident = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
+  // Tiles of kMaxSpan tokens unless the store could not give every resident block two
+  // tiles: then shorter ones, down to kMinSpan. The host knows no lengths (no sync), only
+  // the tokens a segment's page-table row can hold; tiles past a length do not exist.
+  const int64_t most_tokens = view.width * view.page_size();
+  const int64_t span = cs::choose_span(segments, most_tokens, resident, kMaxSpan, kMinSpan);
+  const int64_t max_tiles = segments * cs::tiles_of(most_tokens, span);
+  if (max_tiles == 0) return;  // no page in any table row: every length is 0
+  TORCH_CHECK_VALUE(max_tiles < INT32_MAX, "compact: ", segments, " segments of up to ",
+                    most_tokens, " tokens make too many tiles");
+  // Scratch in int64 words: status [max_tiles], progress (int32) [max_tiles], tile_begin
+  // [segments + 1], old_len (int32) [segments], ticket; zeroed (status kInvalid, progress 0,
+  // ticket 0).
+  const int64_t progress_words = (max_tiles + 1) / 2, old_len_words = (segments + 1) / 2;
+  const at::Tensor scratch =
+      at::zeros({max_tiles + progress_words + segments + 1 + old_len_words + 1}, len.options().dtype(at::kLong));
+  int64_t* words = scratch.data_ptr<int64_t>();
+  CompactScratch sc{};
+  sc.status = reinterpret_cast<unsigned long long*>(words);
+  sc.progress = reinterpret_cast<int32_t*>(words + max_tiles);
+  sc.tile_begin = words + max_tiles + progress_words;
+  sc.old_len = reinterpret_cast<int32_t*>(sc.tile_begin + segments + 1);
+  sc.ticket = reinterpret_cast<unsigned int*>(sc.tile_begin + segments + 1 + old_len_words);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  // Tiles per segment: enough for the most tokens its page-table row can hold (the host
-  // knows no lengths; blocks past a segment's length return at once).
-  const int64_t tiles = (view.width * view.page_size() + tile - 1) / tile;
-  if (segments >= sms || tiles <= 1) {
-    compact_kernel<<<static_cast<unsigned int>(segments), kCompactThreads, static_cast<size_t>(smem),
-                     stream>>>(view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(),
-                               static_cast<int>(tile));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  TORCH_CHECK_VALUE(segments * tiles < INT32_MAX, "compact: ", segments, " segments of ", tiles,
-                    " tiles exceed the grid");
-  // Its few bytes of static shared memory come on top of the dynamic buffer, which may be
-  // the whole 48 KiB a launch gets without opting in: opt in always.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(compact_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  const auto on_device = len.options();
-  const at::Tensor counts = at::empty({segments * tiles}, on_device);
-  // read_done flags, then the ticket counter, zeroed together.
-  const at::Tensor sync = at::zeros({segments * tiles + 1}, on_device);
-  const auto blocks = static_cast<unsigned int>(segments * tiles);
-  compact_count_kernel<<<blocks, kCompactThreads, 0, stream>>>(
-      view, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), static_cast<int>(tile), tiles,
-      counts.data_ptr<int32_t>());
+  compact_plan_kernel<<<1, kCompactThreads, 0, stream>>>(len.data_ptr<int32_t>(), segments, span,
+                                                         most_tokens, sc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  compact_tiles_kernel<<<blocks, kCompactThreads, static_cast<size_t>(smem), stream>>>(
-      view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), static_cast<int>(tile), tiles,
-      counts.data_ptr<int32_t>(), reinterpret_cast<unsigned int*>(sync.data_ptr<int32_t>() + segments * tiles),
-      sync.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  compact_lengths_kernel<<<static_cast<unsigned int>(segments), kCompactThreads, 0, stream>>>(
-      counts.data_ptr<int32_t>(), tiles, len.data_ptr<int32_t>());
+  const auto blocks = static_cast<unsigned int>(std::min(max_tiles, resident));
+  compact_kernel<<<blocks, kCompactThreads, static_cast<size_t>(smem), stream>>>(
+      view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), CompactPlan{segments, span, cap}, sc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
