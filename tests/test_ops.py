@@ -99,15 +99,16 @@ def test_opcheck_store_compact(device, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("grouped", [False, True])
-def test_opcheck_store_topk(shape, grouped):
-    store = make_store(shape, "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_store_topk(device, shape, grouped):
+    store = make_store(shape, device)
     pool, table, lens = store.state()
     groups = store.batch if grouped else store.batch * store.heads
-    k = torch.arange(groups) % 3
+    k = (torch.arange(groups) % 3).to(device)
     P, D, C, dtype = meta(store)
     opcheck(ops.store_topk, (pool, table, lens, None, k, store.heads if grouped else 1, P, D, C, dtype),
             test_utils=UTILS)
-    scores = torch.randn(store.capacity, generator=torch.Generator().manual_seed(5))
+    scores = torch.randn(store.capacity, generator=torch.Generator().manual_seed(5)).to(device)
     opcheck(ops.store_topk, (pool, table, lens, scores, k, store.heads if grouped else 1, P, D, C, dtype),
             test_utils=UTILS)
 
