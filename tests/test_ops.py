@@ -123,13 +123,14 @@ def packed_segments(lens, seed=6):
 
 
 @pytest.mark.parametrize("lens", [[0], [1], [5, 0, 1, 7], [3, 3, 3, 3, 3, 3]])
-def test_opcheck_segmented_and_grouped_topk(lens):
-    scores, pos, start, len_ = packed_segments(lens)
-    k = torch.tensor([2] * len(lens))
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_segmented_and_grouped_topk(device, lens):
+    scores, pos, start, len_ = (t.to(device) for t in packed_segments(lens))
+    k = torch.tensor([2] * len(lens), device=device)
     opcheck(ops.segmented_topk, (scores, pos, start, len_, k), test_utils=UTILS)
     opcheck(ops.segmented_topk, (scores, pos, start, len_, k.to(torch.int8), False), test_utils=UTILS)
     group = 2 if len(lens) % 2 == 0 else 1
-    kg = torch.tensor([3] * (len(lens) // group))
+    kg = torch.tensor([3] * (len(lens) // group), device=device)
     opcheck(ops.grouped_topk, (scores, pos, start, len_, group, kg), test_utils=UTILS)
 
 

@@ -95,3 +95,35 @@ def test_cuda_select_is_one_op_without_host_sync(grouped):
             s.select(k, given, grouped=grouped)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("B,H,n,frac", [(1, 32, 4096, 1 / 8), (1, 32, 32768, 1 / 8), (4, 8, 4096, 1 / 8),
+                                        (1, 2, 32768, 1 / 8), (1, 4, 32768, 1 / 2)])
+@pytest.mark.parametrize("scores_kind", ["randn", "bf16"])
+def test_cuda_select_at_benchmark_scale_equals_cpu(B, H, n, frac, scores_kind):
+    """The benchmark's shapes (32 x 4096 k 512, 32 x 32768 k 4096), Ada-KV groups and batch 1
+    with few KV heads (a team of CTAs per segment or group): the CUDA op keeps exactly what the
+    CPU op keeps (itself checked against the reference above), per segment and grouped."""
+    gen = torch.Generator().manual_seed(n + H)
+    stores = {}
+    for device in ("cpu", "cuda"):
+        s = kvcache_ext.RaggedKVStore(B, H, 4, dtype=torch.bfloat16, device=device, page_size=16)
+        s.reserve(n)
+        kv = torch.zeros(B, H, n, 4, dtype=torch.bfloat16, device=device)
+        s.append(kv, kv, torch.arange(n, device=device))
+        stores[device] = s
+    L = n
+    scores = torch.randn(B, H, L, generator=gen)
+    if scores_kind == "bf16":
+        scores = scores.bfloat16().float()
+    k = int(n * frac)
+    for grouped, budget in ((False, k), (True, k * H)):
+        got = {}
+        for device, s in stores.items():
+            out = s.select(budget, scores.to(device), grouped=grouped)
+            keep, counts = out if grouped else (out, None)
+            got[device] = (s.to_padded(keep, False).cpu(), None if counts is None else counts.cpu())
+        assert torch.equal(got["cuda"][0], got["cpu"][0]), grouped
+        if grouped:
+            assert torch.equal(got["cuda"][1], got["cpu"][1])

@@ -158,6 +158,10 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(Source src, Problem p) {
   Threshold t(k, n);
   const auto nothing = [](int64_t) {};
 
+  // CPU twin: threshold() in topk_cpu.cpp. The CPU copies the keys in play into scratch after
+  // each digit and stops at 64 keys for a partial sort; here every pass re-tests in_play on
+  // every candidate (the cached keys make that a shared-memory read) and runs the digits to
+  // the end: the same Threshold either way, since both take the bucket that holds the rank.
   for (int pass = 0; pass < kPasses; ++pass) {
     const bool open = t.open();  // the same in every CTA of a team
     if (!kTeam && !open) break;
@@ -218,6 +222,8 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(Source src, Problem p) {
   }
   if (t.rank <= 0) return;  // keeps nothing; counts stay 0
 
+  // CPU twin: keep_best. Tiles go in candidate order and the scan ranks a tile's ties in
+  // thread (= token) order, so the first t.rank ties of the group are kept, as on the CPU.
   int32_t kept = 0;  // thread 0: kept in the current segment's part
   // k >= live tokens: settled before any pass, every candidate kept without reading a score
   // (the cache was never filled).

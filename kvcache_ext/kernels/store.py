@@ -199,8 +199,10 @@ class RaggedKVStore:
         ``scores``: [capacity] in slot layout, or [B, H, max_len] padded as ``to_dense`` gives
         (what the eviction engine has). ``grouped=False``: k per segment (an int, or [B, H]).
         ``grouped=True``: Ada-KV's allocation, k per batch item (an int, or [B]) shared by its
-        heads; returns ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted
-        first.
+        heads; returns ``(keep, counts [B, H])``. Ties go to the lower position (then to the
+        earlier head of a group), NaN is evicted first. A negative budget is refused when it is
+        on the CPU; a CUDA budget tensor is not read back (no host sync): there a negative
+        budget keeps nothing and one past the live tokens keeps them all.
         """
         if scores is not None and not isinstance(scores, torch.Tensor):
             raise TypeError(f"scores must be None or a float tensor, got {type(scores).__name__}")
