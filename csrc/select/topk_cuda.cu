@@ -62,8 +62,8 @@ struct SlotSource {
   const int32_t* pos;
   const int64_t* start;
   __device__ int64_t slot(int64_t s, int64_t i) const { return start[s] + i; }
-  __device__ float score(int64_t, int64_t, int64_t slot) const { return scores[slot]; }
-  __device__ int32_t position(int64_t slot) const { return pos[slot]; }
+  __device__ float score(int64_t, int64_t, int64_t slot) const { return __ldg(scores + slot); }
+  __device__ int32_t position(int64_t slot) const { return __ldg(pos + slot); }
 };
 
 // The candidates of the store_topk op, through the store's pages (as paged_topk_cpu reads
@@ -74,15 +74,18 @@ struct PagedSource {
   const float* given;
   int64_t padded_len;
   __device__ int64_t slot(int64_t s, int64_t i) const { return view.slot(s, i); }
+  // Explicitly global, read-only loads (scores and positions do not change during the
+  // kernel): the compiler may then overlap them with the shared-memory atomics of the
+  // histogram, which a generic pointer (one that could point to shared memory) forbids.
   __device__ float score(int64_t s, int64_t i, int64_t slot) const {
-    if (given == nullptr) return *reinterpret_cast<const float*>(view.row(store::kScores, slot));
-    if (padded_len < 0) return given[slot];
+    if (given == nullptr) return __ldg(reinterpret_cast<const float*>(view.row(store::kScores, slot)));
+    if (padded_len < 0) return __ldg(given + slot);
     // The CPU op checks L >= every length (a host read); here a token past the padded
     // width has no score and is read as NaN (evicted first) instead of out of bounds.
-    return i < padded_len ? given[s * padded_len + i] : std::numeric_limits<float>::quiet_NaN();
+    return i < padded_len ? __ldg(given + s * padded_len + i) : std::numeric_limits<float>::quiet_NaN();
   }
   __device__ int32_t position(int64_t slot) const {
-    return *reinterpret_cast<const int32_t*>(view.row(store::kPos, slot));
+    return __ldg(reinterpret_cast<const int32_t*>(view.row(store::kPos, slot)));
   }
 };
 
@@ -262,10 +265,12 @@ void launch(const Source& src, Problem p, int64_t groups, int64_t max_candidates
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm, topk_kernel<Source, true>, kThreads, 0));
     const int64_t resident = static_cast<int64_t>(per_sm) * sms;  // a cooperative grid's limit
-    // Enough CTAs for two per SM, and enough that the longest possible group's chunks fit
-    // the key cache; never more than the resident CTAs (a cooperative grid must all be
-    // resident), nor more than the longest possible group has candidates for.
-    const int64_t fill = (2 * sms + groups - 1) / groups;
+    // Enough CTAs for four per SM (the first pass waits on two dependent loads per score
+    // through the page table: more warps hide more of that latency), and enough that the
+    // longest possible group's chunks fit the key cache; never more than the resident CTAs
+    // (a cooperative grid must all be resident), nor more than the longest possible group
+    // has candidates for.
+    const int64_t fill = (4 * sms + groups - 1) / groups;
     const int64_t fit = (max_candidates + kCached - 1) / kCached;
     splits = std::min({std::max(fill, fit), resident / groups,
                        (max_candidates + kMinChunk - 1) / kMinChunk});

@@ -138,7 +138,9 @@ std::vector<bool> team_keep(const Group& g, int64_t k, int64_t splits) {
     // The CTA's own count of ties, from its histogram, must be what the verdicts find.
     int64_t ties_here = 0;
     for (int64_t c = c0; c < c1; ++c) ties_here += t.verdict(g.key(c)) == Verdict::kTie;
-    if (ordered_ties) EXPECT_EQ(ties_here, chosen_local[j]) << "chunk " << j;
+    if (ordered_ties) {
+      EXPECT_EQ(ties_here, chosen_local[j]) << "chunk " << j;
+    }
     keep_by_verdict(g, t, c0, c1, equal_before, keep);
     if (ordered_ties) equal_before += chosen_local[j];
   }
