@@ -54,6 +54,8 @@ constexpr int64_t kCached = 16 * kThreads;  // 16 KiB
 // than the histogram work they split.
 constexpr int64_t kMinChunk = kThreads;
 static_assert(kBuckets == kThreads, "the bucket scan gives each thread one bucket");
+static_assert(kThreads % 32 == 0, "whole warps: the histogram's __match_any_sync names all 32 lanes");
+constexpr uint32_t kNoDigit = 0xFFFFFFFFu;  // a lane with no key in play this tile
 
 // The candidates of the segmented_topk / grouped_topk ops: segment s's tokens are the slots
 // start[s] .. start[s] + len[s] - 1 of [capacity] scores and positions.
@@ -172,9 +174,18 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(Source src, Problem p) {
       hist[threadIdx.x] = 0;
       __syncthreads();
       for_each_tile(p, g, c0, c1, [&](int64_t s, int64_t i, int64_t local, bool valid) {
-        if (!valid) return;
-        const uint64_t key = key_of(src, t, s, i, local, cache, /*fill_cache=*/pass == 0);
-        if (t.in_play(key)) atomicAdd(&hist[t.digit(key, kDigitBits)], 1u);
+        uint32_t digit = kNoDigit;
+        if (valid) {
+          const uint64_t key = key_of(src, t, s, i, local, cache, /*fill_cache=*/pass == 0);
+          if (t.in_play(key)) digit = t.digit(key, kDigitBits);
+        }
+        // One shared atomic per distinct digit of a warp: equal scores (all zero, say) would
+        // otherwise serialise 256 atomics on one bin per tile. Every lane gets here (the
+        // tiles are uniform over the CTA and kThreads is a whole number of warps).
+        const unsigned int peers = __match_any_sync(0xffffffffu, digit);
+        if (digit != kNoDigit && static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) {
+          atomicAdd(&hist[digit], static_cast<unsigned int>(__popc(peers)));
+        }
       }, nothing);
       __syncthreads();
     }
