@@ -62,6 +62,7 @@ enum class Verdict { kDrop = 0, kKeep = 1, kTie = 2 };
 // rank = how many to keep among every candidate (0 < rank; rank = count settles at once).
 struct Threshold {
   uint64_t prefix = 0;    // the decided top bits of the threshold key, the rest zero
+  uint64_t mask = 0;      // ones on the decided bits (kept with `decided`: verdict runs per key)
   int decided = 0;        // how many top bits are decided, 0 .. 64
   int64_t rank = 0;       // the threshold is the rank-th largest key in play (1-based)
   bool settled = false;   // every key in play is kept: no further digit is needed
@@ -75,11 +76,8 @@ struct Threshold {
   // The next digit: `bits` wide, or what is left of the 64.
   KVCACHE_RADIX_FN int width(int bits) const { return 64 - decided < bits ? 64 - decided : bits; }
   KVCACHE_RADIX_FN int shift(int bits) const { return 64 - decided - width(bits); }
-  KVCACHE_RADIX_FN uint64_t decided_mask() const {
-    return decided == 0 ? uint64_t{0} : ~uint64_t{0} << (64 - decided);
-  }
   // Still in play: its decided bits are the threshold's.
-  KVCACHE_RADIX_FN bool in_play(uint64_t key) const { return (key & decided_mask()) == prefix; }
+  KVCACHE_RADIX_FN bool in_play(uint64_t key) const { return (key & mask) == prefix; }
   KVCACHE_RADIX_FN uint32_t digit(uint64_t key, int bits) const {
     return static_cast<uint32_t>(key >> shift(bits)) & ((1u << width(bits)) - 1u);
   }
@@ -92,15 +90,25 @@ struct Threshold {
   KVCACHE_RADIX_FN void descend(uint32_t bucket, int64_t above, int64_t count, int bits) {
     const int s = shift(bits);
     decided += width(bits);
+    mask = ~uint64_t{0} << s;  // the bits above the next digit's
     prefix |= static_cast<uint64_t>(bucket) << s;
     rank -= above;
     settled = rank == count;
+  }
+  // The whole threshold at once (the CPU's partial sort ends the selection so): the keys
+  // above `key` are kept, and the first `keep_equal` keys equal to it in candidate order.
+  KVCACHE_RADIX_FN void decide_all(uint64_t key, int64_t keep_equal) {
+    prefix = key;
+    mask = ~uint64_t{0};
+    decided = 64;
+    rank = keep_equal;
+    settled = false;
   }
   // What becomes of a key once !open(): kept, dropped, or (keys equal to the whole
   // threshold, not settled) kept when it is among the first `rank` of them in candidate order.
   KVCACHE_RADIX_FN Verdict verdict(uint64_t key) const {
     if (rank <= 0) return Verdict::kDrop;
-    const uint64_t top = key & decided_mask();
+    const uint64_t top = key & mask;
     if (top != prefix) return top > prefix ? Verdict::kKeep : Verdict::kDrop;
     return settled ? Verdict::kKeep : Verdict::kTie;
   }

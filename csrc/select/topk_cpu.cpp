@@ -95,10 +95,7 @@ Threshold threshold(Candidates& c, int64_t k) {
   const uint64_t key = small[t.rank - 1];
   int64_t above = 0;
   for (int64_t i = 0; i < t.rank - 1; ++i) above += small[i] > key;
-  t.prefix = key;  // the whole threshold: the keys equal to it are kept in candidate order
-  t.decided = 64;
-  t.rank -= above;
-  t.settled = false;
+  t.decide_all(key, t.rank - above);
   return t;
 }
 
