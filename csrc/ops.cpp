@@ -469,19 +469,23 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
                                               int64_t page_size, int64_t head_dim,
                                               int64_t score_channels, at::ScalarType dtype) {
   const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
-  TORCH_CHECK_VALUE(page_table.device().is_cpu(), "store_topk runs on CPU stores; this one is on ",
-                    page_table.device(), " (on CUDA, pack the segments for segmented_topk)");
+  const c10::Device device = page_table.device();
   const int64_t S = st.segments;
   TORCH_CHECK_VALUE(group_size >= 1 && S % group_size == 0, "group_size must divide the ", S,
                     " segments, got ", group_size);
   const int64_t groups = S / group_size;
-  const int32_t* lens = len.data_ptr<int32_t>();
-  const int64_t longest = S == 0 ? 0 : *std::max_element(lens, lens + S);
+  // The longest segment, for the padded scores' check: read on CPU only (on CUDA it would
+  // cost a host sync; the kernel reads a token past the padded width as NaN instead).
+  int64_t longest = 0;
+  if (device.is_cpu() && S > 0) {
+    const int32_t* lens = len.data_ptr<int32_t>();
+    longest = *std::max_element(lens, lens + S);
+  }
   at::Tensor given;
   if (scores.has_value() && scores->defined()) {
     given = *scores;
     check_dtype(given, at::kFloat, "scores");
-    check_device(given, page_table.device(), "scores");
+    check_device(given, device, "scores");
     check_contiguous(given, "scores");
     const bool slot_layout = given.dim() == 1 && given.size(0) == st.capacity;
     const bool padded = given.dim() == 3 && given.size(0) * given.size(1) == S &&
@@ -499,16 +503,27 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
                     "] (one per ", group_size == 1 ? std::string("segment")
                                                    : "group of " + std::to_string(group_size) + " segments",
                     "), got ", k.sizes());
-  check_device_or_cpu(k, page_table.device(), "k (the budget)");
+  check_device_or_cpu(k, device, "k (the budget)");
   // Widen before the clamp: INT32_MAX is out of range of an int8/uint8/int16 budget's dtype.
-  const at::Tensor k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
-  for (int64_t g = 0; g < groups; ++g) {
-    TORCH_CHECK_VALUE(k32.data_ptr<int32_t>()[g] >= 0, "k (the budget) must be >= 0, got k[", g,
-                      "] = ", k32.data_ptr<int32_t>()[g]);
+  at::Tensor k32;
+  if (device.is_cpu()) {
+    k32 = k.to(at::kCPU, at::kLong).clamp_max(INT32_MAX).to(at::kInt).contiguous();
+    for (int64_t g = 0; g < groups; ++g) {
+      TORCH_CHECK_VALUE(k32.data_ptr<int32_t>()[g] >= 0, "k (the budget) must be >= 0, got k[", g,
+                        "] = ", k32.data_ptr<int32_t>()[g]);
+    }
+  } else {
+    // Checking the values would cost a host sync: on CUDA a negative budget keeps nothing
+    // and one beyond the group's live tokens keeps them all (the kernel clamps to [0, live]).
+    k32 = k.to(device, at::kLong).clamp(0, INT32_MAX).to(at::kInt).contiguous();
   }
-  at::Tensor keep = at::zeros({st.capacity}, at::TensorOptions().dtype(at::kBool));
-  at::Tensor counts = at::zeros({S}, at::TensorOptions().dtype(at::kInt));
-  if (longest > 0) select::paged_topk_cpu(st.view, len, given, group_size, k32, keep, counts);
+  const auto on_device = at::TensorOptions().device(device);
+  at::Tensor keep = at::zeros({st.capacity}, on_device.dtype(at::kBool));
+  at::Tensor counts = at::zeros({S}, on_device.dtype(at::kInt));
+  if (st.capacity > 0 && groups > 0 && (device.is_cuda() || longest > 0)) {
+    KVCACHE_DEVICE_DISPATCH(device, select::paged_topk, st.view, len, given, group_size, k32, keep,
+                            counts);
+  }
   return {keep, counts};
 }
 
@@ -629,6 +644,7 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("store_check", &kvcache_ext::ops::store_check);
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
+  m.impl("store_topk", &kvcache_ext::ops::store_topk);
   m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
   m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);
   m.impl("attention_run", &kvcache_ext::ops::attention_run);

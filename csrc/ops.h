@@ -79,9 +79,12 @@ void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::
                    const at::Tensor& keep, int64_t page_size, int64_t head_dim,
                    int64_t score_channels, at::ScalarType dtype);
 
-// store_topk (CPU): the k best live tokens of every group of group_size segments, read
-// through the pages. scores: none (score channel 0), [capacity] or [B, H, L] float32.
-// Returns keep [capacity] bool and counts [S] int32.
+// store_topk: the k best live tokens of every group of group_size segments, read through
+// the pages where they lie (CPU and CUDA; one kernel launch on CUDA, no host sync). scores:
+// none (score channel 0), [capacity] or [B, H, L] float32. Returns keep [capacity] bool and
+// counts [S] int32. k: [groups] integers; on CPU every k must be >= 0 and L >= every length
+// (both checked); on CUDA nothing is read back: a negative k keeps nothing, and a token
+// past a padded L is scored NaN (evicted first).
 std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
                                               const at::Tensor& len,
                                               const c10::optional<at::Tensor>& scores,
@@ -90,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
                                               int64_t score_channels, at::ScalarType dtype);
 
 // segmented_topk: keeps the k[s] best live slots of every segment s (all of them when
-// k[s] >= len[s]), in the order of select/selection_key.h (ties to the lower position, NaN
+// k[s] >= len[s]), in the order of select/radix_select.h (ties to the lower position, NaN
 // evicted first). scores [capacity] float32, pos [capacity] int32, start [S] int64, len [S]
 // int32, k [S] integers. Returns keep [capacity] bool (false outside live slots).
 // check_values: the checks that read values (segments in order inside the buffers, k >= 0),

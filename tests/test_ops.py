@@ -99,15 +99,16 @@ def test_opcheck_store_compact(device, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("grouped", [False, True])
-def test_opcheck_store_topk(shape, grouped):
-    store = make_store(shape, "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_store_topk(device, shape, grouped):
+    store = make_store(shape, device)
     pool, table, lens = store.state()
     groups = store.batch if grouped else store.batch * store.heads
-    k = torch.arange(groups) % 3
+    k = (torch.arange(groups) % 3).to(device)
     P, D, C, dtype = meta(store)
     opcheck(ops.store_topk, (pool, table, lens, None, k, store.heads if grouped else 1, P, D, C, dtype),
             test_utils=UTILS)
-    scores = torch.randn(store.capacity, generator=torch.Generator().manual_seed(5))
+    scores = torch.randn(store.capacity, generator=torch.Generator().manual_seed(5)).to(device)
     opcheck(ops.store_topk, (pool, table, lens, scores, k, store.heads if grouped else 1, P, D, C, dtype),
             test_utils=UTILS)
 
@@ -122,13 +123,14 @@ def packed_segments(lens, seed=6):
 
 
 @pytest.mark.parametrize("lens", [[0], [1], [5, 0, 1, 7], [3, 3, 3, 3, 3, 3]])
-def test_opcheck_segmented_and_grouped_topk(lens):
-    scores, pos, start, len_ = packed_segments(lens)
-    k = torch.tensor([2] * len(lens))
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_segmented_and_grouped_topk(device, lens):
+    scores, pos, start, len_ = (t.to(device) for t in packed_segments(lens))
+    k = torch.tensor([2] * len(lens), device=device)
     opcheck(ops.segmented_topk, (scores, pos, start, len_, k), test_utils=UTILS)
     opcheck(ops.segmented_topk, (scores, pos, start, len_, k.to(torch.int8), False), test_utils=UTILS)
     group = 2 if len(lens) % 2 == 0 else 1
-    kg = torch.tensor([3] * (len(lens) // group))
+    kg = torch.tensor([3] * (len(lens) // group), device=device)
     opcheck(ops.grouped_topk, (scores, pos, start, len_, group, kg), test_utils=UTILS)
 
 

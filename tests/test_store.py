@@ -397,7 +397,7 @@ def test_store_select_rejects_bad_input():
     k = torch.randn(B, H, 5, 8, dtype=torch.float16)
     store.append(k, k, torch.arange(5))
     cap, S = store.capacity, B * H
-    # The store_topk op itself (what select calls on a CPU store), past select's Python checks.
+    # The store_topk op itself (what select calls on either device), past select's Python checks.
     raw = lambda scores, k, grouped: ops.store_topk(*store.state(), scores, k, H if grouped else 1,
                                                    store.page_size, 8, 1, torch.float16)
     bad_calls = [

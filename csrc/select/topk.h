@@ -1,5 +1,5 @@
-// Kernels of the segmented top-k selection over the store's slot layout (see selection_key.h for
-// the order). Their entry points, with the input checks, are the ops segmented_topk,
+// Kernels of the segmented top-k selection (see radix_select.h for the order and the shared
+// radix selection). Their entry points, with the input checks, are the ops segmented_topk,
 // grouped_topk and store_topk (ops.h).
 #pragma once
 #include <ATen/ATen.h>
@@ -27,8 +27,8 @@ void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at:
 // store's pages: group g is segments [g * group_size, (g + 1) * group_size) (group_size 1:
 // per segment) and keeps its k[g] best tokens. scores: undefined (channel 0 of the pages),
 // [capacity] (slot layout) or [B, H, L] (padded) float32. keep [capacity] bool, zeroed;
-// counts [S] int32 receives the number kept per segment. CPU only: on CUDA the store's
-// Python select packs the segments and calls the CUDA kernels above.
+// counts [S] int32, zeroed, receives the number kept per segment. The CPU op checks every
+// k >= 0; the CUDA kernel clamps k[g] to [0, live tokens of g] on the device (no host sync).
 void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
                     const at::Tensor& counts);
@@ -39,6 +39,9 @@ void segmented_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const 
 void grouped_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                        const at::Tensor& len, int64_t group_size, const at::Tensor& k,
                        const at::Tensor& keep, const at::Tensor& counts);
+void paged_topk_cuda(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
+                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
+                     const at::Tensor& counts);
 #endif
 }  // namespace select
 

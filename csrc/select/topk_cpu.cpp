@@ -1,8 +1,9 @@
 // CPU selection, in parallel over segments (or groups): every candidate gets its 64-bit
-// selection key, the k-th largest key is found by a radix selection on the keys alone,
-// and one pass in candidate order keeps the keys above it and the first of the keys equal
-// to it. Candidate order is segment by segment, token by token, so equal keys (equal score
-// and position) go to the earlier candidate, as the CUDA path's stable sort does.
+// selection key (radix_select.h: score key, then position key), the threshold of the k
+// best is found by the shared radix selection on the keys alone, and one pass in candidate
+// order keeps the keys above it and the first of the keys equal to it. Candidate order is
+// segment by segment, token by token, so equal keys (equal score and position) go to the
+// earlier candidate, as the CUDA kernel's ordered tie pass does (topk_cuda.cu).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -12,7 +13,7 @@
 #include <numeric>
 #include <vector>
 
-#include "select/selection_key.h"
+#include "select/radix_select.h"
 #include "select/topk.h"
 #include "store/paged_layout.h"
 
@@ -55,72 +56,68 @@ struct Candidates {
   }
 };
 
-// Largest key t such that at least k keys are >= t (0 < k < size), and how many of the
-// keys equal to t are kept: k minus the number above it.
+// The threshold of the k best candidates (0 < k < size): every key above it is kept, and
+// of the keys equal to it (when it is not settled) the first `rank` in candidate order.
 //
-// A radix selection, kDigitBits bits of the key at a time from the top: a histogram of the
-// candidates' digit finds the bucket that holds the k-th key, and only that bucket's keys go
-// on to the next digit. Scores of different magnitudes differ in their top bits, so two
-// passes usually leave a few keys; once at most kSmall are left a partial sort finishes.
-// (nth_element on all the keys, its data-dependent branches mispredicted, was 1.4x slower
-// than torch.topk at 32 x 32768.)
-std::pair<uint64_t, int64_t> threshold(Candidates& c, int64_t k) {
+// The radix selection of radix_select.h, kDigitBits bits of the key at a time from the
+// top: a histogram of the digits of the keys in play, descend_serial to the bucket that
+// holds the k-th key, and only that bucket's keys (copied to scratch) stay in play. Scores
+// of different magnitudes differ in their top bits, so two passes usually leave a few keys;
+// once at most kSmall are left a partial sort finishes. (nth_element on all the keys, its
+// data-dependent branches mispredicted, was 1.4x slower than torch.topk at 32 x 32768.)
+Threshold threshold(Candidates& c, int64_t k) {
   constexpr int kDigitBits = 11;
-  constexpr uint64_t kDigitMask = (uint64_t{1} << kDigitBits) - 1;
   constexpr int64_t kSmall = 64;
   std::array<int64_t, size_t{1} << kDigitBits> hist;
-  const uint64_t* keys = c.key;  // the candidates still in play
+  const uint64_t* keys = c.key;  // the candidates in play
   int64_t n = c.size;
-  int64_t rank = k;   // the k-th key is the rank-th largest candidate
-  int64_t above = 0;  // keys above every candidate
-  for (int shift = 64 - kDigitBits; n > kSmall; shift -= kDigitBits) {
-    shift = std::max(shift, 0);
-    hist.fill(0);
-    for (int64_t i = 0; i < n; ++i) ++hist[(keys[i] >> shift) & kDigitMask];
-    uint64_t bucket = kDigitMask;
-    while (hist[bucket] < rank) {
-      rank -= hist[bucket];
-      above += hist[bucket];
-      --bucket;
-    }
-    if (hist[bucket] < n) {  // keep that bucket's keys (in place once they are in scratch)
+  Threshold t(k, n);
+  while (n > kSmall && t.open()) {
+    const int shift = t.shift(kDigitBits);
+    const uint64_t mask = (uint64_t{1} << t.width(kDigitBits)) - 1;
+    std::fill_n(hist.begin(), mask + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++hist[(keys[i] >> shift) & mask];
+    descend_serial(t, hist.data(), kDigitBits);
+    const uint64_t bucket = (t.prefix >> shift) & mask;
+    if (t.open() && hist[bucket] < n) {  // keep that bucket's keys (in place once in scratch)
       int64_t m = 0;
       for (int64_t i = 0; i < n; ++i) {
-        if (((keys[i] >> shift) & kDigitMask) == bucket) c.scratch[m++] = keys[i];
+        if (((keys[i] >> shift) & mask) == bucket) c.scratch[m++] = keys[i];
       }
       keys = c.scratch;
       n = m;
     }
-    if (shift == 0) return {keys[0], rank};  // every bit is decided: the keys left are equal
   }
+  if (!t.open()) return t;  // settled, or every bit decided: the keys in play are equal
   uint64_t* small = c.scratch;
   if (keys != small) std::copy(keys, keys + n, small);
-  std::nth_element(small, small + (rank - 1), small + n, std::greater<uint64_t>());
-  const uint64_t t = small[rank - 1];
-  for (int64_t i = 0; i < rank - 1; ++i) above += small[i] > t;
-  return {t, k - above};
+  std::nth_element(small, small + (t.rank - 1), small + n, std::greater<uint64_t>());
+  const uint64_t key = small[t.rank - 1];
+  int64_t above = 0;
+  for (int64_t i = 0; i < t.rank - 1; ++i) above += small[i] > key;
+  t.decide_all(key, t.rank - above);
+  return t;
 }
 
-// Keeps the k best candidates of [begin, end) in c (the whole of c when ends is null);
-// ends[j] is the end of segment j's candidates, and counts[j] receives its kept number.
+// Keeps the k best candidates of c; ends[j] (null: one segment, all of c) is the end of
+// segment j's candidates, and counts[j] receives its kept number.
 void keep_best(Candidates& c, int64_t k, bool* keep, const int64_t* ends, int64_t segments,
                int32_t* counts) {
   const int64_t n = c.size;
-  uint64_t t = 0;      // keys >= t are candidates to keep: all of them when k >= n
-  int64_t ties = n;    // how many keys equal to t are kept
   if (k == 0) {
     if (counts) std::fill(counts, counts + segments, 0);
     return;
   }
-  if (k < n) std::tie(t, ties) = threshold(c, k);
+  const Threshold t = k < n ? threshold(c, k) : Threshold(n, n);  // k >= n: keep all
+  int64_t ties = t.rank;  // keys equal to an unsettled threshold still to keep
   int64_t i = 0;
   for (int64_t j = 0; j < segments; ++j) {
     const int64_t end = ends ? ends[j] : n;
     int32_t kept = 0;
     for (; i < end; ++i) {
-      const uint64_t key = c.key[i];
-      const bool take = key > t || (key == t && ties > 0);
-      ties -= key == t && take;
+      const Verdict v = t.verdict(c.key[i]);
+      const bool take = v == Verdict::kKeep || (v == Verdict::kTie && ties > 0);
+      ties -= v == Verdict::kTie && take;
       if (take) {
         keep[c.slot[i]] = true;
         ++kept;

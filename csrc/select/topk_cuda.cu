@@ -1,246 +1,360 @@
-// CUDA selection: a segmented radix sort (CUB) of 64-bit selection keys, then the first k
-// of every sorted range are kept. Same result as topk_cpu.cpp, bit for bit:
-//   - the keys are selection_key(score, pos), shared with the CPU;
-//   - the radix sort is stable and the values (slot indices) enter in ascending order, so
-//     equal keys keep the lower slot first, the CPU's tie-break.
+// CUDA selection: a radix selection per group (a segment, or an Ada-KV group of segments),
+// reading every candidate where it lies, with the digit and threshold logic of
+// radix_select.h, so that the result is topk_cpu.cpp's, bit for bit:
+//   - candidate c of group g is token i of segment s in candidate order (the group's
+//     segments one after another, tokens in order), as the CPU's Candidates are filled;
+//   - its key is selection_key(score, pos): 32-bit score key, then 32-bit position key;
+//   - 8-bit digits from the top (8 passes at most): each pass histograms the digit of the
+//     keys still in play in shared memory, the bucket holding the rank-th key is found by a
+//     block scan, and Threshold::descend decides it (the CPU: descend_serial);
+//   - keys equal to an unsettled threshold are kept in candidate order (the CPU keeps the
+//     first `rank` of them in its keep_best loop): an ordered block scan per tile, after the
+//     counts of the team's earlier CTAs.
 //
-// The segmented selection is the grouped one with groups of one segment, so both run
-// through select_top_k below. Everything stays on the device: no host sync.
+// Launch shape: one CTA of kThreads per group when there are at least as many groups as
+// SMs (every SM has work, and the CTA does every pass with __syncthreads only). With fewer
+// groups (batch 1 with few KV heads, Ada-KV with few batch rows) a team of `splits` CTAs
+// shares a group, each a contiguous chunk of its candidates: the CTAs add their shared
+// histograms into the group's global one and meet at a grid barrier (cooperative launch,
+// so every CTA is resident) before each decision. No host sync: the sizes of the launch
+// come from shapes only, the lengths and budgets are read on the device.
 //
-// Two ways to sort, chosen from the number of groups (known on the host):
-//   - many groups (at least one per SM): CUB's segmented sort, one block per group;
-//   - fewer groups than SMs (batch 1 or a few, where one block per group would leave most
-//     of the GPU idle on a long group): two device-wide sorts over every slot, which use the
-//     whole GPU. First by key, descending; then, stably, by group (dead slots form a last,
-//     extra group). Stability keeps each group's slots in key order, so group g ends up in
-//     [off_g, off_g + live_g), off_g the live slots of the groups before it, best first.
+// k: clamped to [0, candidates] on the device: a negative budget keeps nothing and one at or
+// beyond the group's live tokens keeps them all (the ops clamp before, too).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_segmented_radix_sort.cuh>
+#include <cooperative_groups.h>
+#include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <limits>
 
-#include "select/selection_key.h"
+#include "select/radix_select.h"
 #include "select/topk.h"
+#include "store/paged_layout.h"
 
 namespace kvcache_ext::select {
 
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kDigitBits = 8;
+constexpr int kBuckets = 1 << kDigitBits;  // one per thread in the bucket scan
+constexpr int kPasses = 64 / kDigitBits;
+// The score keys of a CTA's first kCached candidates stay in shared memory after the first
+// pass: the later passes (and the marking) read them there instead of going through the
+// page table again (two dependent loads before each score). Teams are sized so that a
+// chunk fits when the GPU has room for enough CTAs.
+constexpr int64_t kCached = 16 * kThreads;  // 16 KiB
+// A team's CTA gets at least one candidate per thread: fewer, and the barriers cost more
+// than the histogram work they split.
+constexpr int64_t kMinChunk = kThreads;
+static_assert(kBuckets == kThreads, "the bucket scan gives each thread one bucket");
+static_assert(kThreads % 32 == 0, "whole warps: the histogram's __match_any_sync names all 32 lanes");
+constexpr uint32_t kNoDigit = 0xFFFFFFFFu;  // a lane with no key in play this tile
 
-unsigned int blocks_for(int64_t items) {
-  return static_cast<unsigned int>((items + kThreads - 1) / kThreads);
-}
+// The candidates of the segmented_topk / grouped_topk ops: segment s's tokens are the slots
+// start[s] .. start[s] + len[s] - 1 of [capacity] scores and positions.
+struct SlotSource {
+  const float* scores;
+  const int32_t* pos;
+  const int64_t* start;
+  __device__ int64_t slot(int64_t s, int64_t i) const { return start[s] + i; }
+  __device__ float score(int64_t, int64_t, int64_t slot) const { return __ldg(scores + slot); }
+  __device__ int32_t position(int64_t slot) const { return __ldg(pos + slot); }
+};
 
-// Largest j in [0, n) with a[j] <= x, or -1 if there is none. a is non-decreasing
-// (segments lie in order; an empty segment may share its start with the next one).
-template <typename T>
-__device__ int64_t last_at_or_before(const T* a, int64_t n, int64_t x) {
-  int64_t lo = 0, hi = n;  // answer + 1 lies in [lo, hi]
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (static_cast<int64_t>(a[mid]) <= x) lo = mid + 1; else hi = mid;
+// The candidates of the store_topk op, through the store's pages (as paged_topk_cpu reads
+// them): positions from the pages; scores from channel 0 of the pages (given == nullptr),
+// a [capacity] slot-layout tensor (padded_len < 0) or a [S, padded_len] padded one.
+struct PagedSource {
+  store::PagedView view;
+  const float* given;
+  int64_t padded_len;
+  __device__ int64_t slot(int64_t s, int64_t i) const { return view.slot(s, i); }
+  // Explicitly global, read-only loads (scores and positions do not change during the
+  // kernel): the compiler may then overlap them with the shared-memory atomics of the
+  // histogram, which a generic pointer (one that could point to shared memory) forbids.
+  __device__ float score(int64_t s, int64_t i, int64_t slot) const {
+    if (given == nullptr) return __ldg(reinterpret_cast<const float*>(view.row(store::kScores, slot)));
+    if (padded_len < 0) return __ldg(given + slot);
+    // The CPU op checks L >= every length (a host read); here a token past the padded
+    // width has no score and is read as NaN (evicted first) instead of out of bounds.
+    return i < padded_len ? __ldg(given + s * padded_len + i) : std::numeric_limits<float>::quiet_NaN();
   }
-  return lo - 1;
-}
-
-// Sort range of every group: from the first slot of its first segment to the end of the
-// live slots of its last segment. Slots of the store fit in int32 (checked by the caller).
-__global__ void group_ranges_kernel(const int64_t* start, const int32_t* len, int64_t group_size,
-                                    int64_t groups, int32_t* begin, int32_t* end) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= groups) return;
-  const int64_t last = (g + 1) * group_size - 1;
-  begin[g] = static_cast<int32_t>(start[g * group_size]);
-  end[g] = static_cast<int32_t>(start[last] + len[last]);
-}
-
-// keys[j] = selection_key of slot j if it is live, else 0: slack slots inside a group's
-// range then sort after every live slot (a live key is at least 1 << 32, see
-// selection_key.h). values[j] = j. Slot j can only be live in the last segment that
-// starts at or before it.
-__global__ void fill_keys_kernel(const float* scores, const int32_t* pos, const int64_t* start,
-                                 const int32_t* len, int64_t segments, int64_t capacity,
-                                 uint64_t* keys, int32_t* values) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= capacity) return;
-  const int64_t s = last_at_or_before(start, segments, j);
-  const bool live = s >= 0 && j < start[s] + len[s];
-  keys[j] = live ? selection_key(scores[j], pos[j]) : uint64_t{0};
-  values[j] = static_cast<int32_t>(j);
-}
-
-// group_of[i]: the group of sorted slot values[i] (segment / group_size), or `groups` for
-// a dead slot (key 0), which sorts it after every live one in the second, stable sort.
-__global__ void group_of_sorted_kernel(const uint64_t* keys, const int32_t* values,
-                                       const int64_t* start, int64_t segments, int64_t group_size,
-                                       int64_t groups, int64_t capacity, uint32_t* group_of) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= capacity) return;
-  group_of[i] = keys[i] == 0 ? static_cast<uint32_t>(groups)
-                             : static_cast<uint32_t>(last_at_or_before(start, segments, values[i]) / group_size);
-}
-
-// Ranges of the groups after the two device-wide sorts: live slots of the groups in order,
-// begin[g] = the live slots of groups < g. One thread: there are fewer groups than SMs.
-__global__ void packed_group_ranges_kernel(const int32_t* len, int64_t group_size, int64_t groups,
-                                           int32_t* begin, int32_t* end) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  int64_t at = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    begin[g] = static_cast<int32_t>(at);
-    for (int64_t s = g * group_size; s < (g + 1) * group_size; ++s) at += len[s];
-    end[g] = static_cast<int32_t>(at);
+  __device__ int32_t position(int64_t slot) const {
+    return __ldg(reinterpret_cast<const int32_t*>(view.row(store::kPos, slot)));
   }
-}
+};
 
-// Sorted position i of group g (in [begin[g], end[g])) is kept when its rank in the group
-// is below k[g] and it is a live slot (key != 0; keys == nullptr: every position in a
-// range is live): the first min(k[g], live) entries.
-// counts, when given (zeroed), receives the number kept per segment; the segment of a
-// kept slot is found among its group's segments by binary search.
-__global__ void __launch_bounds__(kThreads)
-    mark_kept_kernel(const uint64_t* keys, const int32_t* values, const int32_t* begin,
-                     const int32_t* end, const int32_t* k, int64_t groups, int64_t capacity,
-                     const int64_t* start, int64_t group_size, bool* keep, int32_t* counts) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t segment = -1;  // segment of the slot kept by this thread, -1: none
-  if (i < capacity) {
-    // Positions outside every group's range hold no sorted data (CUB leaves them as is).
-    const int64_t g = last_at_or_before(begin, groups, i);
-    if (g >= 0 && i < end[g] && i - begin[g] < k[g] && (keys == nullptr || keys[i] != 0)) {
-      const int32_t slot = values[i];
-      keep[slot] = true;
-      if (counts) {
-        segment = g * group_size + last_at_or_before(start + g * group_size, group_size, slot);
-      }
-    }
-  }
-  if (counts) {
-    // Lanes keeping a slot of the same segment add up in one atomic. Every lane of the
-    // warp gets here (no early exit above, and the block is a whole number of warps).
-    const unsigned int peers = __match_any_sync(0xffffffffu, static_cast<unsigned long long>(segment));
-    const int lane = static_cast<int>(threadIdx.x % 32);
-    if (segment >= 0 && lane == __ffs(peers) - 1) atomicAdd(counts + segment, __popc(peers));
-  }
-}
+struct Problem {
+  const int32_t* len;      // [S]
+  const int32_t* k;        // [groups]
+  int64_t group_size;
+  int64_t splits;          // CTAs per group (1: no team)
+  bool* keep;              // [capacity], zeroed: only kept slots are written
+  int32_t* counts;         // [S], zeroed, or null
+  unsigned int* team_hist; // teams: [groups, kPasses, kBuckets], zeroed
+  int64_t* team_equal;     // teams: [groups, splits] keys equal to the threshold per CTA
+};
 
-// Temporary storage for a CUB call from the caching allocator on the current stream: the
-// first call (null storage) asks for the size, the second sorts.
-template <typename Sort>
-void run_cub(const Sort& sort, const at::TensorOptions& on_device) {
-  size_t temp_bytes = 0;
-  C10_CUDA_CHECK(sort(nullptr, temp_bytes));
-  const at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, on_device.dtype(at::kByte));
-  C10_CUDA_CHECK(sort(temp.data_ptr(), temp_bytes));
-}
-
-int bits_for(int64_t values) {  // bits that hold 0 .. values - 1
-  int bits = 1;
-  while ((int64_t{1} << bits) < values) ++bits;
-  return bits;
-}
-
-// Keeps, in every group g of group_size consecutive segments, the k[g] best live slots.
-void select_top_k(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
-                  const at::Tensor& len, int64_t group_size, const at::Tensor& k,
-                  const at::Tensor& keep, const at::Tensor* counts) {
-  const int64_t capacity = scores.size(0), segments = start.size(0);
-  const int64_t groups = segments / group_size;
-  if (capacity == 0 || groups == 0) return;
-  TORCH_CHECK_VALUE(capacity < INT_MAX && groups < INT_MAX,
-                    "selection supports fewer than 2^31 slots and segments");
-  const c10::cuda::CUDAGuard guard(scores.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const auto on_device = scores.options();
-  const bool few_groups = groups < at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-
-  // Group ranges for CUB's segmented sort, built on the device: begin = ranges[0, G),
-  // end = ranges[G, 2G). The device-wide path writes its own ranges here after sorting.
-  const at::Tensor ranges = at::empty({2 * groups}, on_device.dtype(at::kInt));
-  int32_t* begin = ranges.data_ptr<int32_t>();
-  int32_t* end = begin + groups;
-  if (!few_groups) {
-    group_ranges_kernel<<<blocks_for(groups), kThreads, 0, stream>>>(
-        start.data_ptr<int64_t>(), len.data_ptr<int32_t>(), group_size, groups, begin, end);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-
-  // Two key and two value buffers over the whole capacity: CUB's double-buffer interface
-  // sorts in them with only a small temporary storage besides.
-  const at::Tensor key_buffers = at::empty({2 * capacity}, on_device.dtype(at::kLong));
-  const at::Tensor value_buffers = at::empty({2 * capacity}, on_device.dtype(at::kInt));
-  uint64_t* keys = reinterpret_cast<uint64_t*>(key_buffers.data_ptr<int64_t>());
-  int32_t* values = value_buffers.data_ptr<int32_t>();
-  fill_keys_kernel<<<blocks_for(capacity), kThreads, 0, stream>>>(
-      scores.data_ptr<float>(), pos.data_ptr<int32_t>(), start.data_ptr<int64_t>(),
-      len.data_ptr<int32_t>(), segments, capacity, keys, values);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-  cub::DoubleBuffer<uint64_t> sorted_keys(keys, keys + capacity);
-  cub::DoubleBuffer<int32_t> sorted_values(values, values + capacity);
-  const int num_items = static_cast<int>(capacity), num_groups = static_cast<int>(groups);
-  // Each sort picks (on the host, from the number of passes) which buffer of a pair holds
-  // its result, and records it in the DoubleBuffer selectors.
-  const uint64_t* final_keys = nullptr;  // null: every position of a group's range is live
-  if (few_groups) {
-    run_cub([&](void* temp, size_t& bytes) {
-      return cub::DeviceRadixSort::SortPairsDescending(temp, bytes, sorted_keys, sorted_values,
-                                                       num_items, 0, 64, stream);
-    }, on_device);
-    const at::Tensor group_buffers = at::empty({2 * capacity}, on_device.dtype(at::kInt));
-    uint32_t* group_of = reinterpret_cast<uint32_t*>(group_buffers.data_ptr<int32_t>());
-    group_of_sorted_kernel<<<blocks_for(capacity), kThreads, 0, stream>>>(
-        sorted_keys.Current(), sorted_values.Current(), start.data_ptr<int64_t>(), segments,
-        group_size, groups, capacity, group_of);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (groups > 1) {  // one group: the key order is already the group's order
-      cub::DoubleBuffer<uint32_t> sorted_groups(group_of, group_of + capacity);
-      const int bits = bits_for(groups + 1);   // groups and the dead slots' `groups`
-      run_cub([&](void* temp, size_t& bytes) {
-        return cub::DeviceRadixSort::SortPairs(temp, bytes, sorted_groups, sorted_values,
-                                               num_items, 0, bits, stream);
-      }, on_device);
-    }
-    packed_group_ranges_kernel<<<1, 1, 0, stream>>>(len.data_ptr<int32_t>(), group_size, groups,
-                                                     begin, end);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+// The key of candidate (s, i), the `local`-th of the CTA's chunk. Its score key comes from
+// the cache when it holds it (filled by the first pass: fill_cache). The position (and the
+// slot, through the page table) is read only when the threshold has decided into the
+// position bits and the score part matches, otherwise those bits cannot change a decision:
+// passes over the score bits read no position.
+template <typename Source>
+__device__ uint64_t key_of(const Source& src, const Threshold& t, int64_t s, int64_t i,
+                           int64_t local, uint32_t* cache, bool fill_cache) {
+  uint32_t score_k;
+  if (local < kCached && !fill_cache) {
+    score_k = cache[local];
   } else {
-    run_cub([&](void* temp, size_t& bytes) {
-      return cub::DeviceSegmentedRadixSort::SortPairsDescending(
-          temp, bytes, sorted_keys, sorted_values, num_items, num_groups, begin, end, 0, 64, stream);
-    }, on_device);
-    final_keys = sorted_keys.Current();
+    score_k = score_key(src.score(s, i, src.slot(s, i)));
+    if (local < kCached) cache[local] = score_k;  // read back by this same thread only
+  }
+  const bool need_pos = t.decided >= 32 && score_k == static_cast<uint32_t>(t.prefix >> 32);
+  return selection_key(score_k, need_pos ? pos_key(src.position(src.slot(s, i))) : 0u);
+}
+
+// Calls f(s, i, local, valid) for the candidates [c0, c1) of group g (local: the index in
+// the chunk, c - c0), one tile of kThreads consecutive tokens of one segment at a time
+// (thread x gets token base + x); every thread of the CTA makes the same calls, so f may
+// use block collectives. done(s) after each segment's part.
+template <typename F, typename Done>
+__device__ void for_each_tile(const Problem& p, int64_t g, int64_t c0, int64_t c1, F&& f,
+                              Done&& done) {
+  int64_t offset = 0;  // candidates of the group's earlier segments
+  for (int64_t s = g * p.group_size; s < (g + 1) * p.group_size && offset < c1; ++s) {
+    const int64_t n = max(p.len[s], 0);
+    const int64_t lo = max(c0, offset) - offset, hi = min(c1, offset + n) - offset;
+    if (lo < hi) {
+      for (int64_t base = lo; base < hi; base += kThreads) {
+        const int64_t i = base + threadIdx.x;
+        f(s, i, offset + i - c0, i < hi);
+      }
+      done(s);
+    }
+    offset += n;
+  }
+}
+
+template <typename Source, bool kTeam>
+__global__ void __launch_bounds__(kThreads) topk_kernel(Source src, Problem p) {
+  using BlockScan = cub::BlockScan<unsigned int, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan;
+  __shared__ unsigned int hist[kBuckets];
+  __shared__ unsigned int chosen[3];  // bucket, keys above it, keys in it
+  __shared__ unsigned int chosen_local;  // this CTA's keys in the chosen bucket
+  __shared__ uint32_t cache[kCached];     // score keys of the chunk's first kCached candidates
+
+  const int64_t g = kTeam ? blockIdx.x / p.splits : blockIdx.x;
+  const int64_t split = kTeam ? blockIdx.x % p.splits : 0;
+  int64_t n = 0;  // the group's candidates
+  for (int64_t s = g * p.group_size; s < (g + 1) * p.group_size; ++s) n += max(p.len[s], 0);
+  const int64_t k = min(max(static_cast<int64_t>(p.k[g]), int64_t{0}), n);
+  const int64_t chunk = (n + p.splits - 1) / p.splits;
+  const int64_t c0 = min(n, split * chunk), c1 = min(n, c0 + chunk);
+  // Every thread holds the same threshold and takes the same branches on it.
+  Threshold t(k, n);
+  const auto nothing = [](int64_t) {};
+
+  // CPU twin: threshold() in topk_cpu.cpp. The CPU copies the keys in play into scratch after
+  // each digit and stops at 64 keys for a partial sort; here every pass re-tests in_play on
+  // every candidate (the cached keys make that a shared-memory read) and runs the digits to
+  // the end: the same Threshold either way, since both take the bucket that holds the rank.
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const bool open = t.open();  // the same in every CTA of a team
+    if (!kTeam && !open) break;
+    if (open) {
+      hist[threadIdx.x] = 0;
+      __syncthreads();
+      for_each_tile(p, g, c0, c1, [&](int64_t s, int64_t i, int64_t local, bool valid) {
+        uint32_t digit = kNoDigit;
+        if (valid) {
+          const uint64_t key = key_of(src, t, s, i, local, cache, /*fill_cache=*/pass == 0);
+          if (t.in_play(key)) digit = t.digit(key, kDigitBits);
+        }
+        // One shared atomic per distinct digit of a warp: equal scores (all zero, say) would
+        // otherwise serialise 256 atomics on one bin per tile. Every lane gets here (the
+        // tiles are uniform over the CTA and kThreads is a whole number of warps).
+        const unsigned int peers = __match_any_sync(0xffffffffu, digit);
+        if (digit != kNoDigit && static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) {
+          atomicAdd(&hist[digit], static_cast<unsigned int>(__popc(peers)));
+        }
+      }, nothing);
+      __syncthreads();
+    }
+    unsigned int local = 0;  // this CTA's count in bucket threadIdx.x
+    if constexpr (kTeam) {
+      unsigned int* team = p.team_hist + (g * kPasses + pass) * kBuckets;
+      if (open) {
+        local = hist[threadIdx.x];
+        if (local) atomicAdd(team + threadIdx.x, local);
+      }
+      // Every CTA of the grid, open or not, meets here kPasses + 1 times in all.
+      cooperative_groups::this_grid().sync();
+      // The barrier orders the other CTAs' atomics before this read; __ldcg reads L2 (the
+      // coherent level), never a line this SM's L1 may hold.
+      if (open) hist[threadIdx.x] = __ldcg(team + threadIdx.x);
+      __syncthreads();
+    } else {
+      local = hist[threadIdx.x];
+    }
+    if (!open) continue;
+    // Thread x takes bucket kBuckets - 1 - x: the exclusive scan gives the keys above it.
+    const unsigned int bucket = kBuckets - 1 - threadIdx.x;
+    const unsigned int count = hist[bucket];
+    unsigned int above;
+    BlockScan(scan).ExclusiveSum(count, above);
+    if (t.holds_rank(above, count)) {  // exactly one thread
+      chosen[0] = bucket;
+      chosen[1] = above;
+      chosen[2] = count;
+    }
+    __syncthreads();
+    t.descend(chosen[0], chosen[1], chosen[2], kDigitBits);
+    // The team's tie pass needs this CTA's own count of the chosen bucket (the last pass's:
+    // the keys equal to the whole threshold); `local` is bucket threadIdx.x's.
+    if (threadIdx.x == chosen[0]) chosen_local = local;
+    __syncthreads();  // hist, chosen and the scan storage are reused
   }
 
-  int32_t* counts_p = nullptr;
-  if (counts != nullptr) {
-    counts->zero_();  // the kernel adds to it
-    counts_p = counts->data_ptr<int32_t>();
+  // Keys equal to the whole threshold that come before this CTA's chunk in candidate order.
+  const bool ordered_ties = t.rank > 0 && !t.settled;
+  int64_t equal_before = 0;
+  if constexpr (kTeam) {
+    if (threadIdx.x == 0) p.team_equal[g * p.splits + split] = ordered_ties ? chosen_local : 0;
+    cooperative_groups::this_grid().sync();
+    if (ordered_ties) {
+      for (int64_t j = 0; j < split; ++j) equal_before += __ldcg(p.team_equal + g * p.splits + j);
+    }
   }
-  mark_kept_kernel<<<blocks_for(capacity), kThreads, 0, stream>>>(
-      final_keys, sorted_values.Current(), begin, end, k.data_ptr<int32_t>(), groups,
-      capacity, start.data_ptr<int64_t>(), group_size, keep.data_ptr<bool>(), counts_p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (t.rank <= 0) return;  // keeps nothing; counts stay 0
+
+  // CPU twin: keep_best. Tiles go in candidate order and the scan ranks a tile's ties in
+  // thread (= token) order, so the first t.rank ties of the group are kept, as on the CPU.
+  int32_t kept = 0;  // thread 0: kept in the current segment's part
+  // k >= live tokens: settled before any pass, every candidate kept without reading a score
+  // (the cache was never filled).
+  const bool keep_all = k == n;
+  for_each_tile(p, g, c0, c1, [&](int64_t s, int64_t i, int64_t local, bool valid) {
+    Verdict v = Verdict::kDrop;
+    if (valid) v = keep_all ? Verdict::kKeep : t.verdict(key_of(src, t, s, i, local, cache, false));
+    bool take = v == Verdict::kKeep;
+    if (ordered_ties) {  // uniform: the whole CTA scans
+      const unsigned int tie = v == Verdict::kTie;
+      unsigned int tie_rank, tile_ties;
+      BlockScan(scan).ExclusiveSum(tie, tie_rank, tile_ties);
+      take = take || (tie && equal_before + tie_rank < t.rank);
+      equal_before += tile_ties;
+      __syncthreads();  // the scan storage is reused by the next tile
+    }
+    if (take) p.keep[src.slot(s, i)] = true;
+    const int n_kept = __syncthreads_count(take);
+    if (threadIdx.x == 0) kept += n_kept;
+  }, [&](int64_t s) {
+    if (threadIdx.x == 0 && p.counts != nullptr && kept > 0) atomicAdd(p.counts + s, kept);
+    kept = 0;
+  });
+}
+
+template <typename Source>
+void launch(const Source& src, Problem p, int64_t groups, int64_t max_candidates,
+            const at::TensorOptions& on_device) {
+  if (groups == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t sms = props->multiProcessorCount;
+  int64_t splits = 1;
+  if (groups < sms && props->cooperativeLaunch) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, topk_kernel<Source, true>, kThreads, 0));
+    const int64_t resident = static_cast<int64_t>(per_sm) * sms;  // a cooperative grid's limit
+    // Enough CTAs for four per SM (the first pass waits on two dependent loads per score
+    // through the page table: more warps hide more of that latency), and enough that the
+    // longest possible group's chunks fit the key cache; never more than the resident CTAs
+    // (a cooperative grid must all be resident), nor more than the longest possible group
+    // has candidates for.
+    const int64_t fill = (4 * sms + groups - 1) / groups;
+    const int64_t fit = (max_candidates + kCached - 1) / kCached;
+    splits = std::min({std::max(fill, fit), resident / groups,
+                       (max_candidates + kMinChunk - 1) / kMinChunk});
+    splits = std::max<int64_t>(splits, 1);
+  }
+  if (splits == 1) {
+    TORCH_CHECK_VALUE(groups <= INT_MAX, "top-k supports fewer than 2^31 groups");
+    topk_kernel<Source, false><<<static_cast<unsigned int>(groups), kThreads, 0, stream>>>(src, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  const at::Tensor team_hist = at::zeros({groups * kPasses * kBuckets}, on_device.dtype(at::kInt));
+  const at::Tensor team_equal = at::empty({groups * splits}, on_device.dtype(at::kLong));
+  p.splits = splits;
+  p.team_hist = reinterpret_cast<unsigned int*>(team_hist.data_ptr<int32_t>());
+  p.team_equal = team_equal.data_ptr<int64_t>();
+  void* args[] = {const_cast<Source*>(&src), &p};
+  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(topk_kernel<Source, true>),
+                                             dim3(static_cast<unsigned int>(groups * splits)),
+                                             dim3(kThreads), args, 0, stream));
+}
+
+Problem problem(const at::Tensor& len, const at::Tensor& k, int64_t group_size,
+                const at::Tensor& keep, const at::Tensor* counts) {
+  Problem p{};
+  p.len = len.data_ptr<int32_t>();
+  p.k = k.data_ptr<int32_t>();
+  p.group_size = group_size;
+  p.splits = 1;
+  p.keep = keep.data_ptr<bool>();
+  p.counts = counts ? counts->data_ptr<int32_t>() : nullptr;
+  return p;
+}
+
+void slot_topk(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
+               const at::Tensor& len, int64_t group_size, const at::Tensor& k,
+               const at::Tensor& keep, const at::Tensor* counts) {
+  const int64_t capacity = scores.size(0), groups = start.size(0) / group_size;
+  if (capacity == 0 || groups == 0) return;
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const SlotSource src{scores.data_ptr<float>(), pos.data_ptr<int32_t>(), start.data_ptr<int64_t>()};
+  // A group's segments lie inside the buffers: it has at most `capacity` candidates.
+  launch(src, problem(len, k, group_size, keep, counts), groups, capacity, scores.options());
 }
 
 }  // namespace
 
-// keep arrives zeroed (ops.cpp); like the CPU kernel, only kept slots are written.
+// keep (and counts) arrive zeroed (ops.cpp); like the CPU kernel, only kept slots are written.
 void segmented_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                          const at::Tensor& len, const at::Tensor& k, const at::Tensor& keep) {
-  select_top_k(scores, pos, start, len, /*group_size=*/1, k, keep, /*counts=*/nullptr);
+  slot_topk(scores, pos, start, len, /*group_size=*/1, k, keep, /*counts=*/nullptr);
 }
 
 void grouped_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
                        const at::Tensor& len, int64_t group_size, const at::Tensor& k,
                        const at::Tensor& keep, const at::Tensor& counts) {
-  select_top_k(scores, pos, start, len, group_size, k, keep, &counts);
+  slot_topk(scores, pos, start, len, group_size, k, keep, &counts);
+}
+
+void paged_topk_cuda(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
+                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
+                     const at::Tensor& counts) {
+  const int64_t groups = k.size(0);
+  if (groups == 0 || keep.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(len.device());
+  PagedSource src{view, nullptr, -1};
+  if (scores.defined()) {
+    src.given = scores.data_ptr<float>();
+    src.padded_len = scores.dim() == 3 ? scores.size(2) : -1;
+  }
+  // A segment holds at most its page-table row: width pages.
+  const int64_t max_candidates = group_size * (view.width << view.shift);
+  launch(src, problem(len, k, group_size, keep, &counts), groups, max_candidates, len.options());
 }
 
 }  // namespace kvcache_ext::select

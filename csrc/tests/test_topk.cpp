@@ -16,11 +16,9 @@ using kvtest::Throws;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// The layout the top-k kernels take: segments in order, each a contiguous run of live
-// slots, with slack after them and gaps between segments. (The paged store's tokens are not
-// contiguous per segment: on CUDA kvcache_ext/kernels/store.py packs them segment by segment into this
-// layout first and scatters the keep flags back; test_store.cpp's EvictWithTopk does the
-// same over fragmented pages.)
+// The layout the segmented_topk / grouped_topk ops take: segments in order, each a contiguous
+// run of live slots, with slack after them and gaps between segments. (The paged store's own
+// selection, store_topk, reads the tokens through the pages instead: test_store_topk.cpp.)
 struct Layout {
   std::vector<float> scores;
   std::vector<int32_t> pos;

@@ -19,8 +19,8 @@ op                  what it does
 ``store_check``     per segment, whether len and page_table are consistent with the pool (no sync)
 ``store_replace``   overwrites token slot[b, h] of each segment with one new token
 ``store_compact``   stable in-place removal of the slots whose keep flag is False; new len
-``store_topk``      (CPU) keep mask and counts of the k best tokens per segment or group
-``segmented_topk``  keep mask of the k best slots per contiguous segment (CUB on CUDA)
+``store_topk``      keep mask and counts of the k best tokens per segment or group, through the pages
+``segmented_topk``  keep mask of the k best slots per contiguous segment
 ``grouped_topk``    Ada-KV: the k best over each group of segments, and the counts per segment
 ``attention_run``   attention of q over the store with the plan of ``attention_plan``
 ==================  ==========================================================================

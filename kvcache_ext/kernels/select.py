@@ -1,4 +1,5 @@
-"""Segmented top-k over the store's slot layout (CUB radix sort on GPU, radix selection on CPU)."""
+"""Segmented top-k over the store's slot layout: the radix selection of csrc/select/radix_select.h,
+on CPU and CUDA alike (one CTA or a team of CTAs per segment or group on CUDA)."""
 from __future__ import annotations
 
 import math

@@ -219,8 +219,10 @@ class RaggedKVStore:
         ``scores``: [capacity] in slot layout, or [B, H, max_len] padded as ``to_dense`` gives
         (what the eviction engine has). ``grouped=False``: k per segment (an int, or [B, H]).
         ``grouped=True``: Ada-KV's allocation, k per batch item (an int, or [B]) shared by its
-        heads; returns ``(keep, counts [B, H])``. Ties go to the lower position, NaN is evicted
-        first.
+        heads; returns ``(keep, counts [B, H])``. Ties go to the lower position (then to the
+        earlier head of a group), NaN is evicted first. A negative budget is refused when it is
+        on the CPU; a CUDA budget tensor is not read back (no host sync): there a negative
+        budget keeps nothing and one past the live tokens keeps them all.
         """
         if scores is not None and not isinstance(scores, torch.Tensor):
             raise TypeError(f"scores must be None or a float tensor, got {type(scores).__name__}")
@@ -228,39 +230,14 @@ class RaggedKVStore:
         k = budget_tensor(k, per, self.device)           # [prod(per)], checked
         if k.device.type == "cpu" and k.numel() and bool((k < 0).any()):  # free on the host
             raise ValueError(f"k (the budget) must be >= 0, got {k.tolist()}")
-        if self.device.type == "cpu":
-            # The store selects through its own pages: no packing, no copy of the scores.
-            if scores is not None:
-                scores = scores.float().contiguous()  # no copy when it is already so
-            keep, counts = ops.store_topk(*self._current(), scores, k,
-                                          self.heads if grouped else 1, self._page_size,
-                                          self._head_dim, self._channels, self._dtype)
-            return (keep, counts.view(self.batch, self.heads)) if grouped else keep
-        # CUDA: the top-k kernels (CUB radix sort) take contiguous segments: the scores padded
-        # to the longest segment ([S, L], segment s at s * L) are selected, and the keep flags
-        # scattered back to slot layout. No host sync: no nonzero, no value checks of the
-        # store's own segments (a negative budget on the device keeps nothing).
-        if scores is None:
-            if self.score_channels == 0:
-                raise ValueError("this store has no score channels: pass scores=")
-            scores = self.scores[:, 0]
-        index, mask = self.slot_index()                  # [B, H, L]
-        L = index.shape[-1]
-        padded = scores[..., :L] if scores.dim() == 3 else scores[index]
-        padded = padded.float().reshape(-1).contiguous()
-        pos = self.pos[index].reshape(-1).contiguous()
-        S = self.batch * self.heads
-        start = torch.arange(S, device=self.device, dtype=torch.int64) * L
-        lens = self._current()[2]
-        k = k.to(self.device)
-        # Non-live entries go to a spare slot past the end, dropped after the scatter.
-        target = index.reshape(-1).masked_fill(~mask.reshape(-1), self.capacity)
-        keep = torch.zeros(self.capacity + 1, dtype=torch.bool, device=self.device)
-        if not grouped:
-            kept = ops.segmented_topk(padded, pos, start, lens, k, False)
-            return keep.scatter_(0, target, kept)[:self.capacity]
-        kept, counts = ops.grouped_topk(padded, pos, start, lens, self.heads, k, False)
-        return keep.scatter_(0, target, kept)[:self.capacity], counts.view(self.batch, self.heads)
+        # One op on either device: the store selects through its own pages, reading the scores
+        # where they lie (no packing, no copy of the scores). On CUDA it reads nothing back
+        # (no host sync): a negative budget on the device keeps nothing.
+        if scores is not None:
+            scores = scores.float().contiguous()  # no copy when it is already so
+        keep, counts = ops.store_topk(*self._current(), scores, k, self.heads if grouped else 1,
+                                      self._page_size, self._head_dim, self._channels, self._dtype)
+        return (keep, counts.view(self.batch, self.heads)) if grouped else keep
 
     @_host
     def attention_plan(self, rows: int = 1) -> torch.Tensor:
