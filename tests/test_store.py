@@ -482,10 +482,10 @@ def test_segment_longer_than_65535_tokens(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("B, H", [(1, 1), (1, 4), (2, 3), (40, 8), (320, 1)])
 def test_compaction_and_selection_with_few_and_many_segments(device, B, H):
-    """On CUDA, fewer segments (or groups) than SMs take several blocks per segment in
-    compaction and device-wide sorts in selection; 320 segments (more than any GPU's SMs)
-    take one block per segment and CUB's segmented sort. Both against the reference, with
-    ragged, empty and one-token segments and tiles that straddle pages."""
+    """On CUDA, fewer groups than SMs make the top-k run a team of CTAs per group; 320 segments
+    (more than any GPU's SMs) one CTA per group. Compaction's tiles (128 to 1024 tokens) spread
+    every segment over the GPU either way. Both against the reference, with ragged, empty and
+    one-token segments and tiles that straddle pages."""
     gen = torch.Generator().manual_seed(B * 100 + H)
     lens = torch.randint(0, 700, (B * H,), generator=gen)
     lens[0], lens[-1] = 0, 1 if B * H > 1 else 0
@@ -505,7 +505,7 @@ def test_compaction_and_selection_with_few_and_many_segments(device, B, H):
                                                  store.lens.view(S), H, kg)
     assert torch.equal(store.to_padded(keep_g, False).cpu(), want_g.view(dense.mask.shape))
     assert torch.equal(counts.cpu(), want_counts.view(B, H))
-    # Compaction of a random keep mask (tiles of 256 tokens straddle the 16-token pages).
+    # Compaction of a random keep mask (tiles straddle the 16-token pages).
     mask = torch.rand(dense.mask.shape, generator=gen) < 0.4
     mask[..., :300] |= torch.rand(B, H, 1, generator=gen) < 0.5   # some long kept prefixes
     mask &= dense.mask.cpu()

@@ -43,7 +43,7 @@ class OpStore : public PageAllocator {
                                     head_dim(), score_channels(), dtype());
     finish_compact();
   }
-  // RaggedKVStore.select on a CPU store: the store_topk op, k per segment or (grouped) per
+  // RaggedKVStore.select: the store_topk op, k per segment or (grouped) per
   // batch item.
   std::tuple<at::Tensor, at::Tensor> select(const c10::optional<at::Tensor>& scores,
                                             const at::Tensor& k, bool grouped) const {

@@ -962,9 +962,10 @@ STORE_SCENARIO(RandomOperations) {
   }
 }
 
-// The eviction loop of a policy, as kvcache_ext/kernels/store.py runs it: score, gather the live
-// tokens segment by segment (the top-k kernels take contiguous segments), select with
-// segmented / grouped top-k, scatter the flags back to the slot layout, compact.
+// An eviction loop through the slot-layout top-k ops: score, gather the live tokens segment by
+// segment (segmented_topk / grouped_topk take contiguous segments), select, scatter the flags
+// back to the slot layout, compact. (RaggedKVStore.select reads through the pages instead, with
+// store_topk: test_store_topk.cpp.)
 STORE_SCENARIO(EvictWithTopk) {
   StoreHarness h(c, cuda);
   std::mt19937 rng(c.seed + 7);
@@ -1368,7 +1369,7 @@ TEST(StoreConstruction, TakesEveryPageSizeCuda) {
 
 }  // namespace
 
-// The store_topk op (RaggedKVStore.select on a CPU store) names the argument, the value and
+// The store_topk op (RaggedKVStore.select) names the argument, the value and
 // what it accepts.
 TEST(StoreSelect, RejectsBadInputs) {
   const at::Tensor like = at::empty({0}, at::kHalf);
