@@ -29,6 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import kvcache_ext
+from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.policies import H2O, EveryNSteps, EveryStep, Policy, SnapKV
 from tiny_models import tiny_model
 
@@ -153,12 +154,12 @@ def _run(policy, steps=3, batch=2, length=40, counter=None):
         cache = handle.new_cache()
         mode = counter or WouldBeSyncs()
         with mode:
-            out = model(ids, past_key_values=cache, use_cache=True)
+            out = model(ids, **with_cache(model, cache), use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(steps):
                 mode.counting = True
                 before = len(mode.calls)
-                out = model(token, past_key_values=cache, use_cache=True)
+                out = model(token, **with_cache(model, cache), use_cache=True)
                 mode.counting = False
                 per_step.append(mode.calls[before:])
                 token = out.logits[:, -1:].argmax(-1)
@@ -260,10 +261,10 @@ def _cuda_syncs(policy, steps=3):
     counts = []
     with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
         cache = handle.new_cache()
-        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(ids, **with_cache(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(steps):
             out = []
-            counts.append(_profiled_syncs(lambda: out.append(model(token, past_key_values=cache, use_cache=True))))
+            counts.append(_profiled_syncs(lambda: out.append(model(token, **with_cache(model, cache), use_cache=True))))
             token = out[0].logits[:, -1:].argmax(-1)
     return counts, model.config.num_hidden_layers
 
