@@ -126,7 +126,17 @@ fi
 
 commit=$(cat "$carry/commit" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 export KVCACHE_EXT_COMMIT=$commit
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout's kvcache_ext when it holds a built extension (the build stage builds one in
+# place), else the installed copy (a pip-installed CI run): as bench/common.py decides.
+checkout_first() {
+  if compgen -G "$root/kvcache_ext/_C*" > /dev/null; then
+    case ":${PYTHONPATH:-}:" in
+      *":$root:"*) ;;
+      *) export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" ;;
+    esac
+  fi
+}
+checkout_first
 export PYTHONUNBUFFERED=1
 jobs=${MAX_JOBS:-$(nproc)}
 export MAX_JOBS=$jobs
@@ -315,8 +325,10 @@ for s in "${stage_list[@]}"; do
     env|build) ;;
     *) [ -n "${status[build]:-}" ] || [ "$device" = cpu ] || run_stage build stage_build ;;  # build first
   esac
+  checkout_first
   run_stage "$s" "stage_$s"
 done
+checkout_first
 
 if [ "$dry" = 1 ]; then
   echo "plan: ~$planned s of the budget of $budget s (less $reserve s for the report and packing)"
