@@ -32,6 +32,8 @@
 #include <climits>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 
 #include "select/radix_select.h"
 #include "select/topk.h"
@@ -263,6 +265,23 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(Source src, Problem p) {
   });
 }
 
+// CTAs of the team kernel an SM holds at once, asked of the runtime once per device (per
+// Source: one instantiation each), not on every selection of every layer's eviction.
+template <typename Source>
+int team_blocks_per_sm(int device) {
+  static std::mutex lock;
+  static std::map<int, int> known;
+  const std::lock_guard<std::mutex> guard(lock);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, topk_kernel<Source, true>, kThreads, 0));
+    it = known.emplace(device, per_sm).first;
+  }
+  return it->second;
+}
+
 template <typename Source>
 void launch(const Source& src, Problem p, int64_t groups, int64_t max_candidates,
             const at::TensorOptions& on_device) {
@@ -272,9 +291,7 @@ void launch(const Source& src, Problem p, int64_t groups, int64_t max_candidates
   const int64_t sms = props->multiProcessorCount;
   int64_t splits = 1;
   if (groups < sms && props->cooperativeLaunch) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, topk_kernel<Source, true>, kThreads, 0));
+    const int per_sm = team_blocks_per_sm<Source>(at::cuda::current_device());
     const int64_t resident = static_cast<int64_t>(per_sm) * sms;  // a cooperative grid's limit
     // Enough CTAs for four per SM (the first pass waits on two dependent loads per score
     // through the page table: more warps hide more of that latency), and enough that the
