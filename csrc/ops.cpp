@@ -320,7 +320,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
       if (t->defined()) t->zero_();
     }
   } else {
+#ifdef KVCACHE_EXT_WITH_CUDA
+    // Experimental tensor-core prefill, only under KVCACHE_EXT_TC_PREFILL=1 (attention_kernels.h).
+    if (device.is_cuda() && attention::prefill_tc_applies(p, r)) {
+      attention::prefill_attention_cuda(p, r);
+    } else {
+      KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
+    }
+#else
     KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
+#endif
   }
   // A statistic not asked for is an empty tensor (an op returns no None).
   auto or_empty = [&](const at::Tensor& t, at::ScalarType dtype) {
