@@ -578,7 +578,11 @@ at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Devic
   if (device.is_cpu()) return host.clone();
 #ifdef KVCACHE_EXT_WITH_CUDA
   const int32_t* p = host.data_ptr<int32_t>();
-  return attention::plan_cuda(std::vector<int32_t>(p, p + host.numel()), rows, device);
+  std::vector<int32_t> len(p, p + host.numel());
+  // Experimental tensor-core prefill (KVCACHE_EXT_TC_PREFILL=1): splits sized for its tiles.
+  if (attention::prefill_tc_enabled() && rows >= attention::kPrefillTcMinRows)
+    return attention::plan_prefill_cuda(len, rows, device);
+  return attention::plan_cuda(len, rows, device);
 #else
   TORCH_CHECK(false, "unreachable");
 #endif

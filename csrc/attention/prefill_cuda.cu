@@ -25,6 +25,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -415,7 +416,7 @@ void run_prefill(const Problem& p, Result& r) {
                             rec.offset[store::kPos] % 4 == 0 && rec.bytes % 16 == 0,
                         "the tensor-core prefill needs 16-byte aligned K and V rows of ", D, " elements");
   TORCH_CHECK_VALUE(rows <= INT32_MAX / 2, "too many query rows per KV head: ", rows);
-  const at::Tensor plan = p.plan.defined() ? p.plan : plan_cuda(*p.len_host, rows, p.q.device());
+  const at::Tensor plan = p.plan.defined() ? p.plan : plan_prefill_cuda(*p.len_host, rows, p.q.device());
   const int64_t W = plan_splits_count(plan.numel(), S);
   TORCH_CHECK_VALUE(W >= 0, "the attention plan (", plan.numel(), " words) does not fit ", S,
                     " segments: make it with attention_plan");
@@ -469,6 +470,20 @@ void run_prefill_head_dim(const Problem& p, Result& r) {
 }
 
 }  // namespace
+
+at::Tensor plan_prefill_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<Split> splits;
+  std::vector<int32_t> first;
+  const int64_t row_tiles = (std::max<int64_t>(rows, 1) + pf::kTileM - 1) / pf::kTileM;
+  plan_splits(len, row_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, splits, first);
+  const std::vector<int32_t> words = plan_words(splits, first);
+  at::Tensor plan_host = at::empty({static_cast<int64_t>(words.size())},
+                                   at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  std::memcpy(plan_host.data_ptr<int32_t>(), words.data(), words.size() * sizeof(int32_t));
+  // The caching host allocator keeps the pinned buffer until the copy has run (no sync).
+  return plan_host.to(device, at::kInt, /*non_blocking=*/true);
+}
 
 bool prefill_tc_enabled() {
   const char* flag = std::getenv("KVCACHE_EXT_TC_PREFILL");
