@@ -101,3 +101,23 @@ def test_switch_leaves_the_cpu_kernel_alone(monkeypatch, dtype):
     new, _ = attend(monkeypatch, True, q, store, 0.125, q_pos)
     old, _ = attend(monkeypatch, False, q, store, 0.125, q_pos)
     assert torch.equal(new, old)
+
+
+@needs_cuda
+def test_stale_and_foreign_plans_under_the_switch(monkeypatch):
+    """A plan made before a change of lengths gives the same output as a fresh one (the rules of
+    attention_plan.h), and a plan of another store NaN rows, as with the old kernel."""
+    from test_cuda_metadata import _changes, filled
+    monkeypatch.setenv(SWITCH, "1")
+    store, gen = filled("cuda", length=3000, dtype=torch.bfloat16)
+    G, n = 4, 16
+    q = torch.randn(2, 2 * G, n, 64, generator=gen).bfloat16().cuda()
+    for what, change in _changes(store, gen, "cuda"):
+        stale = store.attention_plan(G * n)
+        change()
+        fresh, _ = kvcache_ext.ragged_attention(q, store)
+        old, _ = kvcache_ext.ragged_attention(q, store, plan=stale)
+        torch.testing.assert_close(old.float(), fresh.float(), atol=1.6e-2, rtol=1.6e-2, msg=what)
+    other, _ = filled("cuda", batch=2, heads=5, dtype=torch.bfloat16)
+    out, _ = kvcache_ext.ragged_attention(q, store, plan=other.attention_plan(G * n))
+    assert torch.isnan(out.float()).all()

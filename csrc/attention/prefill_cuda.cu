@@ -19,6 +19,14 @@
 //    combines the splits of each (segment, row) into the output.
 // Statistics are not computed here: prefill_tc_applies sends calls that want them to
 // attention_cuda.cu.
+//
+// Left for later (issue 43), in this order: (1) a GPU run of tests/test_prefill_tc.py and
+// compute-sanitizer (memcheck, racecheck) on it, then the prefill benchmark with the switch on
+// and off; (2) statistics by recomputing P per KV tile from the merged log-sum-exp (a second
+// pass over K, no logits buffer); (3) one page lookup per page (today each thread looks up the
+// page of each row it copies: a table and a page-base load, cache hits shared by the warp);
+// (4) a parallel merge (FlashInfer's merge-states shape) and a 3-stage pipeline if ncu shows
+// the copies exposed; (5) the switch on by default for the calls it takes, once (1) is clean.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
