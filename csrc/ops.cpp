@@ -320,7 +320,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
       if (t->defined()) t->zero_();
     }
   } else {
+#ifdef KVCACHE_EXT_WITH_CUDA
+    // Experimental tensor-core prefill, only under KVCACHE_EXT_TC_PREFILL=1 (attention_kernels.h).
+    if (device.is_cuda() && attention::prefill_tc_applies(p, r)) {
+      attention::prefill_attention_cuda(p, r);
+    } else {
+      KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
+    }
+#else
     KVCACHE_DEVICE_DISPATCH(device, attention::ragged_attention, p, r);
+#endif
   }
   // A statistic not asked for is an empty tensor (an op returns no None).
   auto or_empty = [&](const at::Tensor& t, at::ScalarType dtype) {
@@ -569,7 +578,11 @@ at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Devic
   if (device.is_cpu()) return host.clone();
 #ifdef KVCACHE_EXT_WITH_CUDA
   const int32_t* p = host.data_ptr<int32_t>();
-  return attention::plan_cuda(std::vector<int32_t>(p, p + host.numel()), rows, device);
+  std::vector<int32_t> len(p, p + host.numel());
+  // Experimental tensor-core prefill (KVCACHE_EXT_TC_PREFILL=1): splits sized for its tiles.
+  if (attention::prefill_tc_enabled() && rows >= attention::kPrefillTcMinRows)
+    return attention::plan_prefill_cuda(len, rows, device);
+  return attention::plan_cuda(len, rows, device);
 #else
   TORCH_CHECK(false, "unreachable");
 #endif

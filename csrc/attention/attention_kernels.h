@@ -46,6 +46,20 @@ void ragged_attention_cuda(const Problem& p, Result& r);
 // The CUDA work partition of ops::attention_plan for segments of lengths len and `rows`
 // query rows per segment: [3 W] splits then [S + 1] first split per segment, on the device.
 at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device);
+
+// EXPERIMENTAL, not yet run on a GPU: the tensor-core prefill kernel (prefill_cuda.cu). Off
+// unless the environment sets KVCACHE_EXT_TC_PREFILL=1; then attention_run sends it the CUDA
+// calls it takes: fp16 or bf16, head_dim 64 or 128, no statistics, at least kPrefillTcMinRows
+// query rows per KV head (G * n). Every other call runs ragged_attention_cuda as before.
+constexpr int64_t kPrefillTcMinRows = 16;
+bool prefill_tc_enabled();
+// The plan of attention_plan (same layout, same stale-plan rules) with splits sized for the
+// tensor-core prefill's 64-row tiles rather than the old kernel's 4-row ones (which would give
+// it a fraction of the blocks it needs on long segments); attention_plan makes it under the
+// switch for calls of kPrefillTcMinRows rows or more. The old kernel reads it as well.
+at::Tensor plan_prefill_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device);
+bool prefill_tc_applies(const Problem& p, const Result& r);
+void prefill_attention_cuda(const Problem& p, Result& r);
 #endif
 
 }  // namespace kvcache_ext::attention

@@ -1,0 +1,518 @@
+// CUDA attention over the ragged store for prefill blocks, on tensor cores (EXPERIMENTAL: not
+// yet run on a GPU; only used when KVCACHE_EXT_TC_PREFILL=1, see prefill_tc_applies).
+//
+// The tiling, masking, softmax, merge, fragment maps and swizzle are those of
+// attention/prefill_tiles.h, whose host emulation (csrc/tests/test_prefill_tiles.cpp) matches a
+// float64 attention on CPU. Per block: one split of a segment (the plan of attention_plan.h,
+// shared with attention_cuda.cu) for one M tile of 64 packed query rows (the G heads of the
+// segment's KV head times 64 / G queries); 4 warps of 16 rows each.
+// 1. The Q tile goes to swizzled shared memory with cp.async, then to registers as mma A
+//    fragments (ldmatrix), once.
+// 2. KV tiles of 64 tokens: K, V and pos rows are copied with cp.async (16 bytes a chunk;
+//    tokens past the split zero-filled, so that P = 0 never meets garbage V) into swizzled
+//    shared memory, 2 stages: tile k + 1 is in flight while tile k is computed.
+// 3. Per tile: a tile no query of the M tile can see (causal rule from positions) is skipped;
+//    S = Q K^T by mma.sync m16n8k16 (fp32 accumulators), mask, online softmax in registers
+//    (a quad of lanes shares a row), P rounded to T and fed back as A fragments without
+//    passing through shared memory, O += P V (V through ldmatrix.trans).
+// 4. The split's state {m, l, o} (base 2, unnormalised o) goes to global memory; merge_splits
+//    combines the splits of each (segment, row) into the output.
+// Statistics are not computed here: prefill_tc_applies sends calls that want them to
+// attention_cuda.cu.
+//
+// Left for later (issue 43), in this order: (1) a GPU run of tests/test_prefill_tc.py and
+// compute-sanitizer (memcheck, racecheck) on it, then the prefill benchmark with the switch on
+// and off; (2) statistics by recomputing P per KV tile from the merged log-sum-exp (a second
+// pass over K, no logits buffer); (3) one page lookup per page (today each thread looks up the
+// page of each row it copies: a table and a page-base load, cache hits shared by the warp);
+// (4) a parallel merge (FlashInfer's merge-states shape) and a 3-stage pipeline if ncu shows
+// the copies exposed; (5) the switch on by default for the calls it takes, once (1) is clean.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "attention/attention_kernels.h"
+#include "attention/attention_plan.h"
+#include "attention/prefill_tiles.h"
+
+namespace kvcache_ext::attention {
+
+namespace {
+
+namespace pf = prefill;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T>
+struct PrefillParams {
+  const T* q;             // [B, Hq, n, D]
+  store::PagedView view;  // K, V and pos of every live token
+  const int32_t* q_pos;   // [B, n] or null (every live token visible)
+  const int32_t* len;     // [S]
+  const Split* splits;    // [W]
+  const int32_t* seg_first_split;  // [S + 1]
+  const int32_t* plan_segments;    // the plan's S: != segments refuses it (NaN rows)
+  int32_t segments, heads, groups, n, rows, row_tiles;
+  float scale_log2;
+  float* part_m;  // [W, rows] (packed rows)
+  float* part_l;  // [W, rows]
+  float* part_o;  // [W, rows, D]
+};
+
+// ---------------------------------------------------------------------------------------
+// PTX wrappers
+
+__device__ inline uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; live = false writes 16 zero bytes (src unread, but
+// it must still be a valid address).
+__device__ inline void cp_async_16(uint32_t dst, const void* src, bool live) {
+  const int bytes = live ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ inline void cp_async_4(uint32_t dst, const void* src, bool live) {
+  const int bytes = live ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int Pending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a b, m16n8k16, fp32 accumulators; T is the 16-bit type of a and b.
+template <typename T>
+__device__ inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ inline void mma_16816<at::BFloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ inline void mma_16816<at::Half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                           uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to T in one register, lo in the lower half (element e = 0 of a fragment
+// register).
+template <typename T>
+__device__ inline uint32_t pack2(float lo, float hi);
+template <>
+__device__ inline uint32_t pack2<at::BFloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+template <>
+__device__ inline uint32_t pack2<at::Half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
+// pos tiles. Tiles are rows of D 16-bit elements, swizzled (prefill_tiles.h).
+
+template <int D>
+struct SmemLayout {
+  static constexpr int kQBytes = pf::kTileM * D * 2;
+  static constexpr int kKVBytes = pf::kTileN * D * 2;
+  static constexpr int kK = kQBytes;
+  static constexpr int kV = kK + pf::kStages * kKVBytes;
+  static constexpr int kPos = kV + pf::kStages * kKVBytes;
+  static constexpr int kBytes = kPos + pf::kStages * pf::kTileN * 4;
+  static_assert(D % 64 == 0, "the swizzle needs rows of a multiple of 128 bytes");
+};
+
+// ---------------------------------------------------------------------------------------
+// The block: split w = blockIdx.x / row_tiles for M tile blockIdx.x % row_tiles (the M tiles
+// of a split are neighbours in the grid, so they read its K and V together from L2).
+
+template <typename T, int D>
+__global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p) {
+  using L = SmemLayout<D>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (*p.plan_segments != p.segments) return;  // a foreign plan: merge_splits writes NaN
+
+  const int64_t w = blockIdx.x / p.row_tiles;
+  const int tile = static_cast<int>(blockIdx.x % p.row_tiles);
+  const int s = p.splits[w].segment;
+  const Split split = effective_split(p.splits[w], static_cast<int32_t>(w), p.seg_first_split, p.len[s]);
+  const int b = s / p.heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row0 = tile * pf::kTileM;
+  const int32_t* table = p.view.table + static_cast<int64_t>(s) * p.view.width;
+  const int64_t in_page_mask = p.view.page_size() - 1;
+  constexpr int64_t kRowBytes = D * 2;
+
+  // 1. Q tile, rows past R zero-filled (their results are never stored).
+  for (int idx = threadIdx.x; idx < pf::kTileM * D / pf::kChunkElems; idx += pf::kThreads) {
+    const pf::RowCol at = pf::copy_chunk(idx, D);
+    const int prow = row0 + at.row;
+    const bool live = prow < p.rows;
+    const T* src = p.q + (live ? pf::q_row(s, prow, p.groups, p.n) * D + at.col : 0);
+    cp_async_16(shared_address(smem + pf::smem_offset(at.row, at.col, D)), src, live);
+  }
+  cp_async_commit();
+
+  // Query positions of this lane's two rows (h = 0: row lane / 4, h = 1: + 8), and the
+  // largest of the M tile (the skip rule), reduced over the warp: every warp gets the same.
+  int32_t row_pos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int prow = row0 + warp * pf::kWarpRows + lane / 4 + 8 * h;
+    row_pos[h] = p.q_pos && prow < p.rows ? p.q_pos[b * p.n + pf::unpack_row(prow, p.groups).i] : INT32_MAX;
+  }
+  int32_t max_query_pos = INT32_MIN;
+  if (p.q_pos) {
+    for (int r = lane; r < pf::kTileM; r += 32) {
+      const int prow = row0 + r;
+      if (prow < p.rows) max_query_pos = max(max_query_pos, p.q_pos[b * p.n + pf::unpack_row(prow, p.groups).i]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) max_query_pos = max(max_query_pos, __shfl_xor_sync(0xffffffffu, max_query_pos, off));
+  }
+
+  // 2. Issues the copies of the KV tile at token t0 into stage `stage` (one commit group).
+  auto load_tile = [&](int t0, int stage) {
+    const int tile_len = min(pf::kTileN, split.end - t0);
+    uint8_t* k_dst = smem + L::kK + stage * L::kKVBytes;
+    uint8_t* v_dst = smem + L::kV + stage * L::kKVBytes;
+    for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
+      const pf::RowCol at = pf::copy_chunk(idx, D);
+      const bool live = at.row < tile_len;
+      // A dead row reads nothing but still names a valid address: the tile's first token.
+      const int64_t token = t0 + (live ? at.row : 0);
+      const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+      const int64_t row = (token & in_page_mask) * kRowBytes + at.col * 2;
+      const int off = pf::smem_offset(at.row, at.col, D);
+      cp_async_16(shared_address(k_dst + off), page + p.view.record.offset[store::kK] + row, live);
+      cp_async_16(shared_address(v_dst + off), page + p.view.record.offset[store::kV] + row, live);
+    }
+    if (p.q_pos) {
+      int32_t* pos_dst = reinterpret_cast<int32_t*>(smem + L::kPos) + stage * pf::kTileN;
+      for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
+        const bool live = j < tile_len;
+        const int64_t token = t0 + (live ? j : 0);
+        const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+        cp_async_4(shared_address(pos_dst + j),
+                   page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4, live);
+      }
+    }
+    cp_async_commit();
+  };
+
+  if (split.begin < split.end) {
+    load_tile(split.begin, 0);
+    cp_async_wait<1>();  // the Q group (the older one) has landed
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+
+  // Q as A fragments, one set per k-step of 16.
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const pf::RowCol at = pf::ldmatrix_q(lane, warp * pf::kWarpRows, 16 * kk);
+    ldmatrix_x4(qf[kk], shared_address(smem + pf::smem_offset(at.row, at.col, D)));
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int nb = 0; nb < D / 8; ++nb)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[nb][c] = 0.f;
+  float m[2] = {pf::neg_inf(), pf::neg_inf()};
+  float l[2] = {0.f, 0.f};  // this lane's part of the row sums (the quad adds them at the end)
+
+  int stage = 0;
+  for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN, stage ^= 1) {
+    const int tile_len = min(pf::kTileN, split.end - t0);
+    if (t0 + pf::kTileN < split.end) {
+      load_tile(t0 + pf::kTileN, stage ^ 1);  // read by the previous iteration, which ended in a barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // tile t0 visible to every warp
+
+    const uint8_t* k_tile = smem + L::kK + stage * L::kKVBytes;
+    const uint8_t* v_tile = smem + L::kV + stage * L::kKVBytes;
+    const int32_t* pos = reinterpret_cast<const int32_t*>(smem + L::kPos) + stage * pf::kTileN;
+
+    // 3. The skip rule, the same in every warp (block-uniform: no barrier inside it).
+    bool needed = true;
+    if (p.q_pos) {
+      int32_t min_pos = INT32_MAX;
+      for (int j = lane; j < tile_len; j += 32) min_pos = min(min_pos, pos[j]);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) min_pos = min(min_pos, __shfl_xor_sync(0xffffffffu, min_pos, off));
+      needed = pf::tile_needed(min_pos, max_query_pos);
+    }
+    if (needed) {
+      // S = Q K^T: 8 n-blocks of 8 tokens; one ldmatrix.x4 gives b0 b1 of two k-steps.
+      float sc[pf::kTileN / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < pf::kTileN / 8; ++nb)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sc[nb][c] = 0.f;
+#pragma unroll
+      for (int k2 = 0; k2 < D / 32; ++k2) {
+#pragma unroll
+        for (int nb = 0; nb < pf::kTileN / 8; ++nb) {
+          uint32_t kb[4];
+          const pf::RowCol at = pf::ldmatrix_k(lane, 8 * nb, 32 * k2);
+          ldmatrix_x4(kb, shared_address(k_tile + pf::smem_offset(at.row, at.col, D)));
+          mma_16816<T>(sc[nb], qf[2 * k2], kb[0], kb[1]);
+          mma_16816<T>(sc[nb], qf[2 * k2 + 1], kb[2], kb[3]);
+        }
+      }
+      // Mask and the rows' maxima (c / 2 is the lane's row h).
+      float tile_max[2] = {pf::neg_inf(), pf::neg_inf()};
+#pragma unroll
+      for (int nb = 0; nb < pf::kTileN / 8; ++nb)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = 8 * nb + pf::mma_c(lane, c).col;
+          const bool live = j < tile_len && (!p.q_pos || pf::visible(pos[j], row_pos[c / 2]));
+          sc[nb][c] = live ? sc[nb][c] * p.scale_log2 : pf::neg_inf();
+          tile_max[c / 2] = fmaxf(tile_max[c / 2], sc[nb][c]);
+        }
+      pf::SoftmaxStep step[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        step[h] = pf::softmax_step(m[h], tile_max[h]);
+        m[h] = step[h].m_new;
+        l[h] *= step[h].alpha;
+      }
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[nb][c] *= step[c / 2].alpha;
+      // P, summed in fp32, then rounded to T as A fragments: the C fragments of n-blocks
+      // 2j and 2j + 1 are the A fragment of k-step j (c0 c1 -> a0 / a2, c2 c3 -> a1 / a3).
+      uint32_t pa[pf::kTileN / 16][4];
+#pragma unroll
+      for (int nb = 0; nb < pf::kTileN / 8; ++nb) {
+        float prob[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          prob[c] = pf::softmax_weight(sc[nb][c], step[c / 2].m_new);
+          l[c / 2] += prob[c];
+        }
+        pa[nb / 2][2 * (nb % 2)] = pack2<T>(prob[0], prob[1]);
+        pa[nb / 2][2 * (nb % 2) + 1] = pack2<T>(prob[2], prob[3]);
+      }
+      // O += P V: one ldmatrix.x4.trans gives b0 b1 of n-blocks 2 n2 and 2 n2 + 1.
+#pragma unroll
+      for (int j = 0; j < pf::kTileN / 16; ++j) {
+#pragma unroll
+        for (int n2 = 0; n2 < D / 16; ++n2) {
+          uint32_t vb[4];
+          const pf::RowCol at = pf::ldmatrix_v(lane, 16 * j, 16 * n2);
+          ldmatrix_x4_trans(vb, shared_address(v_tile + pf::smem_offset(at.row, at.col, D)));
+          mma_16816<T>(o[2 * n2], pa[j], vb[0], vb[1]);
+          mma_16816<T>(o[2 * n2 + 1], pa[j], vb[2], vb[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before the next iteration refills it
+  }
+
+  // 4. The split state of the lane's rows.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    const int prow = row0 + warp * pf::kWarpRows + lane / 4 + 8 * h;
+    if (prow >= p.rows) continue;
+    const int64_t pr = w * p.rows + prow;
+    if (lane % 4 == 0) {
+      p.part_m[pr] = m[h];
+      p.part_l[pr] = l[h];
+    }
+#pragma unroll
+    for (int nb = 0; nb < D / 8; ++nb) {
+      const int col = 8 * nb + pf::mma_c(lane, 2 * h).col;  // even: 8-byte aligned
+      *reinterpret_cast<float2*>(p.part_o + pr * D + col) = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// merge_splits: one thread per (segment, packed row, d); the splits of a segment are few
+// for prefill (their lengths were sized for its many rows), so each thread loops over them.
+
+template <typename T, int D>
+__global__ void __launch_bounds__(256) merge_splits(PrefillParams<T> p, T* out) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.segments) * p.rows * D) return;
+  const int d = static_cast<int>(idx % D);
+  const int64_t item = idx / D;
+  const int64_t s = item / p.rows;
+  const int prow = static_cast<int>(item % p.rows);
+  T* o = out + pf::q_row(s, prow, p.groups, p.n) * D + d;
+  if (*p.plan_segments != p.segments) {  // a plan of another store: refused, loudly
+    *o = static_cast<T>(NAN);
+    return;
+  }
+  const int first = p.seg_first_split[s], last = p.seg_first_split[s + 1];
+  pf::MergeState st;
+  for (int w = first; w < last; ++w) st.m = fmaxf(st.m, p.part_m[static_cast<int64_t>(w) * p.rows + prow]);
+  for (int w = first; w < last; ++w) {
+    const int64_t pr = static_cast<int64_t>(w) * p.rows + prow;
+    st.l += p.part_l[pr] * pf::merge_scale(p.part_m[pr], st.m);
+  }
+  const float inv_l = pf::inverse_sum(st.l);
+  float sum = 0.f;
+  if (inv_l > 0.f) {
+    for (int w = first; w < last; ++w) {
+      const int64_t pr = static_cast<int64_t>(w) * p.rows + prow;
+      sum += p.part_o[pr * D + d] * pf::merge_scale(p.part_m[pr], st.m);
+    }
+  }
+  *o = static_cast<T>(sum * inv_l);
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side
+
+template <typename T, int D>
+void run_prefill(const Problem& p, Result& r) {
+  using L = SmemLayout<D>;
+  const int64_t B = p.q.size(0), n = p.q.size(2), S = p.segments;
+  const int64_t rows = p.groups * n;
+  const store::PageRecord& rec = p.view.record;
+  TORCH_INTERNAL_ASSERT(rec.row_bytes[store::kK] == D * 2 && rec.row_bytes[store::kV] == D * 2 &&
+                            rec.offset[store::kK] % 16 == 0 && rec.offset[store::kV] % 16 == 0 &&
+                            rec.offset[store::kPos] % 4 == 0 && rec.bytes % 16 == 0,
+                        "the tensor-core prefill needs 16-byte aligned K and V rows of ", D, " elements");
+  TORCH_CHECK_VALUE(rows <= INT32_MAX / 2, "too many query rows per KV head: ", rows);
+  const at::Tensor plan = p.plan.defined() ? p.plan : plan_prefill_cuda(*p.len_host, rows, p.q.device());
+  const int64_t W = plan_splits_count(plan.numel(), S);
+  TORCH_CHECK_VALUE(W >= 0, "the attention plan (", plan.numel(), " words) does not fit ", S,
+                    " segments: make it with attention_plan");
+  const int64_t row_tiles = pf::row_tiles(static_cast<int>(rows));
+  TORCH_CHECK_VALUE(W * row_tiles <= INT32_MAX, "prefill grid too large: ", W, " splits x ", row_tiles, " row tiles");
+  const auto f32 = p.q.options().dtype(at::kFloat);
+  at::Tensor part_m = at::empty({W, rows}, f32), part_l = at::empty({W, rows}, f32);
+  at::Tensor part_o = at::empty({W, rows, D}, f32);
+
+  PrefillParams<T> prm;
+  prm.q = p.q.data_ptr<T>();
+  prm.view = p.view;
+  prm.q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() : nullptr;
+  prm.len = p.len.data_ptr<int32_t>();
+  prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
+  prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
+  prm.plan_segments = plan.data_ptr<int32_t>() + plan.numel() - 1;
+  prm.segments = static_cast<int32_t>(S);
+  prm.heads = static_cast<int32_t>(S / B);
+  prm.groups = static_cast<int32_t>(p.groups);
+  prm.n = static_cast<int32_t>(n);
+  prm.rows = static_cast<int32_t>(rows);
+  prm.row_tiles = static_cast<int32_t>(row_tiles);
+  prm.scale_log2 = p.scale * kLog2e;
+  prm.part_m = part_m.data_ptr<float>();
+  prm.part_l = part_l.data_ptr<float>();
+  prm.part_o = part_o.data_ptr<float>();
+
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (W > 0) {
+    // Over 48 KiB of dynamic shared memory (D = 128: 80.5 KiB) needs the opt-in.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_split<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
+    prefill_split<T, D><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, L::kBytes, stream>>>(prm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int64_t items = S * rows * D;
+  constexpr int kMergeThreads = 256;
+  TORCH_CHECK_VALUE((items + kMergeThreads - 1) / kMergeThreads <= INT32_MAX, "prefill merge grid too large");
+  merge_splits<T, D><<<static_cast<unsigned int>((items + kMergeThreads - 1) / kMergeThreads), kMergeThreads, 0,
+                       stream>>>(prm, r.out.data_ptr<T>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void run_prefill_head_dim(const Problem& p, Result& r) {
+  switch (p.q.size(3)) {
+    case 64: run_prefill<T, 64>(p, r); break;
+    case 128: run_prefill<T, 128>(p, r); break;
+    default: TORCH_INTERNAL_ASSERT(false, "prefill_tc_applies let head_dim ", p.q.size(3), " through");
+  }
+}
+
+}  // namespace
+
+at::Tensor plan_prefill_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<Split> splits;
+  std::vector<int32_t> first;
+  const int64_t row_tiles = (std::max<int64_t>(rows, 1) + pf::kTileM - 1) / pf::kTileM;
+  plan_splits(len, row_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, splits, first);
+  const std::vector<int32_t> words = plan_words(splits, first);
+  at::Tensor plan_host = at::empty({static_cast<int64_t>(words.size())},
+                                   at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  std::memcpy(plan_host.data_ptr<int32_t>(), words.data(), words.size() * sizeof(int32_t));
+  // The caching host allocator keeps the pinned buffer until the copy has run (no sync).
+  return plan_host.to(device, at::kInt, /*non_blocking=*/true);
+}
+
+bool prefill_tc_enabled() {
+  const char* flag = std::getenv("KVCACHE_EXT_TC_PREFILL");
+  return flag != nullptr && std::strcmp(flag, "1") == 0;
+}
+
+bool prefill_tc_applies(const Problem& p, const Result& r) {
+  const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
+  const at::ScalarType t = p.q.scalar_type();
+  const int64_t D = p.q.size(3);
+  return prefill_tc_enabled() && p.q.is_cuda() && !stats && (t == at::kHalf || t == at::kBFloat16) &&
+         (D == 64 || D == 128) && p.groups * p.q.size(2) >= kPrefillTcMinRows;
+}
+
+void prefill_attention_cuda(const Problem& p, Result& r) {
+  const c10::cuda::CUDAGuard guard(p.q.device());
+  switch (p.q.scalar_type()) {
+    case at::kHalf: run_prefill_head_dim<at::Half>(p, r); break;
+    case at::kBFloat16: run_prefill_head_dim<at::BFloat16>(p, r); break;
+    default: TORCH_INTERNAL_ASSERT(false, "prefill_tc_applies let ", p.q.scalar_type(), " through");
+  }
+}
+
+}  // namespace kvcache_ext::attention

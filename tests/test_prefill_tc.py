@@ -1,0 +1,123 @@
+"""The experimental tensor-core prefill kernel (csrc/attention/prefill_cuda.cu), reached through
+attention_run when KVCACHE_EXT_TC_PREFILL=1: fp16 / bf16, head_dim 64 or 128, no statistics,
+G * n >= 16 query rows per KV head. Compared with the float64 reference and with the existing
+CUDA kernel (the switch off) on random ragged paged stores. The CUDA cases skip without a GPU;
+the host model of its tiles is tested in csrc/tests/test_prefill_tiles.cpp."""
+import math
+
+import pytest
+import torch
+
+import kvcache_ext
+from kvcache_ext import reference
+from conftest import DEVICES
+from test_attention import OUT_TOL, build_store
+
+SWITCH = "KVCACHE_EXT_TC_PREFILL"
+needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="the tensor-core prefill kernel needs a GPU")
+
+
+def attend(monkeypatch, tensor_cores, q, store, scale, q_pos, stats=False):
+    if tensor_cores:
+        monkeypatch.setenv(SWITCH, "1")
+    else:
+        monkeypatch.delenv(SWITCH, raising=False)
+    return kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=stats)
+
+
+def dense_reference(store, q, scale, q_pos):
+    dense = store.to_dense()
+    out, _ = reference.ragged_attention(q.cpu(), dense.k.cpu(), dense.v.cpu(), dense.pos.cpu(),
+                                        dense.mask.cpu(), scale, None if q_pos is None else q_pos.cpu())
+    return out.float()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,H,G,n", [(2, 2, 4, 4), (1, 3, 1, 16), (2, 2, 4, 37), (1, 2, 8, 64),
+                                     (2, 1, 4, 256), (1, 1, 3, 100)])
+@pytest.mark.parametrize("prompt,evict", [(0, 0.0), (300, 0.5), (1000, 0.9), (200, 1.0)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tensor_core_prefill_matches_reference_and_old_kernel(monkeypatch, dtype, D, B, H, G, n, prompt,
+                                                              evict, causal):
+    gen = torch.Generator().manual_seed(B * 1000 + G * 100 + n + prompt)
+    store, q_pos = build_store(gen, B, H, D, dtype, "cuda", prompt, evict, n)
+    q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).cuda()
+    q_pos = q_pos if causal else None
+    scale = 1 / math.sqrt(D)
+    new, _ = attend(monkeypatch, True, q, store, scale, q_pos)
+    old, _ = attend(monkeypatch, False, q, store, scale, q_pos)
+    want = dense_reference(store, q, scale, q_pos)
+    tol = OUT_TOL[dtype]
+    assert new.shape == q.shape and new.dtype == dtype
+    assert torch.isfinite(new.float()).all()
+    torch.testing.assert_close(new.cpu().float(), want, atol=tol, rtol=tol)
+    # Both kernels round P differently (fp32 against T before P V): within twice the tolerance.
+    torch.testing.assert_close(new.float(), old.float(), atol=2 * tol, rtol=2 * tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 4, 64, 256])
+def test_tensor_core_prefill_page_sizes(monkeypatch, page_size):
+    """Pages smaller and larger than a KV tile of 64 tokens (one lookup per row vs per page)."""
+    gen = torch.Generator().manual_seed(page_size)
+    B, H, G, n, D = 2, 2, 4, 32, 128
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.bfloat16, device="cuda", page_size=page_size)
+    k, v = (torch.randn(B, H, 500, D, generator=gen).bfloat16() for _ in range(2))
+    store.append(k.cuda(), v.cuda(), torch.arange(500))
+    store.compact((torch.rand(store.capacity, generator=gen) >= 0.3).cuda())
+    k, v = (torch.randn(B, H, n, D, generator=gen).bfloat16() for _ in range(2))
+    store.append(k.cuda(), v.cuda(), torch.arange(500, 500 + n))
+    q = torch.randn(B, H * G, n, D, generator=gen).bfloat16().cuda()
+    q_pos = torch.arange(500, 500 + n).expand(B, n)
+    new, _ = attend(monkeypatch, True, q, store, D ** -0.5, q_pos)
+    torch.testing.assert_close(new.cpu().float(), dense_reference(store, q, D ** -0.5, q_pos),
+                               atol=OUT_TOL[torch.bfloat16], rtol=OUT_TOL[torch.bfloat16])
+
+
+@needs_cuda
+def test_statistics_and_other_shapes_keep_the_old_kernel(monkeypatch):
+    """Calls the new kernel does not take (statistics, fp32, head_dim 96, fewer than 16 rows)
+    give the old kernel's bytes with the switch on."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype, D, G, n, stats in [(torch.bfloat16, 128, 4, 32, True), (torch.float32, 128, 4, 32, False),
+                                  (torch.float16, 96, 4, 32, False), (torch.bfloat16, 128, 2, 4, False)]:
+        store, q_pos = build_store(gen, 2, 2, D, dtype, "cuda", 200, 0.5, n)
+        q = torch.randn(2, 2 * G, n, D, generator=gen).to(dtype).cuda()
+        new, new_stats = attend(monkeypatch, True, q, store, 0.1, q_pos, stats)
+        old, old_stats = attend(monkeypatch, False, q, store, 0.1, q_pos, stats)
+        assert torch.equal(new, old), (dtype, D, G, n, stats)
+        if stats:
+            assert torch.equal(new_stats.mass, old_stats.mass)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_switch_leaves_the_cpu_kernel_alone(monkeypatch, dtype):
+    """The switch routes CUDA calls only: on CPU the output is the same bytes either way."""
+    gen = torch.Generator().manual_seed(5)
+    store, q_pos = build_store(gen, 2, 2, 64, dtype, "cpu", 150, 0.5, 16)
+    q = torch.randn(2, 8, 16, 64, generator=gen).to(dtype)
+    new, _ = attend(monkeypatch, True, q, store, 0.125, q_pos)
+    old, _ = attend(monkeypatch, False, q, store, 0.125, q_pos)
+    assert torch.equal(new, old)
+
+
+@needs_cuda
+def test_stale_and_foreign_plans_under_the_switch(monkeypatch):
+    """A plan made before a change of lengths gives the same output as a fresh one (the rules of
+    attention_plan.h), and a plan of another store NaN rows, as with the old kernel."""
+    from test_cuda_metadata import _changes, filled
+    monkeypatch.setenv(SWITCH, "1")
+    store, gen = filled("cuda", length=3000, dtype=torch.bfloat16)
+    G, n = 4, 16
+    q = torch.randn(2, 2 * G, n, 64, generator=gen).bfloat16().cuda()
+    for what, change in _changes(store, gen, "cuda"):
+        stale = store.attention_plan(G * n)
+        change()
+        fresh, _ = kvcache_ext.ragged_attention(q, store)
+        old, _ = kvcache_ext.ragged_attention(q, store, plan=stale)
+        torch.testing.assert_close(old.float(), fresh.float(), atol=1.6e-2, rtol=1.6e-2, msg=what)
+    other, _ = filled("cuda", batch=2, heads=5, dtype=torch.bfloat16)
+    out, _ = kvcache_ext.ragged_attention(q, store, plan=other.attention_plan(G * n))
+    assert torch.isnan(out.float()).all()
