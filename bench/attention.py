@@ -47,6 +47,7 @@ STATS_TARGET = 1.15
 # SDPA-packed time / ours that the kernels aim for (issue 18): decode at least as fast as SDPA
 # on the packed dense cache with uniform lengths, 3x with skewed ones; a causal block within
 # 1.3x of SDPA with uniform lengths.
+TC_SWITCH = "KVCACHE_EXT_TC_PREFILL"
 SPEED_TARGETS = {("decode", "uniform"): 1.0, ("decode", "skewed"): 3.0, ("prefill", "uniform"): 1 / 1.3}
 
 
@@ -223,10 +224,22 @@ def fmt_pct(value):
 
 
 # --- one case ---------------------------------------------------------------------------------
+def switched(fn, on: bool):
+    """fn run with the tensor-core prefill switch (KVCACHE_EXT_TC_PREFILL, read on every call)
+    set to on or off, whatever the environment says."""
+    def call():
+        os.environ[TC_SWITCH] = "1" if on else "0"
+        return fn()
+    return call
+
+
 def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: int, device: str,
-             enable_gqa: bool, repeats: int, n_block: int = 64, heads: int = HKV) -> dict:
+             enable_gqa: bool, repeats: int, n_block: int = 64, heads: int = HKV,
+             tensor_cores: bool = False) -> dict:
     """kind: 'decode' (n = 1, no q_pos) or 'prefill' (n = n_block new tokens appended to a
-    store of mean_len per segment, attended causally by position); `heads` KV heads."""
+    store of mean_len per segment, attended causally by position); `heads` KV heads.
+    tensor_cores: also time the experimental tensor-core prefill (the switch on, with and
+    without statistics) against the same calls with it off, in the same interleaved turns."""
     if lengths == "uniform":
         lens, sigma = uniform_lengths(batch, heads, mean_len), None
     else:
@@ -265,25 +278,43 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
     live_bytes = 2 * tokens * D * dtype.itemsize
     base = Baselines(q, k, v, visible, enable_gqa)
 
-    def ours():
+    def attend():
         return kvcache_ext.ragged_attention(q, store, q_pos=q_pos)
 
-    def ours_stats():
+    def attend_stats():
         return kvcache_ext.ragged_attention(q, store, q_pos=q_pos, stats=True)
 
+    ours, ours_stats = switched(attend, False), switched(attend_stats, False)
+    tc = {}
+    if tensor_cores:
+        tc = {"tc": switched(attend, True), "tc_stats": switched(attend_stats, True)}
     out, _ = ours()
     ref = or_none(base.packed, device)
     diff = max_diff(out, ref) if ref is not None else None
     gqa_out = or_none(base.gqa, device)
     diff_gqa = max_diff(gqa_out, ref) if gqa_out is not None and ref is not None else None
+    tc_diffs = {}
+    if tc:
+        tc_out, tc_stats = tc["tc_stats"]()
+        _, old_stats = ours_stats()
+        tc_diffs = {"tc_max_abs_diff_vs_sdpa": max_diff(tc["tc"]()[0], ref) if ref is not None else None,
+                    "tc_max_abs_diff_vs_switch_off": max_diff(tc_out, out),
+                    "tc_stats_mass_max_abs_diff_vs_switch_off": max_diff(tc_stats.mass, old_stats.mass),
+                    "tc_stats_mass_max": float(old_stats.mass.max()) if old_stats.mass.numel() else 0.0}
+        del tc_out, tc_stats, old_stats
     packed_fits = ref is not None
     del out, ref, gqa_out
     sync(device)
 
     # Ours with and without statistics and SDPA on the packed cache in turns: their ratios
     # are the targets. SDPA-gqa (which may not fit, see Baselines) apart.
-    fns = {"ours": ours, "stats": ours_stats, **({"packed": base.packed} if packed_fits else {})}
+    fns = {"ours": ours, "stats": ours_stats, **tc, **({"packed": base.packed} if packed_fits else {})}
     t = time_interleaved(fns, device, repeats=repeats, warmup=2)
+    if tc:
+        t_tc, t_tc_stats = t["tc"], t["tc_stats"]
+        tc_diffs.update(tc_seconds=t_tc, tc_stats_seconds=t_tc_stats, tc_speedup=t["ours"] / t_tc,
+                        tc_stats_overhead=t_tc_stats / t_tc,
+                        sdpa_packed_over_tc=t["packed"] / t_tc if "packed" in t else None)
     t_ours, t_stats, t_packed = t["ours"], t["stats"], t.get("packed")
     t_gqa = or_none(lambda: time_op(base.gqa, device, repeats=repeats, warmup=2), device)
     shrunk = {}
@@ -312,7 +343,7 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
         "sdpa_packed_backend": base.packed_backend,
         "sdpa_masked": visible is not None,
         "max_abs_diff_vs_sdpa": diff, "max_abs_diff_sdpa_gqa_vs_packed": diff_gqa,
-        **shrunk,
+        **shrunk, **tc_diffs,
     }
     del base, store, q, k, v, visible
     gc.collect()

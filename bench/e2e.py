@@ -253,12 +253,18 @@ def kv_tokens(cache) -> int:
     return sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
 
 
+# Warmup decode steps that also measure the host's share of a step (run_one).
+HOST_PROBES = 3
+
+
 @torch.no_grad()
 def run_one(model, ids, method: str, budget: int | None, steps: int, device: str,
             masks: list[torch.Tensor] | None = None, on_prefill=None, warmup: int = 0) -> dict:
     """Prefill ``ids`` and decode ``warmup`` + ``steps`` greedy tokens with one method, timing
     the last ``steps`` (the first decode steps of a run pay one-time costs: lazy imports,
-    allocator growth, the store's first pages); the record."""
+    allocator growth, the store's first pages); the record. Up to HOST_PROBES warmup steps after
+    the first are also timed alone: ``host_s_per_step`` (until the step's last launch has
+    returned; on a GPU, the host's own work) and ``synced_step_s`` (until the device is done)."""
     global _active_masks
     import kvcache_ext
     from transformers import DynamicCache
@@ -296,17 +302,31 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
         if on_prefill is not None:
             on_prefill(cache)
         if method.startswith("masked"):
-            _active_masks = HeadMasks(masks, steps, device)
+            _active_masks = HeadMasks(masks, warmup + steps, device)
         tokens = [token]
+        host, whole = [], []
         for step in range(warmup + steps):   # positions given: kvpress's cache does not count the pruned tokens
             if step == warmup:
                 sync(device)
                 t0 = time.perf_counter()
+            # The last HOST_PROBES warmup steps (never the first step) run alone, synced before
+            # and after: the time until the host has issued the step against the step's.
+            probe = max(1, warmup - HOST_PROBES) <= step < warmup
+            if probe:
+                sync(device)
+                h0 = time.perf_counter()
             position = torch.full_like(token, ids.shape[1] + step)
             out = model(tokens[-1], **with_cache(model, cache), use_cache=True, position_ids=position)
             tokens.append(out.logits[:, -1].argmax(dim=-1, keepdim=True))
+            if probe:
+                host.append(time.perf_counter() - h0)
+                sync(device)
+                whole.append(time.perf_counter() - h0)
         sync(device)
         record["decode_s"] = time.perf_counter() - t0
+        if host:
+            record["host_s_per_step"] = statistics.median(host)
+            record["synced_step_s"] = statistics.median(whole)
         # The greedy tokens: methods that keep the same tokens must agree (checked by the tests).
         record["tokens"] = torch.cat(tokens, dim=1).tolist()
         if steps:
@@ -347,6 +367,9 @@ def median_record(runs: list[dict]) -> dict:
     for key in ("prefill_s", "decode_s"):
         record[key + "_runs"] = [r[key] for r in runs]
         record[key] = statistics.median(record[key + "_runs"])
+    for key in ("host_s_per_step", "synced_step_s"):
+        if all(key in r for r in runs):
+            record[key] = statistics.median(r[key] for r in runs)
     if record["steps"]:
         record["decode_tokens_per_s"] = record["batch"] * record["steps"] / record["decode_s"]
     return record

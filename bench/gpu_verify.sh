@@ -8,7 +8,7 @@
 #   bench/gpu_verify.sh --pack          # here, before a call that builds the gtest binary
 #   bench/gpu_verify.sh --device cpu --quick --stages bench   # the CPU smoke run (tests/)
 #
-# Stages, in order (default: env,build,bench,sanitize,e2e; LIST is comma-separated):
+# Stages, in order (default: env,build,bench,tc,sanitize,e2e; LIST is comma-separated):
 #   env       nvidia-smi, torch, nvcc, compute-sanitizer: what the machine is
 #   build     the extension in place for the GPU's own arch only; skipped when .gpucarry/build
 #             holds a build of the same sources for the same torch and Python (what an earlier
@@ -16,11 +16,17 @@
 #   bench     bench/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
 #             and prefill attention, each against its torch baseline (wall and kernel time), and
 #             the checks against the reference at benchmark scale
+#   tc        the experimental tensor-core prefill (issue 43, KVCACHE_EXT_TC_PREFILL=1):
+#             tests/test_prefill_tc.py, then bench/gpu_verify.py tc (blocks of 64 and 256 causal
+#             queries, switch on against off and SDPA, with and without statistics), in processes
+#             of their own so that a fault there leaves the other stages' results whole
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/gpu_verify.py
-#             sanitize-driver (small stores through every op, both compaction paths)
+#             sanitize-driver (small stores through every op, both compaction paths, the
+#             tensor-core prefill)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 4, one-shot
-#             SnapKV and Ada-SnapKV at 1024 tokens per head, H2O evicting every step, the full
-#             cache and the masked head-wise cache (default --e2e-args below)
+#             SnapKV at 1024 tokens per head, H2O evicting every step and the full cache (the
+#             default --e2e-args below: issue 42's per-step goal); Ada-SnapKV and the masked
+#             head-wise cache go in a second call (--stages e2e --e2e-args "... --methods ...")
 #   Optional, for a second call (not in the default):
 #   test      pytest's CUDA cases, one process per file (a crash in one hides no other)
 #   gtest     builds the gtest binary (CMake, the same arch; GoogleTest from --pack) and runs
@@ -40,7 +46,7 @@
 # (bench/gpu_verify.py report). When $OUT is set (the device tool), bench/results and the
 # build (for the next call to carry) are packed into $OUT.
 #
-# --device cpu runs the bench and e2e stages on the CPU (with --quick: tiny sizes), without a
+# --device cpu runs the bench, tc and e2e stages on the CPU (with --quick: tiny sizes), without a
 # GPU: tests/test_gpu_verify.py runs it so that the script's run path cannot rot unseen.
 #
 # Environment: PYTHON (default python3), MAX_JOBS (default: all cores).
@@ -50,14 +56,14 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
 cd "$root"
 
-ALL_STAGES="env build bench sanitize e2e test gtest probe ncu"
-stages="env,build,bench,sanitize,e2e"
+ALL_STAGES="env build bench tc sanitize e2e test gtest probe ncu"
+stages="env,build,bench,tc,sanitize,e2e"
 dry=0
 pack=0
 device=cuda
 quick=
 e2e_args="--model llama8b --contexts 8192 --batches 4 --budgets 1024 --steps 32 --warmup 4 --repeats 1
-  --methods full,masked-ada-snapkv,snapkv,ada-snapkv,h2o-step"
+  --methods full,snapkv,h2o-step"
 pytest_args=""
 budget=540
 reserve=15
@@ -72,8 +78,9 @@ logs="$results/gpu-verify"
 # calls, and the table adds top-k cases and the checks), memcheck over 346 gtest cases ran past
 # 4 min (the driver here is small: tens of seconds per tool, most of it torch's start-up under
 # the sanitizer), pytest's CUDA files 133 s. e2e: an 8B model's random weights (16 GB), five
-# methods' prefill of 8K x 4 and 36 decode steps, not yet measured.
-declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=100 [sanitize]=120 [e2e]=150
+# methods' prefill of 8K x 4 and 36 decode steps, not yet measured (150 s for five methods, 100
+# for the default three). tc: about 200 small pytest cases and two prefill rows, not yet measured.
+declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=100 [tc]=60 [sanitize]=120 [e2e]=100
                      [test]=180 [gtest]=240 [probe]=60 [ncu]=200)
 
 die() { echo "gpu_verify.sh: error: $*" >&2; exit 2; }
@@ -99,8 +106,8 @@ case $device in cuda|cpu) ;; *) die "--device takes cuda or cpu, got '$device'" 
 IFS=',' read -r -a stage_list <<< "$stages"
 for s in "${stage_list[@]}"; do
   case " $ALL_STAGES " in *" $s "*) ;; *) die "unknown stage '$s'; stages are: $ALL_STAGES" ;; esac
-  [ "$device" = cuda ] || [ "$s" = bench ] || [ "$s" = e2e ] \
-    || die "stage '$s' needs a GPU; --device cpu runs bench and e2e only"
+  [ "$device" = cuda ] || [ "$s" = bench ] || [ "$s" = tc ] || [ "$s" = e2e ] \
+    || die "stage '$s' needs a GPU; --device cpu runs bench, tc and e2e only"
 done
 
 # The sources whose build can be reused: same hash, same Python and torch.
@@ -152,6 +159,7 @@ print(p.name.replace(' ', '-'), f'{p.major}.{p.minor}')") || die "$PYTHON cannot
 fi
 date_tag=$(date +%F)
 table_json="$results/gpu-verify-$gpu_tag-$date_tag.json"
+tc_json="$results/gpu-verify-tc-$gpu_tag-$date_tag.json"
 summary="$results/gpu-verify-$gpu_tag-$date_tag-stages.json"
 e2e_json="$results/e2e-$gpu_tag-$date_tag-$(date +%H%M).json"
 gtest_bin="$root/build/gtest/kvcache_ext_gtest"
@@ -196,7 +204,7 @@ run_stage() {
 }
 
 # --- the stages (each runs in its own bash, so they read only exported variables) ---------
-export PYTHON root carry gtest_bin commit table_json e2e_json arch jobs e2e_args pytest_args device quick
+export PYTHON root carry gtest_bin commit table_json tc_json e2e_json arch jobs e2e_args pytest_args device quick
 
 stage_env() {
   nvidia-smi
@@ -234,6 +242,18 @@ assert info['cuda'], 'built without CUDA'" || return 1
 stage_bench() {
   # shellcheck disable=SC2086  # quick is empty or one flag
   "$PYTHON" bench/gpu_verify.py table --device "$device" $quick --out "$table_json"
+}
+
+stage_tc() {
+  local rc=0
+  if [ "$device" = cuda ]; then
+    # At most 5 failures listed: a kernel that is wrong is wrong in most of the ~200 cases.
+    KVCACHE_EXT_TC_PREFILL=1 "$PYTHON" -m pytest -q -p no:cacheprovider -rfE --maxfail=5 \
+      tests/test_prefill_tc.py || rc=1
+  fi
+  # shellcheck disable=SC2086  # quick is empty or one flag
+  "$PYTHON" bench/gpu_verify.py tc --device "$device" $quick --out "$tc_json" || rc=1
+  return $rc
 }
 
 stage_sanitize() {
@@ -307,6 +327,7 @@ describe() {
     env) echo "nvidia-smi; torch, nvcc and compute-sanitizer versions" ;;
     build) echo "TORCH_CUDA_ARCH_LIST=<gpu arch> $PYTHON setup.py build_ext --inplace (or .gpucarry/build when its key matches)" ;;
     bench) echo "$PYTHON bench/gpu_verify.py table --device $device $quick --out $table_json" ;;
+    tc) echo "KVCACHE_EXT_TC_PREFILL=1 $PYTHON -m pytest tests/test_prefill_tc.py; $PYTHON bench/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
     sanitize) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PYTHON bench/gpu_verify.py sanitize-driver" ;;
     e2e) echo "$PYTHON bench/e2e.py --no-progress --device $device --out $e2e_json" $e2e_args ;;
     test) echo "for f in" $TEST_FILES "; do $PYTHON -m pytest \$f -k 'cuda or build' $pytest_args; done" ;;
@@ -333,7 +354,7 @@ checkout_first
 if [ "$dry" = 1 ]; then
   echo "plan: ~$planned s of the budget of $budget s (less $reserve s for the report and packing)"
   [ "$planned" -le $((budget - reserve)) ] || echo "WARNING: the plan's estimate exceeds the budget: later stages will be skipped"
-  echo "dry run: would write $summary, $table_json and print the table (bench/gpu_verify.py report)"
+  echo "dry run: would write $summary, $table_json, $tc_json and print the table (bench/gpu_verify.py report)"
   exit 0
 fi
 
@@ -356,4 +377,4 @@ if [ -n "${OUT:-}" ]; then
   [ -d "$carry/build" ] && tar czf "$OUT/build.tar.gz" -C "$root" .gpucarry/build
 fi
 echo "stages: $(for s in "${stage_list[@]}"; do printf '%s %s (%s s); ' "$s" "${status[$s]:-not run}" "${seconds[$s]:-0}"; done)"
-"$PYTHON" bench/gpu_verify.py report "$table_json" --e2e "$e2e_json" --stages "$summary"
+"$PYTHON" bench/gpu_verify.py report "$table_json" --e2e "$e2e_json" --stages "$summary" --tc "$tc_json"

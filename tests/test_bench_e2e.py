@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
 SMALL, LARGE = 48, 1024          # budgets: one evicts, one keeps every token (contexts 200, 300)
 STEPS = 6
-WARMUP, REPEATS = 1, 2           # untimed decode steps per run; interleaved runs per method
+WARMUP, REPEATS = 2, 2           # untimed decode steps per run (the second also times the host's
+                                 # share: e2e.HOST_PROBES); interleaved runs per method
 DECODED = WARMUP + STEPS         # tokens decoded per run (the warmup's are in the cache too)
 METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step")
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")
@@ -99,6 +100,7 @@ def test_every_method_runs_and_the_json_says_what_ran(run):
         runs = r["decode_s_runs"]
         assert len(runs) == REPEATS and min(runs) <= r["decode_s"] <= max(runs)
         assert r["decode_tokens_per_s"] == r["batch"] * STEPS / r["decode_s"]
+        assert 0 < r["host_s_per_step"] <= r["synced_step_s"]
     assert doc["largest_fit"]["full"] == {"batch": 2, "context": 300}
 
 

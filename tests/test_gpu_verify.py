@@ -13,7 +13,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_verify.sh"
-STAGES = ["env", "build", "bench", "sanitize", "e2e", "test", "gtest", "probe", "ncu"]
+STAGES = ["env", "build", "bench", "tc", "sanitize", "e2e", "test", "gtest", "probe", "ncu"]
 sys.path.insert(0, str(ROOT / "bench"))
 
 
@@ -39,12 +39,12 @@ def test_default_plan_fits_nine_minutes_with_the_build():
     out = run("--dry-run")
     assert out.returncode == 0, out.stderr
     stages = [line.split("]")[0][1:] for line in out.stdout.splitlines() if line.startswith("[")]
-    assert stages == ["env", "build", "bench", "sanitize", "e2e"]
+    assert stages == ["env", "build", "bench", "tc", "sanitize", "e2e"]
     plan = next(line for line in out.stdout.splitlines() if line.startswith("plan: ~"))
     assert int(plan.split("~")[1].split()[0]) <= 525, plan
     assert "WARNING" not in out.stdout
     assert "--model llama8b --contexts 8192 --batches 4 --budgets 1024" in out.stdout
-    assert "full,masked-ada-snapkv,snapkv,ada-snapkv,h2o-step" in out.stdout
+    assert "--methods full,snapkv,h2o-step" in out.stdout
 
 
 def test_bad_arguments_are_refused():
@@ -60,16 +60,22 @@ def test_bad_arguments_are_refused():
 
 def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     """The run path of the script itself (no --dry-run): the bench stage (every kernel, baseline
-    and check at tiny sizes) and a tiny e2e run, on the CPU, results in a temporary folder, the
+    and check at tiny sizes), the tc stage's table (on the CPU the switch routes nothing: both
+    sides are the CPU kernel) and a tiny e2e run, on the CPU, results in a temporary folder, the
     table printed last; then the report of a table with an e2e record and the stages' summary."""
     env = {**os.environ, "GPU_VERIFY_RESULTS": str(tmp_path), "PYTHON": sys.executable}
-    out = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--quick", "--stages", "bench,e2e",
+    out = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--quick", "--stages", "bench,tc,e2e",
                           "--e2e-args", "--model tiny --quick --contexts 256 --batches 1 --budgets 64 --steps 2 "
                           "--methods snapkv,h2o-step"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "stages: bench passed" in out.stdout and "e2e passed" in out.stdout, out.stdout
+    assert "stages: bench passed" in out.stdout and "tc passed" in out.stdout and "e2e passed" in out.stdout, \
+        out.stdout
     table_json = next(tmp_path.glob("gpu-verify-cpu-*[0-9].json"))
+    tc = json.loads(next(tmp_path.glob("gpu-verify-tc-cpu-*[0-9].json")).read_text())
+    assert [r["n"] for r in tc["attention"]] == [64, 256] and all(c["ok"] for c in tc["checks"]), tc["checks"]
+    for r in tc["attention"]:
+        assert r["tc_seconds"] > 0 and r["tc_stats_seconds"] > 0 and r["tc_max_abs_diff_vs_switch_off"] == 0
     doc = json.loads(table_json.read_text())
     assert doc["kernel_time"] == "wall time (CPU)" and doc["commit"] and doc["device"]
     ops = [r["op"] for r in doc["kernels"]]
@@ -81,9 +87,11 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     assert all(c["ok"] for c in doc["checks"]), doc["checks"]
     tail = out.stdout[out.stdout.rindex("| metric"):]
     assert "e2e H2O every step / one-shot SnapKV decode tok/s (ctx 256 x 1)" in tail
+    assert "tensor-core prefill B=1 Hkv=8 n=256 vs SDPA" in tail and "stage tc " in tail
     assert tail.rstrip().splitlines()[-1].startswith("goals missed:")
     e2e = {"rows": [{"method": m, "context": 64, "batch": 1, "budget": 16, "status": "ok", "prefill_s": 0.5,
-                     "decode_tokens_per_s": tps} for m, tps in (("snapkv", 10.0), ("h2o-step", 8.0))]}
+                     "decode_tokens_per_s": tps, "host_s_per_step": host, "synced_step_s": 0.1}
+                    for m, tps, host in (("snapkv", 10.0, 0.03), ("h2o-step", 8.0, 0.05), ("full", 9.0, 0.02))]}
     (tmp_path / "e2e.json").write_text(json.dumps(e2e))
     (tmp_path / "stages.json").write_text(json.dumps({"stages": {"sanitize": {"status": "passed"}}}))
     rep = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_verify.py"), "report", str(table_json),
@@ -92,6 +100,12 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     assert rep.returncode == 0, rep.stderr
     line = next(ln for ln in rep.stdout.splitlines() if "H2O every step / one-shot SnapKV" in ln)
     assert "0.80x" in line and "NO" in line
+    # Host time a patched model adds per step, over the full cache's, as a share of its step.
+    host = {m: next(ln for ln in rep.stdout.splitlines() if f"e2e {m} host time per step" in ln)
+            for m in ("snapkv", "h2o-step")}
+    assert "| 10% " in host["snapkv"] and "yes" in host["snapkv"], host
+    assert "| 30% " in host["h2o-step"] and "NO" in host["h2o-step"], host
+    assert "e2e full host time" not in rep.stdout
     assert any("stage sanitize" in ln and "yes" in ln for ln in rep.stdout.splitlines())
 
 
