@@ -5,6 +5,8 @@
     python bench/e2e.py                        # CPU: the default model, contexts 2K/8K, batch 1/4,
                                                # keeping 12.5 % of each prompt
     python bench/e2e.py --model tiny --quick   # a tiny random Llama, a few seconds (the smoke test)
+    python bench/e2e.py --model host --device cpu --contexts 1024 --batches 1 --budgets 128 \
+        --methods full,snapkv,h2o-step         # the host work per layer: 8B's layers, tiny widths
 
 Every (context, batch) runs these methods side by side in one process, on the same prompt:
 
@@ -102,6 +104,11 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
+# Llama-3.1-8B's layers and heads (32 layers, 32 query and 8 KV heads) at tiny widths: the
+# arithmetic of a step is negligible, so what a method adds to the full cache's step time is
+# the host work it does per layer (the Python, the ops' dispatch, the page allocator).
+HOST = dict(TINY, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+MODELS = {"llama8b": LLAMA_8B, "tiny": TINY, "host": HOST}
 
 STEP_BLOCK = 128   # the block-wise prefill of the per-step eviction methods
 POLICIES = {       # name -> Policy at budget b
@@ -125,7 +132,7 @@ def build_model(name: str, device: str, dtype: torch.dtype):
         from kvcache_ext.hf.models import load_model
         return load_model(None, dtype=dtype, device=device)
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**(LLAMA_8B if name == "llama8b" else TINY))
+    config = LlamaConfig(**MODELS[name])
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)        # built in its dtype, on its device: no fp32 copy of 8B
@@ -574,7 +581,7 @@ def report(paths: list[str], out: str | None, png: str | None) -> int:
 # --- the command line -------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("llama8b", "smollm2", "tiny"),
+    parser.add_argument("--model", choices=("llama8b", "smollm2", "tiny", "host"),
                         help="default: llama8b on CUDA, smollm2 on CPU")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),

@@ -232,3 +232,15 @@ def test_report_reprints_runs_and_refuses_a_case_from_two_runs(run, tmp_path):
     (["--keep", "0.125,1.5"], "argument --keep: must be fractions in (0, 1], got 1.5 in '0.125,1.5'")])
 def test_bad_lists_are_refused_at_the_parser(argv, message):
     assert message in usage_error(SCRIPT, argv)
+
+
+def test_host_model_has_the_8b_layers_and_heads_at_tiny_widths():
+    """--model host: Llama-3.1-8B's layer and head counts (what a patched model's host work
+    scales with) at the tiny model's widths."""
+    import torch
+    e2e = import_e2e()
+    model, _ = e2e.build_model("host", "cpu", torch.float32)
+    config, big = model.config, e2e.LLAMA_8B
+    for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        assert getattr(config, name) == big[name], name
+    assert config.hidden_size == e2e.TINY["hidden_size"] and config.head_dim == e2e.TINY["head_dim"]
