@@ -47,6 +47,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "attention/attention_kernels.h"
@@ -642,16 +644,39 @@ int rows_per_block(int64_t rows) {
   return rb;
 }
 
+// Blocks of attend_split an SM holds at once, for the waves of plan_splits: asked of the
+// runtime once per device and rows per block. The plan does not know the call's dtype and
+// head_dim, so it takes bf16 at head_dim 128, the commonest; for another instantiation that
+// holds a different number of blocks per SM the waves are only approximately whole.
+template <int RB>
+int attend_blocks_per_sm(int device) {
+  static std::mutex lock;
+  static std::map<int, int> known;
+  const std::lock_guard<std::mutex> guard(lock);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, attend_split<at::BFloat16, 128, RB>, kThreads, 0));
+    it = known.emplace(device, std::max(per_sm, 1)).first;
+  }
+  return it->second;
+}
+
 // The plan of attention_plan (ops.h) on the device (layout: attention/attention_plan.h); one
 // host-to-device copy from pinned memory, no sync.
 at::Tensor make_plan(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   const int rb = rows_per_block(rows);
   const int64_t row_tiles = (rows + rb - 1) / rb;
+  const int index = c10::cuda::current_device();
+  const int resident = rb == 1   ? attend_blocks_per_sm<1>(index)
+                       : rb == 2 ? attend_blocks_per_sm<2>(index)
+                                 : attend_blocks_per_sm<4>(index);
   std::vector<Split> splits;
   std::vector<int32_t> first;
   plan_splits(len, row_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, splits,
-              first);
+              first, resident);
   const std::vector<int32_t> words = plan_words(splits, first);
   at::Tensor plan_host = at::empty({static_cast<int64_t>(words.size())},
                                    at::TensorOptions().dtype(at::kInt).pinned_memory(true));
