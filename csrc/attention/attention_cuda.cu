@@ -557,8 +557,28 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int i = 0; i < ML::kLanes && row0 + i < p.rows; ++i) {
     const int r = row0 + i;
     MergeVec st = MergeVec::empty();
-#pragma unroll 4
-    for (int j = y; j < pieces; j += ML::kLanes) load(merge_piece_head(first, step, j), r, st);
+    // Four pieces' words are loaded before any is merged (latency), then folded in order.
+    constexpr int kBatch = 4;
+    for (int j0 = y; j0 < pieces; j0 += kBatch * ML::kLanes) {
+      float m[kBatch], l[kBatch];
+      float4 o[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = j0 + u * ML::kLanes;
+        if (j < pieces) {
+          const int64_t pr = static_cast<int64_t>(merge_piece_head(first, step, j)) * p.rows + r;
+          m[u] = piece_m[pr];
+          l[u] = piece_l[pr];
+          o[u] = *part_word(p.part_o, pr, D, t);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (j0 + u * ML::kLanes >= pieces) break;
+        const float ov[kMergeVec] = {o[u].x, o[u].y, o[u].z, o[u].w};
+        st.merge(m[u], l[u], ov);
+      }
+    }
     lane_o[y][t] = make_float4(st.o[0], st.o[1], st.o[2], st.o[3]);
     if (t == 0) {
       lane_m[y] = st.m;
