@@ -5,7 +5,8 @@
 // logits are indexed by slot id ("slot layout", [capacity]).
 //
 // 1. attend_split: each segment's live tokens are cut into splits (sized on the host from
-//    the store's host copy of the lengths, so no sync) and each block attends one split
+//    the store's host copy of the lengths, so no sync, in whole waves of the GPU's resident
+//    blocks: attention_plan.h) and each block attends one split
 //    for a tile of up to RB query rows. It walks the split in tiles of kTile tokens: the
 //    ids and addresses of the pages a tile touches are staged in shared memory, the
 //    logits of the tile go to shared memory, then an online softmax update (running max
