@@ -308,7 +308,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
   r.out = at::empty_like(p.q);
   auto statistic = [&](bool wanted, at::IntArrayRef shape, at::ScalarType dtype) {
     if (!wanted) return at::Tensor();
-    // Zero-filled for the CUDA kernel, which adds into them; the CPU kernel writes every slot.
+    // Zero-filled for the CUDA kernels, which write only the live slots (adding up over passes
+    // of query chunks); the CPU kernel writes every slot.
     return device.is_cuda() ? at::zeros(shape, f32.dtype(dtype)) : at::empty(shape, f32.dtype(dtype));
   };
   r.mass = statistic(want_mass, {st.capacity}, at::kFloat);

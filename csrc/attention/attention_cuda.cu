@@ -5,18 +5,27 @@
 // logits are indexed by slot id ("slot layout", [capacity]).
 //
 // 1. attend_split: each segment's live tokens are cut into splits (sized on the host from
-//    the store's host copy of the lengths, so no sync) and each block attends one split
+//    the store's host copy of the lengths, so no sync, in whole waves of the GPU's resident
+//    blocks: attention_plan.h) and each block attends one split
 //    for a tile of up to RB query rows. It walks the split in tiles of kTile tokens: the
 //    ids and addresses of the pages a tile touches are staged in shared memory, the
 //    logits of the tile go to shared memory, then an online softmax update (running max
 //    m, sum l, rescaled partial output) per row. A lane reads 16-byte words of K and V
 //    rows and keeps its slice of every query row in registers; K and V are read once per
 //    row tile. Out: per split and row, m, l and the unnormalized output, all fp32.
-// 2. combine: per (segment, row), merges the splits into the output and keeps the final
-//    m and 1/l for the statistics.
+// 2. merge (merge_states.h, FlashInfer's merge-states shape): each thread holds 4 elements
+//    of D, a row's threads are one group and a block has several groups ("split lanes").
+//    merge_segments: per (segment, group of rows), a segment of one split is a copy-out (a
+//    row per lane); otherwise every lane folds its share of the splits and the lanes' states
+//    are folded in lane order through shared memory. When a segment may have many splits
+//    (batch 1 with few KV heads: hundreds to thousands), merge_runs first folds the long
+//    segments' splits in runs, in place, so that both levels take about sqrt(splits) steps
+//    (short segments are merged by merge_segments alone). Keeps
+//    the final m and 1/l for the statistics; a foreign plan's rows are NaN.
 // 3. slot_stats (only when statistics are asked for): attend_split also wrote every raw
 //    logit to a [rows, capacity] buffer; this pass turns them into probabilities with the
-//    final m and l and sums them per slot. Writing the logits costs 4 bytes per row and
+//    final m and l and writes them per slot (stores in a single pass; passes over query
+//    chunks add up). Writing the logits costs 4 bytes per row and
 //    slot (G * 4 bytes per slot in decode, 3% of the 512 bytes of K+V at D = 128, bf16);
 //    recomputing them instead would read K a second time. Block prefill with statistics
 //    runs in passes over chunks of queries so that this buffer stays under 256 MiB.
@@ -39,11 +48,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "attention/attention_kernels.h"
 #include "attention/attention_plan.h"
 #include "attention/cuda_head_dims.h"
+#include "attention/merge_states.h"
 
 namespace kvcache_ext::attention {
 
@@ -217,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   __shared__ int32_t chunk_page[kTile];        // the pages of a tile (TileRows)
   __shared__ const char* chunk_base[kTile];
 
-  if (*p.plan_segments != p.segments) return;  // a foreign plan: combine_splits writes NaN
+  if (*p.plan_segments != p.segments) return;  // a foreign plan: merge_segments writes NaN
   const int64_t w = blockIdx.x / p.row_tiles;
   const int s = p.splits[w].segment;
   // The live tokens of s that this split covers, whatever lengths the plan was made for.
@@ -400,57 +412,198 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// 2. combine: one warp per (segment, row)
+// 2. merge (merge_states.h): each split's (m, l, o) of a row are folded into the output.
+// A thread holds kMergeVec elements of D (one 16-byte word of part_o); kLanesD threads cover
+// a row and kLanes rows of threads ("split lanes") share a block.
 
+constexpr int kMergeThreads = 128;
+constexpr int kMergeVec = 4;
+
+template <int D>
+struct MergeLayout {
+  static constexpr int kLanesD = D / kMergeVec;
+  static constexpr int kLanes = kMergeThreads / kLanesD;
+  static constexpr int kThreads = kLanes * kLanesD;
+  static_assert(D % kMergeVec == 0 && kLanes >= 1, "unsupported head_dim");
+};
+
+using MergeVec = MergeState<kMergeVec>;
+
+// part_o of (split w, row r), this thread's word; 16-byte aligned (D % 4 == 0).
+__device__ inline float4* part_word(float* part_o, int64_t pr, int D, int t) {
+  return reinterpret_cast<float4*>(part_o + pr * D) + t;
+}
+
+// Level 1, only when a segment may have many splits (merge_run_length): the plan's splits are
+// cut into runs of `run` consecutive ones, and the splits of each long segment (more than
+// `run` splits: merge_two_levels) in a run are folded in order into the slot of the first of
+// them (its piece head): o in place in part_o (a thread reads and writes only its own word),
+// m and l into run_m / run_l. A long segment cannot lie inside a run, so it holds the run's
+// first or last split: a run has at most two pieces. No barrier: one group of kLanesD
+// threads per (run, row).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
-    combine_splits(Params<T> p, int64_t segments, T* out, float* final_m, float* final_inv_l) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (item >= segments * p.rows) return;  // whole warps leave: no block barrier below
-  const int lane = threadIdx.x % 32;
-  const int64_t s = item / p.rows;
-  const int r = static_cast<int>(item % p.rows);
-  if (*p.plan_segments != p.segments) {  // a plan of another store: refused, loudly
-    T* o = out + p.q_row(s, r) * D;
-    for (int d = lane; d < D; d += 32) o[d] = static_cast<T>(NAN);
-    if (final_m && lane == 0) {
-      final_m[item] = NAN;
-      final_inv_l[item] = NAN;
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_runs(Params<T> p, int64_t W, int run, float* run_m, float* run_l) {
+  using ML = MergeLayout<D>;
+  if (*p.plan_segments != p.segments) return;  // merge_segments writes the NaN rows
+  const int64_t runs = (W + run - 1) / run;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * ML::kLanes + threadIdx.x / ML::kLanesD;
+  if (item >= runs * p.rows) return;
+  const int r = static_cast<int>(item / runs);
+  const int64_t w0 = (item % runs) * run, w1 = min(w0 + run, W);
+  const int t = threadIdx.x % ML::kLanesD;
+
+  for (int side = 0; side < 2; ++side) {
+    const int32_t seg = p.splits[side == 0 ? w0 : w1 - 1].segment;
+    if (side == 1 && seg == p.splits[w0].segment) break;  // one segment: side 0 took the run
+    const int32_t first = p.seg_first_split[seg], last = p.seg_first_split[seg + 1];
+    if (!merge_two_levels(first, last, run)) continue;
+    const int64_t head = max(static_cast<int64_t>(first), w0);
+    const int64_t end = min(static_cast<int64_t>(last), w1);
+    MergeVec st = MergeVec::empty();
+    // Four splits' words are loaded before any is merged (latency); the head, written last,
+    // has been read by then.
+    constexpr int kBatch = 4;
+    for (int64_t wb = head; wb < end; wb += kBatch) {
+      float m[kBatch], l[kBatch];
+      float4 o[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (wb + u < end) {
+          const int64_t pr = (wb + u) * p.rows + r;
+          m[u] = p.part_m[pr];
+          l[u] = p.part_l[pr];
+          o[u] = *part_word(p.part_o, pr, D, t);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (wb + u >= end) break;
+        const float ov[kMergeVec] = {o[u].x, o[u].y, o[u].z, o[u].w};
+        st.merge(m[u], l[u], ov);
+      }
     }
+    const int64_t pr = head * p.rows + r;
+    *part_word(p.part_o, pr, D, t) = make_float4(st.o[0], st.o[1], st.o[2], st.o[3]);
+    if (t == 0) {
+      run_m[pr] = st.m;
+      run_l[pr] = st.l;
+    }
+  }
+}
+
+// Level 2: block (s, row group) writes rows [group * kLanes, + kLanes) of segment s. A segment
+// of one split is a copy-out, one row per split lane. Otherwise the rows are merged one after
+// another by the whole block: lane y folds pieces y, y + kLanes, ... in order (a long
+// segment's pieces are level 1's, a short one's its splits), then lane 0 folds the lanes'
+// states in lane order (a fixed order: deterministic). Also keeps the final m and 1/l for
+// slot_stats, and writes NaN rows for a plan of another store.
+template <typename T, int D>
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_segments(Params<T> p, int run, const float* run_m, const float* run_l, T* out,
+                   float* final_m, float* final_inv_l) {
+  using ML = MergeLayout<D>;
+  __shared__ float lane_m[ML::kLanes], lane_l[ML::kLanes];
+  __shared__ float4 lane_o[ML::kLanes][ML::kLanesD];
+
+  const int row_groups = (p.rows + ML::kLanes - 1) / ML::kLanes;
+  const int64_t s = blockIdx.x / row_groups;
+  const int row0 = static_cast<int>(blockIdx.x % row_groups) * ML::kLanes;
+  const int y = threadIdx.x / ML::kLanesD, t = threadIdx.x % ML::kLanesD;
+  const auto write_row = [&](int r, const MergeVec& st) {
+    T* o = out + p.q_row(s, r) * D + t * kMergeVec;
+#pragma unroll
+    for (int e = 0; e < kMergeVec; ++e) o[e] = static_cast<T>(st.out(e));
+    if (final_m && t == 0) {
+      final_m[s * p.rows + r] = st.m;
+      final_inv_l[s * p.rows + r] = st.inv_l();
+    }
+  };
+  // Pieces' m and l: level 1's for a long segment, the splits' own otherwise (set below).
+  const float* piece_m = p.part_m;
+  const float* piece_l = p.part_l;
+  const auto load = [&](int64_t w, int r, MergeVec& st) {  // piece w's state of row r
+    const int64_t pr = w * p.rows + r;
+    const float4 o = *part_word(p.part_o, pr, D, t);
+    const float ov[kMergeVec] = {o.x, o.y, o.z, o.w};
+    st.merge(piece_m[pr], piece_l[pr], ov);
+  };
+
+  if (*p.plan_segments != p.segments) {  // a plan of another store: refused, loudly
+    const int r = row0 + y;
+    if (r >= p.rows) return;
+    MergeVec st = MergeVec::empty();
+    st.m = st.l = NAN;
+    for (int e = 0; e < kMergeVec; ++e) st.o[e] = NAN;
+    write_row(r, st);
+    if (final_m && t == 0) final_inv_l[s * p.rows + r] = NAN;
     return;
   }
   const int first = p.seg_first_split[s], last = p.seg_first_split[s + 1];
-
-  float m = kNegInf;
-  for (int w = first; w < last; ++w) m = fmaxf(m, p.part_m[static_cast<int64_t>(w) * p.rows + r]);
-  float l = 0.f;
-  if (m != kNegInf) {
-    for (int w = first; w < last; ++w) {
-      const int64_t pr = static_cast<int64_t>(w) * p.rows + r;
-      l += p.part_l[pr] * exp2f(p.part_m[pr] - m);
-    }
+  const bool two_levels = merge_two_levels(first, last, run);
+  const int step = two_levels ? run : 1;
+  if (two_levels) {
+    piece_m = run_m;
+    piece_l = run_l;
   }
-  const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row that saw no slot: zero output
-  T* o = out + p.q_row(s, r) * D;
-  for (int d = lane; d < D; d += 32) {
-    float sum = 0.f;
-    if (inv_l > 0.f) {
-      for (int w = first; w < last; ++w) {
-        const int64_t pr = static_cast<int64_t>(w) * p.rows + r;
-        sum += p.part_o[pr * D + d] * exp2f(p.part_m[pr] - m);
+  const int pieces = merge_pieces(first, last, step);
+  if (pieces == 1) {  // one split; the same for the whole block: no barrier is skipped
+    const int r = row0 + y;
+    if (r >= p.rows) return;
+    MergeVec st = MergeVec::empty();
+    load(first, r, st);
+    write_row(r, st);
+    return;
+  }
+  for (int i = 0; i < ML::kLanes && row0 + i < p.rows; ++i) {
+    const int r = row0 + i;
+    MergeVec st = MergeVec::empty();
+    // Four pieces' words are loaded before any is merged (latency), then folded in order.
+    constexpr int kBatch = 4;
+    for (int j0 = y; j0 < pieces; j0 += kBatch * ML::kLanes) {
+      float m[kBatch], l[kBatch];
+      float4 o[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = j0 + u * ML::kLanes;
+        if (j < pieces) {
+          const int64_t pr = static_cast<int64_t>(merge_piece_head(first, step, j)) * p.rows + r;
+          m[u] = piece_m[pr];
+          l[u] = piece_l[pr];
+          o[u] = *part_word(p.part_o, pr, D, t);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (j0 + u * ML::kLanes >= pieces) break;
+        const float ov[kMergeVec] = {o[u].x, o[u].y, o[u].z, o[u].w};
+        st.merge(m[u], l[u], ov);
       }
     }
-    o[d] = static_cast<T>(sum * inv_l);
-  }
-  if (final_m && lane == 0) {
-    final_m[item] = m;
-    final_inv_l[item] = inv_l;
+    lane_o[y][t] = make_float4(st.o[0], st.o[1], st.o[2], st.o[3]);
+    if (t == 0) {
+      lane_m[y] = st.m;
+      lane_l[y] = st.l;
+    }
+    __syncthreads();
+    if (y == 0) {
+      for (int k = 1; k < ML::kLanes; ++k) {
+        const float4 o = lane_o[k][t];
+        const float ov[kMergeVec] = {o.x, o.y, o.z, o.w};
+        st.merge(lane_m[k], lane_l[k], ov);
+      }
+      write_row(r, st);
+    }
+    __syncthreads();  // the lanes' states are overwritten by the next row
   }
 }
 
 // ---------------------------------------------------------------------------------------
 // 3. slot_stats: block w turns the logits of split w's tokens into the statistics of this
-// pass's queries and adds them to the tokens' slots (passes over query chunks add up).
+// pass's queries and writes them to the tokens' slots. Every live slot is the token of one
+// split (effective_split), so one thread owns it: a single pass stores its values (the op
+// zero-filled the statistics, so slots no live token holds stay 0); passes over query
+// chunks (block prefill with a logits buffer too small for all queries) add up.
 
 struct StatsOut {
   const float* final_m;      // [S, rows]
@@ -459,7 +612,13 @@ struct StatsOut {
   float* last;               // [capacity, G] or null
   float* sum_sq;             // [capacity] or null
   int32_t* count;            // [capacity] or null
+  bool accumulate;           // += (one of several passes) rather than = (the only pass)
 };
+
+template <typename V>
+__device__ inline void put(V* dst, V value, bool accumulate) {
+  *dst = accumulate ? *dst + value : value;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) slot_stats(Params<T> p, StatsOut st) {
@@ -491,9 +650,9 @@ __global__ void __launch_bounds__(kThreads) slot_stats(Params<T> p, StatsOut st)
       slot_sq += mean * mean;
       seen += (!p.q_pos || slot_pos <= p.query_pos(b, i)) ? 1 : 0;
     }
-    if (st.mass) st.mass[slot] += slot_mass;
-    if (st.sum_sq) st.sum_sq[slot] += slot_sq;
-    if (st.count) st.count[slot] += seen;
+    if (st.mass) put(st.mass + slot, slot_mass, st.accumulate);
+    if (st.sum_sq) put(st.sum_sq + slot, slot_sq, st.accumulate);
+    if (st.count) put(st.count + slot, seen, st.accumulate);
   }
 }
 
@@ -506,16 +665,39 @@ int rows_per_block(int64_t rows) {
   return rb;
 }
 
+// Blocks of attend_split an SM holds at once, for the waves of plan_splits: asked of the
+// runtime once per device and rows per block. The plan does not know the call's dtype and
+// head_dim, so it takes bf16 at head_dim 128, the commonest; for another instantiation that
+// holds a different number of blocks per SM the waves are only approximately whole.
+template <int RB>
+int attend_blocks_per_sm(int device) {
+  static std::mutex lock;
+  static std::map<int, int> known;
+  const std::lock_guard<std::mutex> guard(lock);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, attend_split<at::BFloat16, 128, RB>, kThreads, 0));
+    it = known.emplace(device, std::max(per_sm, 1)).first;
+  }
+  return it->second;
+}
+
 // The plan of attention_plan (ops.h) on the device (layout: attention/attention_plan.h); one
 // host-to-device copy from pinned memory, no sync.
 at::Tensor make_plan(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   const int rb = rows_per_block(rows);
   const int64_t row_tiles = (rows + rb - 1) / rb;
+  const int index = c10::cuda::current_device();
+  const int resident = rb == 1   ? attend_blocks_per_sm<1>(index)
+                       : rb == 2 ? attend_blocks_per_sm<2>(index)
+                                 : attend_blocks_per_sm<4>(index);
   std::vector<Split> splits;
   std::vector<int32_t> first;
   plan_splits(len, row_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, splits,
-              first);
+              first, resident);
   const std::vector<int32_t> words = plan_words(splits, first);
   at::Tensor plan_host = at::empty({static_cast<int64_t>(words.size())},
                                    at::TensorOptions().dtype(at::kInt).pinned_memory(true));
@@ -577,11 +759,12 @@ void run(const Problem& p, Result& r) {
     const int64_t rows = p.groups * n;
     const int rb = rows_per_block(rows);
     const int64_t row_tiles = (rows + rb - 1) / rb;
-    // Grid x of attend_split and combine_splits; slot_stats has W blocks.
+    // Grid x of attend_split and the merge (at most kMergeThreads / 4 rows per block, and at
+    // most W * rows groups of merge_runs); slot_stats has W blocks.
     TORCH_CHECK_VALUE(W * row_tiles <= INT32_MAX, "attention grid too large: ", W, " splits x ",
                       row_tiles, " row tiles");
-    TORCH_CHECK_VALUE((S * rows + kWarps - 1) / kWarps <= INT32_MAX,
-                      "attention grid too large: ", S, " segments x ", rows, " rows");
+    TORCH_CHECK_VALUE(std::max(S, W) * rows <= INT32_MAX, "attention grid too large: ", S,
+                      " segments x ", rows, " rows");
 
     at::Tensor logits = stats && W > 0 ? at::empty({rows, capacity}, f32) : at::Tensor();
     at::Tensor part_m = at::empty({W, rows}, f32), part_l = at::empty({W, rows}, f32);
@@ -613,12 +796,26 @@ void run(const Problem& p, Result& r) {
     prm.part_o = part_o.data_ptr<float>();
 
     if (W > 0) launch_attend<T, D>(rb, prm, W * row_tiles, stream);
-    const int64_t items = S * rows;
-    combine_splits<T, D><<<static_cast<unsigned int>((items + kWarps - 1) / kWarps), kThreads, 0,
-                           stream>>>(prm, S, r.out.data_ptr<T>(),
-                                     stats ? final_m.data_ptr<float>() : nullptr,
-                                     stats ? final_inv_l.data_ptr<float>() : nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // The merge: level 1 only when some segment may have many splits (merge_states.h).
+    using ML = MergeLayout<D>;
+    const int run = merge_run_length(W, S, ML::kLanes);
+    at::Tensor run_m = run > 1 ? at::empty({W, rows}, f32) : at::Tensor();
+    at::Tensor run_l = run > 1 ? at::empty({W, rows}, f32) : at::Tensor();
+    if (run > 1) {
+      const int64_t groups = (W + run - 1) / run * rows;
+      merge_runs<T, D><<<static_cast<unsigned int>((groups + ML::kLanes - 1) / ML::kLanes),
+                         ML::kThreads, 0, stream>>>(prm, W, run, run_m.data_ptr<float>(),
+                                                    run_l.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (S > 0) {
+      merge_segments<T, D><<<static_cast<unsigned int>(S * ((rows + ML::kLanes - 1) / ML::kLanes)),
+                             ML::kThreads, 0, stream>>>(
+          prm, run, run > 1 ? run_m.data_ptr<float>() : nullptr,
+          run > 1 ? run_l.data_ptr<float>() : nullptr, r.out.data_ptr<T>(),
+          stats ? final_m.data_ptr<float>() : nullptr, stats ? final_inv_l.data_ptr<float>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     if (stats && W > 0) {
       StatsOut st;
       st.final_m = final_m.data_ptr<float>();
@@ -627,6 +824,7 @@ void run(const Problem& p, Result& r) {
       st.last = r.last.defined() ? r.last.data_ptr<float>() : nullptr;
       st.sum_sq = r.sum_sq.defined() ? r.sum_sq.data_ptr<float>() : nullptr;
       st.count = r.count.defined() ? r.count.data_ptr<int32_t>() : nullptr;
+      st.accumulate = chunk < n_total;
       slot_stats<T><<<static_cast<unsigned int>(W), kThreads, 0, stream>>>(prm, st);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

@@ -28,7 +28,8 @@ struct Problem {
 };
 
 // Outputs. `out` is always defined; each statistic is undefined when not requested. The
-// CUDA kernel adds into the live slots of zero-filled statistics; the CPU kernel gets them
+// CUDA kernel writes the live slots of zero-filled statistics (adding up over its passes of
+// query chunks when the call takes several); the CPU kernel gets them
 // uninitialised and writes every slot (zeros where no live token is), which saves a pass of
 // writes over them.
 struct Result {

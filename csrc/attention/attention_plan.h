@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__CUDACC__)
@@ -47,16 +48,108 @@ KVCACHE_PLAN_HD inline Split effective_split(Split split, int32_t w, const int32
   return split;
 }
 
-// Splits of every segment's live slots, sized so that the grid has a few blocks per SM (sms)
-// even when one segment holds every token; one empty split for an empty segment.
+// Split sizing in whole waves. A wave is what the GPU runs at once: sms x resident blocks
+// (resident: blocks of the attention kernel per SM). With every split cut to
+// tiles_per_split tiles of kPlanTile tokens, a segment of t tiles has ceil(t / tiles_per_split)
+// splits (one, empty, when t = 0) and the grid has row_tiles blocks per split. The model of
+// the run's time: ceil(blocks / wave) waves, each as long as the longest block, tiles_per_split
+// tiles plus a fixed cost per block (loading q, writing the split's partial output, merging
+// it) of about a quarter tile: kPlanBlockCostQuarters = 1 against 4 per tile. So a last wave
+// that is mostly empty costs as much as a full one, and more, shorter splits pay only when they
+// remove a wave. The plan takes, among the shortest split lengths that fit the grid in
+// 1, 2, ... kPlanMaxWaves waves, the one of least modelled time (the fewest waves on a tie);
+// when even one split per segment needs more waves, one split per segment. At most 4 waves:
+// the sizing before aimed at 2; more waves multiply the splits (merge work, host time of the
+// plan: one term per distinct length and try), and the model overstates what a part-empty
+// last wave costs a memory-bound kernel, whose fewer blocks then share the bandwidth.
+constexpr int64_t kPlanMaxWaves = 4;
+constexpr int64_t kPlanBlockCostQuarters = 1;
+// Blocks per SM of attend_split<bf16, 128, 4> on sm_90 (128 registers of 128 threads), the
+// default when the caller does not say (the CUDA plan asks the runtime).
+constexpr int64_t kPlanResidentPerSm = 4;
+
+inline int64_t plan_tiles(int32_t len) { return (std::max<int64_t>(len, 0) + kPlanTile - 1) / kPlanTile; }
+
+// The segments' tile counts, as (tiles, segments with that many) in increasing order: the
+// block counts below cost one term per distinct length (one for uniform lengths), since
+// the plan is made on the host for every layer and step.
+struct PlanLengths {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t tiles = 0;  // all segments' tiles
+
+  explicit PlanLengths(const std::vector<int32_t>& len) {
+    std::vector<int64_t> t;
+    t.reserve(len.size());
+    for (int32_t l : len) t.push_back(plan_tiles(l));
+    if (!std::all_of(t.begin(), t.end(), [&](int64_t x) { return x == t.front(); }))
+      std::sort(t.begin(), t.end());  // uniform lengths (the common case) skip the sort
+    for (int64_t x : t) {
+      if (runs.empty() || runs.back().first != x) runs.emplace_back(x, 0);
+      ++runs.back().second;
+      tiles += x;
+    }
+  }
+  int64_t longest() const { return runs.empty() ? 1 : std::max<int64_t>(runs.back().first, 1); }
+  // Blocks of the grid with splits of tiles_per_split tiles.
+  int64_t blocks(int64_t row_tiles, int64_t tiles_per_split) const {
+    int64_t splits = 0;
+    for (const auto& [t, n] : runs) splits += n * std::max<int64_t>(1, (t + tiles_per_split - 1) / tiles_per_split);
+    return splits * row_tiles;
+  }
+  // The modelled time of the run (above), in quarter tiles.
+  int64_t cost(int64_t row_tiles, int64_t tiles_per_split, int64_t wave) const {
+    const int64_t waves = (blocks(row_tiles, tiles_per_split) + wave - 1) / wave;
+    return waves * (4 * tiles_per_split + kPlanBlockCostQuarters);
+  }
+};
+
+inline int64_t plan_blocks(const std::vector<int32_t>& len, int64_t row_tiles, int64_t tiles_per_split) {
+  return PlanLengths(len).blocks(row_tiles, tiles_per_split);
+}
+inline int64_t plan_cost(const std::vector<int32_t>& len, int64_t row_tiles, int64_t tiles_per_split,
+                         int64_t wave) {
+  return PlanLengths(len).cost(row_tiles, tiles_per_split, wave);
+}
+
+// The split length in tiles (above).
+inline int64_t plan_tiles_per_split(const std::vector<int32_t>& len, int64_t row_tiles, int64_t sms,
+                                    int64_t resident) {
+  const PlanLengths lengths(len);
+  const int64_t wave = std::max<int64_t>(sms, 1) * std::max<int64_t>(resident, 1);
+  const int64_t longest = lengths.longest();
+  int64_t best = longest, best_cost = lengths.cost(row_tiles, longest, wave);
+  // fits: the shortest length found so far whose grid fits in the waves tried (more waves
+  // fit it too). A grid in `waves` waves needs tiles_per_split >= tiles x row_tiles / (waves
+  // x wave), since a segment of t tiles has at least t / tiles_per_split splits.
+  int64_t fits = longest;
+  for (int64_t waves = 1; waves <= kPlanMaxWaves; ++waves) {
+    if (lengths.blocks(row_tiles, longest) > waves * wave) continue;
+    int64_t lo = std::max<int64_t>(1, lengths.tiles * row_tiles / (waves * wave)), hi = fits;
+    lo = std::min(lo, hi);
+    while (lo < hi) {  // the shortest split length that fits in `waves` waves
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (lengths.blocks(row_tiles, mid) <= waves * wave) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    fits = lo;
+    const int64_t cost = lengths.cost(row_tiles, lo, wave);
+    if (cost < best_cost) {
+      best = lo;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// Splits of every segment's live slots, sized in whole waves (above) so that the grid fills
+// the GPU even when one segment holds every token; one empty split for an empty segment.
 inline void plan_splits(const std::vector<int32_t>& len, int64_t row_tiles, int64_t sms,
-                        std::vector<Split>& splits, std::vector<int32_t>& first) {
-  int64_t tiles = 0;
-  for (int32_t l : len) tiles += (static_cast<int64_t>(l) + kPlanTile - 1) / kPlanTile;
-  const int64_t target_blocks = int64_t{8} * std::max<int64_t>(sms, 1);
-  const int64_t tiles_per_split =
-      std::max<int64_t>(1, (tiles * row_tiles + target_blocks - 1) / target_blocks);
-  const int64_t split_len = tiles_per_split * kPlanTile;
+                        std::vector<Split>& splits, std::vector<int32_t>& first,
+                        int64_t resident = kPlanResidentPerSm) {
+  const int64_t split_len = plan_tiles_per_split(len, row_tiles, sms, resident) * kPlanTile;
   splits.clear();
   first.assign(len.size() + 1, 0);
   for (size_t s = 0; s < len.size(); ++s) {

@@ -5,6 +5,8 @@
 // tests/test_attention.py (test_stale_plan_on_cuda_*) runs the kernel itself on a stale plan.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <random>
 #include <vector>
 
@@ -14,6 +16,11 @@
 namespace {
 
 using kvcache_ext::attention::effective_split;
+using kvcache_ext::attention::kPlanTile;
+using kvcache_ext::attention::plan_blocks;
+using kvcache_ext::attention::plan_cost;
+using kvcache_ext::attention::plan_tiles;
+using kvcache_ext::attention::plan_tiles_per_split;
 using kvcache_ext::attention::plan_splits;
 using kvcache_ext::attention::plan_splits_count;
 using kvcache_ext::attention::plan_words;
@@ -83,6 +90,100 @@ TEST(AttentionPlan, StalePlanCoversEveryTokenOfTheNewLengths) {
     expect_covers(then, now, kvtest::uniform_int(rng, 1, 8), kvtest::uniform_int(rng, 1, 132));
     if (HasFailure()) return;
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Whole waves (attention_plan.h, plan_tiles_per_split): on an H100's 132 SMs with 4 resident
+// blocks (attend_split<bf16, 128, 4>), and on other shapes.
+
+struct Waves {
+  int64_t tiles_per_split, blocks, waves;
+  double efficiency;  // blocks / (waves x wave): the share of the last wave's slots in use
+};
+
+Waves waves_of(const std::vector<int32_t>& len, int64_t row_tiles, int64_t sms, int64_t resident) {
+  const int64_t wave = sms * resident;
+  Waves w;
+  w.tiles_per_split = plan_tiles_per_split(len, row_tiles, sms, resident);
+  // The plan itself must have the blocks the model counts.
+  std::vector<Split> splits;
+  std::vector<int32_t> first;
+  plan_splits(len, row_tiles, sms, splits, first, resident);
+  w.blocks = static_cast<int64_t>(splits.size()) * row_tiles;
+  EXPECT_EQ(w.blocks, plan_blocks(len, row_tiles, w.tiles_per_split));
+  w.waves = (w.blocks + wave - 1) / wave;
+  w.efficiency = static_cast<double>(w.blocks) / static_cast<double>(w.waves * wave);
+  return w;
+}
+
+// The sizing before whole waves: 8 blocks per SM, the split length rounded up to tiles.
+int64_t old_tiles_per_split(const std::vector<int32_t>& len, int64_t row_tiles, int64_t sms) {
+  int64_t tiles = 0;
+  for (int32_t l : len) tiles += plan_tiles(l);
+  const int64_t target = 8 * sms;
+  return std::max<int64_t>(1, (tiles * row_tiles + target - 1) / target);
+}
+
+TEST(AttentionPlan, UniformDecodeFillsWholeWaves) {
+  // Batch 16 x 8 KV heads x 32K tokens (1 GiB of bf16 K+V at D = 128), G = 4: one row tile.
+  const std::vector<int32_t> len(128, 32768);
+  const Waves w = waves_of(len, 1, 132, 4);
+  EXPECT_GE(w.efficiency, 0.96) << w.blocks << " blocks in " << w.waves << " waves";
+  EXPECT_GT(plan_blocks(len, 1, w.tiles_per_split - 1), w.waves * 528);
+  EXPECT_LE(plan_cost(len, 1, w.tiles_per_split, 528),
+            plan_cost(len, 1, old_tiles_per_split(len, 1, 132), 528));
+  // Every token once, splits within their segment.
+  expect_covers(len, len, 1, 132);
+}
+
+TEST(AttentionPlan, OneLongSegmentFillsWholeWaves) {
+  // Batch 1, one KV head, 2M tokens: the splits are the only parallelism.
+  for (int64_t sms : {132, 114, 108, 78}) {
+    const std::vector<int32_t> len{int32_t{1} << 21};
+    const Waves w = waves_of(len, 1, sms, 4);
+    EXPECT_GE(w.efficiency, 0.95) << sms << " SMs: " << w.blocks << " blocks in " << w.waves << " waves";
+    EXPECT_LE(plan_cost(len, 1, w.tiles_per_split, sms * 4),
+              plan_cost(len, 1, old_tiles_per_split(len, 1, sms), sms * 4));
+    expect_covers(len, len, 1, sms);
+    // Not cut finer than the waves need: at least 8 tiles (1024 tokens) a split here.
+    EXPECT_GE(w.tiles_per_split, 8);
+  }
+}
+
+TEST(AttentionPlan, SkewedLengthsModelNoSlowerThanBefore) {
+  // Ada-KV-like budgets: per (row, head) lengths spread over two orders of magnitude.
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t S = kvtest::uniform_int(rng, 8, 256);
+    std::vector<int32_t> len(S);
+    std::lognormal_distribution<double> budget(std::log(4096.0), 1.2);
+    for (auto& l : len) l = static_cast<int32_t>(std::min(budget(rng), 500000.0));
+    const int64_t row_tiles = kvtest::uniform_int(rng, 1, 4), sms = 132;
+    const Waves w = waves_of(len, row_tiles, sms, 4);
+    const int64_t old_tps = old_tiles_per_split(len, row_tiles, sms);
+    const int64_t old_waves = (plan_blocks(len, row_tiles, old_tps) + 527) / 528;
+    if (old_waves <= kvcache_ext::attention::kPlanMaxWaves) {
+      EXPECT_LE(plan_cost(len, row_tiles, w.tiles_per_split, 528),
+                plan_cost(len, row_tiles, old_tps, 528))
+          << "trial " << trial;
+    }
+    // Whole waves as far as the lengths allow: the next shorter split length would need
+    // another wave (with skewed lengths the block count jumps, so the last wave may still be
+    // part empty; its blocks are then as long as the waves allow).
+    if (w.tiles_per_split > 1)
+      EXPECT_GT(plan_blocks(len, row_tiles, w.tiles_per_split - 1), w.waves * 528)
+          << "trial " << trial << ": " << w.blocks << " blocks";
+    expect_covers(len, len, row_tiles, sms);
+    if (HasFailure()) return;
+  }
+}
+
+TEST(AttentionPlan, ManySegmentsKeepOneSplitEach) {
+  // Prefill-like: 256 segments x 64 row tiles is beyond kPlanMaxWaves waves already.
+  const std::vector<int32_t> len(256, 4096);
+  const Waves w = waves_of(len, 64, 132, 4);
+  EXPECT_EQ(w.tiles_per_split, 4096 / kPlanTile);
+  EXPECT_EQ(w.blocks, 256 * 64);
 }
 
 TEST(AttentionPlan, SizeOfAnotherSegmentCountIsRefused) {
