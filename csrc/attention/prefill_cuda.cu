@@ -16,15 +16,20 @@
 //    (a quad of lanes shares a row), P rounded to T and fed back as A fragments without
 //    passing through shared memory, O += P V (V through ldmatrix.trans).
 // 4. The split's state {m, l, o} (base 2, unnormalised o) goes to global memory; merge_splits
-//    combines the splits of each (segment, row) into the output.
-// Statistics are not computed here: prefill_tc_applies sends calls that want them to
-// attention_cuda.cu.
+//    combines the splits of each (segment, row) into the output and, with statistics, keeps
+//    each row's log-sum-exp.
+// 5. Statistics (prefill_stats, only when asked for; G <= 64): P recomputed by KV tile from
+//    that log-sum-exp, K as mma A fragments once per tile, the segment's query rows walked in
+//    M tiles as B fragments, the sums per slot in registers, each live slot stored once (no
+//    logits buffer, no query chunks; prefill_tiles.h says how the heads of a query are
+//    grouped for sum_sq).
 //
 // Left for later (issue 43), in this order: (1) a GPU run of tests/test_prefill_tc.py and
-// compute-sanitizer (memcheck, racecheck) on it, then the prefill benchmark with the switch on
-// and off; (2) statistics by recomputing P per KV tile from the merged log-sum-exp (a second
-// pass over K, no logits buffer); (3) one page lookup per page (today each thread looks up the
-// page of each row it copies: a table and a page-base load, cache hits shared by the warp);
+// compute-sanitizer (memcheck, racecheck) on it, statistics cases included, then the prefill
+// benchmark with the switch on and off, with and without statistics; (2) one page lookup per
+// page (today each thread looks up the page of each row it copies: a table and a page-base
+// load, cache hits shared by the warp); (3) in prefill_stats, a block-level skip of M tiles no
+// query of which sees the KV tile, before their Q copy (today each warp skips the mma only);
 // (4) a parallel merge (FlashInfer's merge-states shape) and a 3-stage pipeline if ncu shows
 // the copies exposed; (5) the switch on by default for the calls it takes, once (1) is clean.
 #include <ATen/cuda/CUDAContext.h>
