@@ -10,7 +10,8 @@
 //    fragments (ldmatrix), once.
 // 2. KV tiles of 64 tokens: K, V and pos rows are copied with cp.async (16 bytes a chunk;
 //    tokens past the split zero-filled, so that P = 0 never meets garbage V) into swizzled
-//    shared memory, 2 stages: tile k + 1 is in flight while tile k is computed.
+//    shared memory, 2 stages: tile k + 1 is in flight while tile k is computed. Each tile's
+//    page addresses are staged in shared memory two tiles ahead (one lookup per page).
 // 3. Per tile: a tile no query of the M tile can see (causal rule from positions) is skipped;
 //    S = Q K^T by mma.sync m16n8k16 (fp32 accumulators), mask, online softmax in registers
 //    (a quad of lanes shares a row), P rounded to T and fed back as A fragments without
@@ -26,12 +27,11 @@
 //
 // Left for later (issue 43), in this order: (1) a GPU run of tests/test_prefill_tc.py and
 // compute-sanitizer (memcheck, racecheck) on it, statistics cases included, then the prefill
-// benchmark with the switch on and off, with and without statistics; (2) one page lookup per
-// page (today each thread looks up the page of each row it copies: a table and a page-base
-// load, cache hits shared by the warp); (3) in prefill_stats, a block-level skip of M tiles no
-// query of which sees the KV tile, before their Q copy (today each warp skips the mma only);
-// (4) a parallel merge (FlashInfer's merge-states shape) and a 3-stage pipeline if ncu shows
-// the copies exposed; (5) the switch on by default for the calls it takes, once (1) is clean.
+// benchmark with the switch on and off, with and without statistics; (2) in prefill_stats, a
+// block-level skip of M tiles no query of which sees the KV tile, before their Q copy (today
+// each warp skips the mma only); (3) a parallel merge (FlashInfer's merge-states shape) and a
+// 3-stage pipeline if ncu shows the copies exposed; (4) the switch on by default for the calls
+// it takes, once (1) is clean.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -150,7 +150,8 @@ __device__ inline uint32_t pack2<at::Half>(float lo, float hi) {
 
 // ---------------------------------------------------------------------------------------
 // Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
-// pos tiles. Tiles are rows of D 16-bit elements, swizzled (prefill_tiles.h).
+// pos tiles, kStages lists of a KV tile's page addresses. Tiles are rows of D 16-bit elements,
+// swizzled (prefill_tiles.h).
 
 template <int D>
 struct SmemLayout {
@@ -159,7 +160,8 @@ struct SmemLayout {
   static constexpr int kK = kQBytes;
   static constexpr int kV = kK + pf::kStages * kKVBytes;
   static constexpr int kPos = kV + pf::kStages * kKVBytes;
-  static constexpr int kBytes = kPos + pf::kStages * pf::kTileN * 4;
+  static constexpr int kPages = kPos + pf::kStages * pf::kTileN * 4;
+  static constexpr int kBytes = kPages + pf::kStages * pf::kTileN * 8;
   static_assert(D % 64 == 0, "the swizzle needs rows of a multiple of 128 bytes");
 };
 
@@ -212,9 +214,22 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
     for (int off = 16; off > 0; off /= 2) max_query_pos = max(max_query_pos, __shfl_xor_sync(0xffffffffu, max_query_pos, off));
   }
 
-  // 2. Issues the copies of the KV tile at token t0 into stage `stage` (one commit group).
+  // 2. The page addresses of the KV tile at token t0 (when it is in the split) into list
+  // `stage`, one table and one page-base load per page: plain stores, read by load_tile after
+  // the next barrier.
+  const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
+  auto stage_pages = [&](int t0, int stage) {
+    if (t0 >= split.end) return;
+    const pf::TilePages tp = pf::tile_pages(t0, min(pf::kTileN, split.end - t0), p.view.shift);
+    for (int c = threadIdx.x; c < tp.count; c += pf::kThreads)
+      pages[stage * pf::kTileN + c] = reinterpret_cast<const char*>(p.view.page_base[table[tp.first + c]]);
+  };
+  // Issues the copies of the KV tile at token t0 into stage `stage` (one commit group), its
+  // rows' pages from list `stage`.
   auto load_tile = [&](int t0, int stage) {
     const int tile_len = min(pf::kTileN, split.end - t0);
+    const int64_t first_page = t0 >> p.view.shift;
+    const char* const* page_of_tile = pages + stage * pf::kTileN;
     uint8_t* k_dst = smem + L::kK + stage * L::kKVBytes;
     uint8_t* v_dst = smem + L::kV + stage * L::kKVBytes;
     for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
@@ -222,7 +237,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       const bool live = at.row < tile_len;
       // A dead row reads nothing but still names a valid address: the tile's first token.
       const int64_t token = t0 + (live ? at.row : 0);
-      const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+      const char* page = page_of_tile[pf::tile_page_of(t0, live ? at.row : 0, first_page, p.view.shift)];
       const int64_t row = (token & in_page_mask) * kRowBytes + at.col * 2;
       const int off = pf::smem_offset(at.row, at.col, D);
       cp_async_16(shared_address(k_dst + off), page + p.view.record.offset[store::kK] + row, live);
@@ -233,7 +248,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
         const bool live = j < tile_len;
         const int64_t token = t0 + (live ? j : 0);
-        const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+        const char* page = page_of_tile[pf::tile_page_of(t0, live ? j : 0, first_page, p.view.shift)];
         cp_async_4(shared_address(pos_dst + j),
                    page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4, live);
       }
@@ -241,7 +256,10 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
     cp_async_commit();
   };
 
-  if (split.begin < split.end) {
+  if (split.begin < split.end) {  // block-uniform
+    stage_pages(split.begin, 0);
+    stage_pages(split.begin + pf::kTileN, 1);
+    __syncthreads();
     load_tile(split.begin, 0);
     cp_async_wait<1>();  // the Q group (the older one) has landed
   } else {
@@ -275,6 +293,10 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       cp_async_wait<0>();
     }
     __syncthreads();  // tile t0 visible to every warp
+    // Every thread has issued tile t0's copies (before the barrier of the previous iteration)
+    // and tile t0 + kTileN's (above): page list `stage` is free for tile t0 + 2 kTileN, which
+    // the next iteration copies after this iteration's closing barrier.
+    stage_pages(t0 + 2 * pf::kTileN, stage);
 
     const uint8_t* k_tile = smem + L::kK + stage * L::kKVBytes;
     const uint8_t* v_tile = smem + L::kV + stage * L::kKVBytes;
@@ -436,7 +458,8 @@ struct StatsOut {
 };
 
 // Shared memory of a statistics block (dynamic): the K tile, kStages Q tiles (swizzled rows
-// of D), the tile's token positions, and per Q stage the rows' lse and query positions.
+// of D), the tile's token positions, per Q stage the rows' lse and query positions, and the
+// K tile's page addresses.
 template <int D>
 struct StatsSmem {
   static constexpr int kKBytes = pf::kTileN * D * 2;
@@ -446,7 +469,8 @@ struct StatsSmem {
   static constexpr int kPos = kQ + pf::kStages * kQBytes;
   static constexpr int kLse = kPos + pf::kTileN * 4;
   static constexpr int kQPos = kLse + pf::kStages * pf::kTileM * 4;
-  static constexpr int kBytes = kQPos + pf::kStages * pf::kTileM * 4;
+  static constexpr int kPages = kQPos + pf::kStages * pf::kTileM * 4;
+  static constexpr int kBytes = kPages + pf::kTileN * 8;
 };
 
 template <typename T, int D>
@@ -468,6 +492,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
   const int last_tile = pf::last_query_tile(p.n, lp);
   const int gl = pf::group_lanes(Gp), gn = pf::group_nblocks(Gp);
   int32_t* pos_s = reinterpret_cast<int32_t*>(smem + L::kPos);
+  const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
 
   // Issues the copies of M tile mt's Q rows into stage `stage` (dead rows zero-filled) and
   // writes its rows' lse and query positions (plain stores, visible after the next barrier).
@@ -491,13 +516,19 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
 
   for (int t0 = split.begin + first_tile * pf::kTileN; t0 < split.end; t0 += st.block_tiles * pf::kTileN) {
     const int tile_len = min(pf::kTileN, split.end - t0);
+    // The tile's page addresses, one table and one page-base load per page (the previous
+    // tile's copies, which read them, are behind the barrier that closed its last M tile).
+    const pf::TilePages tp = pf::tile_pages(t0, tile_len, p.view.shift);
+    for (int c = threadIdx.x; c < tp.count; c += pf::kThreads)
+      pages[c] = reinterpret_cast<const char*>(p.view.page_base[table[tp.first + c]]);
+    __syncthreads();
     // The K tile and its positions, one commit group with Q tile 0 (rows past the split
     // zero-filled: their S is 0, masked below).
     for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
       const pf::RowCol at = pf::copy_chunk(idx, D);
       const bool live = at.row < tile_len;
       const int64_t token = t0 + (live ? at.row : 0);
-      const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+      const char* page = pages[pf::tile_page_of(t0, live ? at.row : 0, tp.first, p.view.shift)];
       cp_async_16(shared_address(smem + L::kK + pf::smem_offset(at.row, at.col, D)),
                   page + p.view.record.offset[store::kK] + (token & in_page_mask) * kRowBytes + at.col * 2, live);
     }
@@ -505,7 +536,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
       for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
         const bool live = j < tile_len;
         const int64_t token = t0 + (live ? j : 0);
-        const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+        const char* page = pages[pf::tile_page_of(t0, live ? j : 0, tp.first, p.view.shift)];
         cp_async_4(shared_address(pos_s + j), page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4,
                    live);
       }
@@ -693,7 +724,7 @@ void run_prefill(const Problem& p, Result& r) {
 
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (W > 0) {
-    // Over 48 KiB of dynamic shared memory (D = 128: 80.5 KiB) needs the opt-in.
+    // Over 48 KiB of dynamic shared memory (D = 128: 81.5 KiB) needs the opt-in.
     C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_split<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
     prefill_split<T, D><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, L::kBytes, stream>>>(prm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

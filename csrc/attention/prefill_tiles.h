@@ -210,6 +210,24 @@ KVCACHE_PREFILL_HD inline RowCol ldmatrix_v(int lane, int k0, int n0) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Pages of a KV tile: the tile's tokens [t0, t0 + len) lie in entries first .. first + count - 1
+// of the segment's page table. The kernels stage those pages' base addresses in shared memory
+// once per tile (one table and one page-base load per page, not per row) and find each row's
+// page there. At most ceil((kTileN - 1) / P) + 1 of them for pages of P tokens: kTileN at P = 1.
+struct TilePages {
+  int64_t first;
+  int count;
+};
+KVCACHE_PREFILL_HD inline TilePages tile_pages(int64_t t0, int len, int shift) {
+  const int64_t first = t0 >> shift;
+  return {first, len > 0 ? static_cast<int>(((t0 + len - 1) >> shift) - first + 1) : 0};
+}
+// Index into the staged pages of row `row` of the tile.
+KVCACHE_PREFILL_HD inline int tile_page_of(int64_t t0, int row, int64_t first, int shift) {
+  return static_cast<int>(((t0 + row) >> shift) - first);
+}
+
+// ---------------------------------------------------------------------------------------
 // Shared-memory swizzle: a tile of rows of D 16-bit elements (D / 8 chunks of 16 bytes, D a
 // multiple of 64) stores chunk c of row r at chunk c ^ (r % 8) of that row. A row is a
 // multiple of 128 bytes (all 32 banks), so the 8 rows an ldmatrix phase reads, at one logical

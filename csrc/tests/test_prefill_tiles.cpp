@@ -205,6 +205,27 @@ Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int s
   return p;
 }
 
+// The kernels' page list of a KV tile [t0, t0 + len) of segment s: the pages' addresses
+// staged once (tile_pages), each row's page found in the list (tile_page_of) rather than in
+// the page table. at() throws on an index outside the list.
+struct StagedPages {
+  std::vector<const char*> base;
+  int64_t t0, first, mask;
+  int shift;
+  store::PageRecord record;
+  StagedPages(const Problem& p, int s, int64_t tile_t0, int len)
+      : t0(tile_t0), mask((int64_t{1} << p.shift) - 1), shift(p.shift), record(p.record) {
+    const pf::TilePages tp = pf::tile_pages(t0, len, shift);
+    EXPECT_LE(tp.count, pf::kTileN);
+    first = tp.first;
+    for (int c = 0; c < tp.count; ++c)
+      base.push_back(reinterpret_cast<const char*>(p.page_base[p.table[s * p.width + tp.first + c]]));
+  }
+  const char* row(int part, int r) const {
+    return base.at(pf::tile_page_of(t0, r, first, shift)) + record.offset[part] + ((t0 + r) & mask) * record.row_bytes[part];
+  }
+};
+
 // float64 attention of the bf16 / fp16 values: out [B, Hq, n, D].
 template <typename T>
 std::vector<double> reference(const Problem& p) {
@@ -258,7 +279,6 @@ template <typename T>
 void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m, float* part_l,
                    float* part_o, Counters& count) {
   const int D = p.D, R = p.rows(), b = s / p.H;
-  const store::PagedView v = p.view();
   const float scale_log2 = p.scale * 1.4426950408889634f;
 
   // Q tile, swizzled; rows past R are zeros.
@@ -298,13 +318,14 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN) {
     const int tile_len = std::min(pf::kTileN, split.end - t0);
     ++count.tiles;
+    const StagedPages pages(p, s, t0, tile_len);
     // cp.async: live rows copied, rows past the split zero-filled.
     for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
       const pf::RowCol at = pf::copy_chunk(idx, D);
       const int off = pf::smem_offset(at.row, at.col, D);
       if (at.row < tile_len) {
-        std::memcpy(k_smem.data() + off, v.token(store::kK, s, t0 + at.row) + at.col * 2, 16);
-        std::memcpy(v_smem.data() + off, v.token(store::kV, s, t0 + at.row) + at.col * 2, 16);
+        std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
+        std::memcpy(v_smem.data() + off, pages.row(store::kV, at.row) + at.col * 2, 16);
       } else {
         std::memset(k_smem.data() + off, 0, 16);
         std::memset(v_smem.data() + off, 0, 16);
@@ -312,7 +333,7 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
     }
     int32_t min_pos = INT32_MAX;
     for (int j = 0; j < pf::kTileN; ++j) {
-      if (j < tile_len) std::memcpy(&pos[j], v.token(store::kPos, s, t0 + j), 4);
+      if (j < tile_len) std::memcpy(&pos[j], pages.row(store::kPos, j), 4);
       if (j < tile_len) min_pos = std::min(min_pos, pos[j]);
     }
     if (p.causal && !pf::tile_needed(min_pos, max_query_pos)) {
@@ -564,16 +585,17 @@ void emulate_stats_block(const Problem& p, int s, Split split, int first_tile, i
     ++count.tiles;
     count.strided_tiles += first ? 0 : 1;
     first = false;
+    const StagedPages pages(p, s, t0, tile_len);
     Smem k_smem(pf::kTileN * D * 2);
     std::vector<int32_t> pos(pf::kTileN, 0);
     for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
       const pf::RowCol at = pf::copy_chunk(idx, D);
       const int off = pf::smem_offset(at.row, at.col, D);
-      if (at.row < tile_len) std::memcpy(k_smem.data() + off, v.token(store::kK, s, t0 + at.row) + at.col * 2, 16);
+      if (at.row < tile_len) std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
       else std::memset(k_smem.data() + off, 0, 16);
     }
     for (int j = 0; j < tile_len; ++j)
-      if (p.causal) std::memcpy(&pos[j], v.token(store::kPos, s, t0 + j), 4);
+      if (p.causal) std::memcpy(&pos[j], pages.row(store::kPos, j), 4);
 
     // Per warp, per lane: K as A fragments, the lane's two tokens, the warp's least position.
     std::vector<std::vector<std::vector<AFrag>>> kf(pf::kWarps, std::vector<std::vector<AFrag>>(ksteps, std::vector<AFrag>(32)));
@@ -907,6 +929,26 @@ void run_stats_cases(uint32_t seed) {
 
 TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceBf16) { run_stats_cases<c10::BFloat16>(45); }
 TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceFp16) { run_stats_cases<c10::Half>(46); }
+
+TEST(PrefillTiles, TilePagesListEachPageOfATileOnce) {
+  for (int shift = 0; shift <= 7; ++shift)
+    for (int64_t t0 : {0, 1, 63, 64, 100, 127, 128, 1000})
+      for (int len = 1; len <= pf::kTileN; ++len) {
+        const pf::TilePages tp = pf::tile_pages(t0, len, shift);
+        const int P = 1 << shift;
+        EXPECT_LE(tp.count, (pf::kTileN - 1 + P - 1) / P + 1);  // ceil((kTileN - 1) / P) + 1: kTileN at P = 1
+        std::set<int> used;
+        for (int r = 0; r < len; ++r) {
+          const int c = pf::tile_page_of(t0, r, tp.first, shift);
+          ASSERT_GE(c, 0);
+          ASSERT_LT(c, tp.count);
+          EXPECT_EQ(tp.first + c, (t0 + r) >> shift);
+          used.insert(c);
+        }
+        EXPECT_EQ(static_cast<int>(used.size()), tp.count) << "a staged page no row reads";
+      }
+  EXPECT_EQ(pf::tile_pages(5, 0, 4).count, 0);
+}
 
 TEST(PrefillTiles, StatsRowsPadEachQueryToAPowerOfTwo) {
   for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16, 33, 64}) {
