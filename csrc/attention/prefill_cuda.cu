@@ -514,8 +514,10 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
     }
   };
 
-  for (int t0 = split.begin + first_tile * pf::kTileN; t0 < split.end; t0 += st.block_tiles * pf::kTileN) {
-    const int tile_len = min(pf::kTileN, split.end - t0);
+  // int64: t0 + block_tiles * kTileN may pass INT32_MAX on a segment of over 2^30 tokens.
+  for (int64_t t0 = split.begin + static_cast<int64_t>(first_tile) * pf::kTileN; t0 < split.end;
+       t0 += static_cast<int64_t>(st.block_tiles) * pf::kTileN) {
+    const int tile_len = static_cast<int>(min(static_cast<int64_t>(pf::kTileN), split.end - t0));
     // The tile's page addresses, one table and one page-base load per page (the previous
     // tile's copies, which read them, are behind the barrier that closed its last M tile).
     const pf::TilePages tp = pf::tile_pages(t0, tile_len, p.view.shift);
