@@ -490,7 +490,9 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
   constexpr int64_t kRowBytes = D * 2;
   const int lp = st.padded_log2, Gp = 1 << lp, G = p.groups;
   const int last_tile = pf::last_query_tile(p.n, lp);
-  const int gl = pf::group_lanes(Gp), gn = pf::group_nblocks(Gp);
+  // Both powers of two: masks, not divisions, in the inner loop.
+  const int gl = pf::group_lanes(Gp), gn_mask = pf::group_nblocks(Gp) - 1;
+  const bool group_leader = (lane & (gl - 1)) == 0;  // the first of the gl lanes of a query
   int32_t* pos_s = reinterpret_cast<int32_t*>(smem + L::kPos);
   const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
 
@@ -648,11 +650,11 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
 #pragma unroll
           for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
             part += sc[nb][2 * h] + sc[nb][2 * h + 1];
-            if ((nb + 1) % gn != 0) continue;  // warp-uniform: the shuffles below see every lane
+            if (((nb + 1) & gn_mask) != 0) continue;  // warp-uniform: the shuffles see every lane
             if (gl >= 2) part += __shfl_xor_sync(0xffffffffu, part, 1);
             if (gl >= 4) part += __shfl_xor_sync(0xffffffffu, part, 2);
             const float mean = part * st.inv_groups;
-            if (lane % gl == 0) sum_sq[h] += mean * mean;
+            if (group_leader) sum_sq[h] += mean * mean;
             part = 0.f;
           }
         }

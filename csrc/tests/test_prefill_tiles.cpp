@@ -677,14 +677,14 @@ void emulate_stats_block(const Problem& p, int s, Split split, int first_tile, i
           std::array<float, 32> part{};
           for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
             for (int lane = 0; lane < 32; ++lane) part[lane] += sc[nb][lane][2 * h] + sc[nb][lane][2 * h + 1];
-            if ((nb + 1) % gn != 0) continue;
+            if (((nb + 1) & (gn - 1)) != 0) continue;  // the kernel's mask
             for (int off = 1; off < gl; off *= 2) {  // shfl_xor 1 (gl >= 2), 2 (gl >= 4)
               const std::array<float, 32> before = part;
               for (int lane = 0; lane < 32; ++lane) part[lane] = before[lane] + before[lane ^ off];
             }
             for (int lane = 0; lane < 32; ++lane) {
               const float mean = part[lane] * inv_groups;
-              if (lane % gl == 0) sum_sq[w][lane][h] += mean * mean;
+              if ((lane & (gl - 1)) == 0) sum_sq[w][lane][h] += mean * mean;
             }
             part.fill(0.f);
           }
