@@ -1,8 +1,9 @@
 """The experimental tensor-core prefill kernel (csrc/attention/prefill_cuda.cu), reached through
-attention_run when KVCACHE_EXT_TC_PREFILL=1: fp16 / bf16, head_dim 64 or 128, no statistics,
-G * n >= 16 query rows per KV head. Compared with the float64 reference and with the existing
-CUDA kernel (the switch off) on random ragged paged stores. The CUDA cases skip without a GPU;
-the host model of its tiles is tested in csrc/tests/test_prefill_tiles.cpp."""
+attention_run when KVCACHE_EXT_TC_PREFILL=1: fp16 / bf16, head_dim 64 or 128, G * n >= 16 query
+rows per KV head, statistics for G <= 64 (its statistics pass recomputes P from the merged
+log-sum-exp). Compared with the float64 reference and with the existing CUDA kernel (the switch
+off) on random ragged paged stores. The CUDA cases skip without a GPU; the host model of its
+tiles and of the statistics pass is tested in csrc/tests/test_prefill_tiles.cpp."""
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import kvcache_ext
 from kvcache_ext import reference
 from conftest import DEVICES
-from test_attention import OUT_TOL, build_store
+from test_attention import OUT_TOL, STAT_TOL, build_store, check_against_reference
 
 SWITCH = "KVCACHE_EXT_TC_PREFILL"
 needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="the tensor-core prefill kernel needs a GPU")
@@ -77,11 +78,49 @@ def test_tensor_core_prefill_page_sizes(monkeypatch, page_size):
 
 
 @needs_cuda
-def test_statistics_and_other_shapes_keep_the_old_kernel(monkeypatch):
-    """Calls the new kernel does not take (statistics, fp32, head_dim 96, fewer than 16 rows)
-    give the old kernel's bytes with the switch on."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,H,G,n", [(2, 2, 4, 4), (1, 3, 1, 16), (2, 2, 4, 37), (1, 2, 8, 8), (2, 1, 3, 100),
+                                     (1, 1, 12, 20), (2, 2, 2, 256), (1, 1, 64, 3)])
+@pytest.mark.parametrize("prompt,evict", [(0, 0.0), (300, 0.5), (1000, 0.9), (200, 1.0)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tensor_core_statistics_match_reference_and_old_kernel(monkeypatch, dtype, D, B, H, G, n, prompt,
+                                                               evict, causal):
+    """The statistics pass (P recomputed per KV tile from the merged log-sum-exp, no logits
+    buffer): every statistic against the float64 reference (check_against_reference: values,
+    zeros on slack slots), and against the old kernel's statistics."""
+    gen = torch.Generator().manual_seed(B * 1000 + G * 100 + n + prompt + 7)
+    store, q_pos = build_store(gen, B, H, D, dtype, "cuda", prompt, evict, n)
+    q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).cuda()
+    q_pos = q_pos if causal else None
+    scale = 1 / math.sqrt(D)
+    monkeypatch.setenv(SWITCH, "1")
+    check_against_reference(store, q, scale, q_pos, True)
+    _, new = attend(monkeypatch, True, q, store, scale, q_pos, stats=True)
+    _, old = attend(monkeypatch, False, q, store, scale, q_pos, stats=True)
+    assert torch.equal(new.count, old.count)
+    for name in ("mass", "last", "sum_sq"):
+        torch.testing.assert_close(getattr(new, name), getattr(old, name), atol=2 * STAT_TOL, rtol=2 * STAT_TOL,
+                                   msg=name)
+
+
+@needs_cuda
+@pytest.mark.parametrize("stats", [("mass",), ("last", "count"), ("sum_sq",), ("count",)])
+def test_tensor_core_statistics_subsets(monkeypatch, stats):
+    """Each statistic asked for alone or in pairs (the pass skips the stores of the others)."""
+    gen = torch.Generator().manual_seed(len(stats) * 11 + len(stats[0]))
+    store, q_pos = build_store(gen, 2, 2, 128, torch.bfloat16, "cuda", 700, 0.6, 64)
+    q = torch.randn(2, 8, 64, 128, generator=gen).bfloat16().cuda()
+    monkeypatch.setenv(SWITCH, "1")
+    check_against_reference(store, q, 128 ** -0.5, q_pos, stats)
+
+
+@needs_cuda
+def test_other_shapes_keep_the_old_kernel(monkeypatch):
+    """Calls the new kernel does not take (fp32, head_dim 96, fewer than 16 rows, statistics
+    with G > 64) give the old kernel's bytes with the switch on."""
     gen = torch.Generator().manual_seed(3)
-    for dtype, D, G, n, stats in [(torch.bfloat16, 128, 4, 32, True), (torch.float32, 128, 4, 32, False),
+    for dtype, D, G, n, stats in [(torch.bfloat16, 64, 72, 2, True), (torch.float32, 128, 4, 32, False),
                                   (torch.float16, 96, 4, 32, False), (torch.bfloat16, 128, 2, 4, False)]:
         store, q_pos = build_store(gen, 2, 2, D, dtype, "cuda", 200, 0.5, n)
         q = torch.randn(2, 2 * G, n, D, generator=gen).to(dtype).cuda()
@@ -89,7 +128,8 @@ def test_statistics_and_other_shapes_keep_the_old_kernel(monkeypatch):
         old, old_stats = attend(monkeypatch, False, q, store, 0.1, q_pos, stats)
         assert torch.equal(new, old), (dtype, D, G, n, stats)
         if stats:
-            assert torch.equal(new_stats.mass, old_stats.mass)
+            for name in kvcache_ext.STAT_NAMES:
+                assert torch.equal(getattr(new_stats, name), getattr(old_stats, name)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

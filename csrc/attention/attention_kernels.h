@@ -50,8 +50,9 @@ at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::D
 
 // EXPERIMENTAL, not yet run on a GPU: the tensor-core prefill kernel (prefill_cuda.cu). Off
 // unless the environment sets KVCACHE_EXT_TC_PREFILL=1; then attention_run sends it the CUDA
-// calls it takes: fp16 or bf16, head_dim 64 or 128, no statistics, at least kPrefillTcMinRows
-// query rows per KV head (G * n). Every other call runs ragged_attention_cuda as before.
+// calls it takes: fp16 or bf16, head_dim 64 or 128, at least kPrefillTcMinRows query rows per
+// KV head (G * n), statistics only for G <= 64 (it stores each live slot's statistics once
+// into the zero-filled ones). Every other call runs ragged_attention_cuda as before.
 constexpr int64_t kPrefillTcMinRows = 16;
 bool prefill_tc_enabled();
 // The plan of attention_plan (same layout, same stale-plan rules) with splits sized for the

@@ -10,23 +10,28 @@
 //    fragments (ldmatrix), once.
 // 2. KV tiles of 64 tokens: K, V and pos rows are copied with cp.async (16 bytes a chunk;
 //    tokens past the split zero-filled, so that P = 0 never meets garbage V) into swizzled
-//    shared memory, 2 stages: tile k + 1 is in flight while tile k is computed.
+//    shared memory, 2 stages: tile k + 1 is in flight while tile k is computed. Each tile's
+//    page addresses are staged in shared memory two tiles ahead (one lookup per page).
 // 3. Per tile: a tile no query of the M tile can see (causal rule from positions) is skipped;
 //    S = Q K^T by mma.sync m16n8k16 (fp32 accumulators), mask, online softmax in registers
 //    (a quad of lanes shares a row), P rounded to T and fed back as A fragments without
 //    passing through shared memory, O += P V (V through ldmatrix.trans).
 // 4. The split's state {m, l, o} (base 2, unnormalised o) goes to global memory; merge_splits
-//    combines the splits of each (segment, row) into the output.
-// Statistics are not computed here: prefill_tc_applies sends calls that want them to
-// attention_cuda.cu.
+//    combines the splits of each (segment, row) into the output and, with statistics, keeps
+//    each row's log-sum-exp.
+// 5. Statistics (prefill_stats, only when asked for; G <= 64): P recomputed by KV tile from
+//    that log-sum-exp, K as mma A fragments once per tile, the segment's query rows walked in
+//    M tiles as B fragments, the sums per slot in registers, each live slot stored once (no
+//    logits buffer, no query chunks; prefill_tiles.h says how the heads of a query are
+//    grouped for sum_sq).
 //
 // Left for later (issue 43), in this order: (1) a GPU run of tests/test_prefill_tc.py and
-// compute-sanitizer (memcheck, racecheck) on it, then the prefill benchmark with the switch on
-// and off; (2) statistics by recomputing P per KV tile from the merged log-sum-exp (a second
-// pass over K, no logits buffer); (3) one page lookup per page (today each thread looks up the
-// page of each row it copies: a table and a page-base load, cache hits shared by the warp);
-// (4) a parallel merge (FlashInfer's merge-states shape) and a 3-stage pipeline if ncu shows
-// the copies exposed; (5) the switch on by default for the calls it takes, once (1) is clean.
+// compute-sanitizer (memcheck, racecheck) on it, statistics cases included, then the prefill
+// benchmark with the switch on and off, with and without statistics; (2) in prefill_stats, a
+// block-level skip of M tiles no query of which sees the KV tile, before their Q copy (today
+// each warp skips the mma only); (3) a parallel merge (FlashInfer's merge-states shape) and a
+// 3-stage pipeline if ncu shows the copies exposed; (4) the switch on by default for the calls
+// it takes, once (1) is clean.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -64,6 +69,7 @@ struct PrefillParams {
   float* part_m;  // [W, rows] (packed rows)
   float* part_l;  // [W, rows]
   float* part_o;  // [W, rows, D]
+  float* lse;     // [S, rows] (packed rows): each row's merged log-sum-exp, or null (no statistics)
 };
 
 // ---------------------------------------------------------------------------------------
@@ -144,7 +150,8 @@ __device__ inline uint32_t pack2<at::Half>(float lo, float hi) {
 
 // ---------------------------------------------------------------------------------------
 // Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
-// pos tiles. Tiles are rows of D 16-bit elements, swizzled (prefill_tiles.h).
+// pos tiles, kStages lists of a KV tile's page addresses. Tiles are rows of D 16-bit elements,
+// swizzled (prefill_tiles.h).
 
 template <int D>
 struct SmemLayout {
@@ -153,7 +160,8 @@ struct SmemLayout {
   static constexpr int kK = kQBytes;
   static constexpr int kV = kK + pf::kStages * kKVBytes;
   static constexpr int kPos = kV + pf::kStages * kKVBytes;
-  static constexpr int kBytes = kPos + pf::kStages * pf::kTileN * 4;
+  static constexpr int kPages = kPos + pf::kStages * pf::kTileN * 4;
+  static constexpr int kBytes = kPages + pf::kStages * pf::kTileN * 8;
   static_assert(D % 64 == 0, "the swizzle needs rows of a multiple of 128 bytes");
 };
 
@@ -206,9 +214,22 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
     for (int off = 16; off > 0; off /= 2) max_query_pos = max(max_query_pos, __shfl_xor_sync(0xffffffffu, max_query_pos, off));
   }
 
-  // 2. Issues the copies of the KV tile at token t0 into stage `stage` (one commit group).
+  // 2. The page addresses of the KV tile at token t0 (when it is in the split) into list
+  // `stage`, one table and one page-base load per page: plain stores, read by load_tile after
+  // the next barrier.
+  const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
+  auto stage_pages = [&](int t0, int stage) {
+    if (t0 >= split.end) return;
+    const pf::TilePages tp = pf::tile_pages(t0, min(pf::kTileN, split.end - t0), p.view.shift);
+    for (int c = threadIdx.x; c < tp.count; c += pf::kThreads)
+      pages[stage * pf::kTileN + c] = reinterpret_cast<const char*>(p.view.page_base[table[tp.first + c]]);
+  };
+  // Issues the copies of the KV tile at token t0 into stage `stage` (one commit group), its
+  // rows' pages from list `stage`.
   auto load_tile = [&](int t0, int stage) {
     const int tile_len = min(pf::kTileN, split.end - t0);
+    const int64_t first_page = t0 >> p.view.shift;
+    const char* const* page_of_tile = pages + stage * pf::kTileN;
     uint8_t* k_dst = smem + L::kK + stage * L::kKVBytes;
     uint8_t* v_dst = smem + L::kV + stage * L::kKVBytes;
     for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
@@ -216,7 +237,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       const bool live = at.row < tile_len;
       // A dead row reads nothing but still names a valid address: the tile's first token.
       const int64_t token = t0 + (live ? at.row : 0);
-      const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+      const char* page = page_of_tile[pf::tile_page_of(t0, live ? at.row : 0, first_page, p.view.shift)];
       const int64_t row = (token & in_page_mask) * kRowBytes + at.col * 2;
       const int off = pf::smem_offset(at.row, at.col, D);
       cp_async_16(shared_address(k_dst + off), page + p.view.record.offset[store::kK] + row, live);
@@ -227,7 +248,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
         const bool live = j < tile_len;
         const int64_t token = t0 + (live ? j : 0);
-        const char* page = reinterpret_cast<const char*>(p.view.page_base[table[token >> p.view.shift]]);
+        const char* page = page_of_tile[pf::tile_page_of(t0, live ? j : 0, first_page, p.view.shift)];
         cp_async_4(shared_address(pos_dst + j),
                    page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4, live);
       }
@@ -235,7 +256,10 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
     cp_async_commit();
   };
 
-  if (split.begin < split.end) {
+  if (split.begin < split.end) {  // block-uniform
+    stage_pages(split.begin, 0);
+    stage_pages(split.begin + pf::kTileN, 1);
+    __syncthreads();
     load_tile(split.begin, 0);
     cp_async_wait<1>();  // the Q group (the older one) has landed
   } else {
@@ -269,6 +293,10 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       cp_async_wait<0>();
     }
     __syncthreads();  // tile t0 visible to every warp
+    // Every thread has issued tile t0's copies (before the barrier of the previous iteration)
+    // and tile t0 + kTileN's (above): page list `stage` is free for tile t0 + 2 kTileN, which
+    // the next iteration copies after this iteration's closing barrier.
+    stage_pages(t0 + 2 * pf::kTileN, stage);
 
     const uint8_t* k_tile = smem + L::kK + stage * L::kKVBytes;
     const uint8_t* v_tile = smem + L::kV + stage * L::kKVBytes;
@@ -400,6 +428,7 @@ __global__ void __launch_bounds__(256) merge_splits(PrefillParams<T> p, T* out) 
     st.l += p.part_l[pr] * pf::merge_scale(p.part_m[pr], st.m);
   }
   const float inv_l = pf::inverse_sum(st.l);
+  if (p.lse && d == 0) p.lse[item] = pf::row_lse(st.m, st.l);  // the statistics pass's p = exp2(x - lse)
   float sum = 0.f;
   if (inv_l > 0.f) {
     for (int w = first; w < last; ++w) {
@@ -408,6 +437,247 @@ __global__ void __launch_bounds__(256) merge_splits(PrefillParams<T> p, T* out) 
     }
   }
   *o = static_cast<T>(sum * inv_l);
+}
+
+// ---------------------------------------------------------------------------------------
+// prefill_stats: the statistics from the merged lse, recomputing P by KV tile (the pass of
+// prefill_tiles.h). Block w * block_tiles + k owns KV tiles k, k + block_tiles, ... of split
+// w (a stale plan's last split may have grown past the tiles the grid was sized for) and,
+// per tile, walks every M tile of the segment's (padded) query rows; each live slot of the
+// tile gets its statistics stored once, dead slots keep the op's zero fill.
+
+struct StatsOut {
+  float* mass;     // [capacity] or null
+  float* last;     // [capacity, G] or null
+  float* sum_sq;   // [capacity] or null
+  int32_t* count;  // [capacity] or null
+  int32_t padded_log2;  // log2 Gp: Gp rows per query in the pass
+  int32_t stats_tiles;  // M tiles of n * Gp rows
+  int32_t block_tiles;  // blocks per split
+  float inv_groups;     // 1 / G: the mean over heads
+};
+
+// Shared memory of a statistics block (dynamic): the K tile, kStages Q tiles (swizzled rows
+// of D), the tile's token positions, per Q stage the rows' lse and query positions, and the
+// K tile's page addresses.
+template <int D>
+struct StatsSmem {
+  static constexpr int kKBytes = pf::kTileN * D * 2;
+  static constexpr int kQBytes = pf::kTileM * D * 2;
+  static constexpr int kK = 0;
+  static constexpr int kQ = kKBytes;
+  static constexpr int kPos = kQ + pf::kStages * kQBytes;
+  static constexpr int kLse = kPos + pf::kTileN * 4;
+  static constexpr int kQPos = kLse + pf::kStages * pf::kTileM * 4;
+  static constexpr int kPages = kQPos + pf::kStages * pf::kTileM * 4;
+  static constexpr int kBytes = kPages + pf::kTileN * 8;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p, StatsOut st) {
+  using L = StatsSmem<D>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (*p.plan_segments != p.segments) return;  // a foreign plan: out is NaN, statistics zeros
+
+  const int64_t w = blockIdx.x / st.block_tiles;
+  const int first_tile = static_cast<int>(blockIdx.x % st.block_tiles);
+  const int s = p.splits[w].segment;
+  const Split split = effective_split(p.splits[w], static_cast<int32_t>(w), p.seg_first_split, p.len[s]);
+  const int b = s / p.heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t* table = p.view.table + static_cast<int64_t>(s) * p.view.width;
+  const int64_t in_page_mask = p.view.page_size() - 1;
+  constexpr int64_t kRowBytes = D * 2;
+  const int lp = st.padded_log2, Gp = 1 << lp, G = p.groups;
+  const int last_tile = pf::last_query_tile(p.n, lp);
+  // Both powers of two: masks, not divisions, in the inner loop.
+  const int gl = pf::group_lanes(Gp), gn_mask = pf::group_nblocks(Gp) - 1;
+  const bool group_leader = (lane & (gl - 1)) == 0;  // the first of the gl lanes of a query
+  int32_t* pos_s = reinterpret_cast<int32_t*>(smem + L::kPos);
+  const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
+
+  // Issues the copies of M tile mt's Q rows into stage `stage` (dead rows zero-filled) and
+  // writes its rows' lse and query positions (plain stores, visible after the next barrier).
+  auto load_q = [&](int mt, int stage) {
+    uint8_t* q_dst = smem + L::kQ + stage * L::kQBytes;
+    for (int idx = threadIdx.x; idx < pf::kTileM * D / pf::kChunkElems; idx += pf::kThreads) {
+      const pf::RowCol at = pf::copy_chunk(idx, D);
+      const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + at.row, lp, G, p.n);
+      const T* src = p.q + (row.live ? pf::q_row(s, pf::packed_row(row.g, row.i, G), G, p.n) * D + at.col : 0);
+      cp_async_16(shared_address(q_dst + pf::smem_offset(at.row, at.col, D)), src, row.live);
+    }
+    cp_async_commit();
+    for (int r = threadIdx.x; r < pf::kTileM; r += pf::kThreads) {
+      const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + r, lp, G, p.n);
+      float* lse = reinterpret_cast<float*>(smem + L::kLse) + stage * pf::kTileM;
+      int32_t* qpos = reinterpret_cast<int32_t*>(smem + L::kQPos) + stage * pf::kTileM;
+      lse[r] = row.live ? p.lse[static_cast<int64_t>(s) * p.rows + pf::packed_row(row.g, row.i, G)] : INFINITY;
+      qpos[r] = !row.live ? INT32_MIN : p.q_pos ? p.q_pos[b * p.n + row.i] : INT32_MAX;
+    }
+  };
+
+  // int64: t0 + block_tiles * kTileN may pass INT32_MAX on a segment of over 2^30 tokens.
+  for (int64_t t0 = split.begin + static_cast<int64_t>(first_tile) * pf::kTileN; t0 < split.end;
+       t0 += static_cast<int64_t>(st.block_tiles) * pf::kTileN) {
+    const int tile_len = static_cast<int>(min(static_cast<int64_t>(pf::kTileN), split.end - t0));
+    // The tile's page addresses, one table and one page-base load per page (the previous
+    // tile's copies, which read them, are behind the barrier that closed its last M tile).
+    const pf::TilePages tp = pf::tile_pages(t0, tile_len, p.view.shift);
+    for (int c = threadIdx.x; c < tp.count; c += pf::kThreads)
+      pages[c] = reinterpret_cast<const char*>(p.view.page_base[table[tp.first + c]]);
+    __syncthreads();
+    // The K tile and its positions, one commit group with Q tile 0 (rows past the split
+    // zero-filled: their S is 0, masked below).
+    for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
+      const pf::RowCol at = pf::copy_chunk(idx, D);
+      const bool live = at.row < tile_len;
+      const int64_t token = t0 + (live ? at.row : 0);
+      const char* page = pages[pf::tile_page_of(t0, live ? at.row : 0, tp.first, p.view.shift)];
+      cp_async_16(shared_address(smem + L::kK + pf::smem_offset(at.row, at.col, D)),
+                  page + p.view.record.offset[store::kK] + (token & in_page_mask) * kRowBytes + at.col * 2, live);
+    }
+    if (p.q_pos) {
+      for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
+        const bool live = j < tile_len;
+        const int64_t token = t0 + (live ? j : 0);
+        const char* page = pages[pf::tile_page_of(t0, live ? j : 0, tp.first, p.view.shift)];
+        cp_async_4(shared_address(pos_s + j), page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4,
+                   live);
+      }
+    }
+    load_q(0, 0);
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // The warp's 16 tokens as A fragments, once per KV tile; the lane's two tokens (h = 0:
+    // row lane / 4, h = 1: + 8), their slots and positions; the warp's smallest position.
+    uint32_t kf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const pf::RowCol at = pf::ldmatrix_q(lane, warp * pf::kWarpRows, 16 * kk);
+      ldmatrix_x4(kf[kk], shared_address(smem + L::kK + pf::smem_offset(at.row, at.col, D)));
+    }
+    bool token_live[2];
+    int32_t token_pos[2];
+    int64_t slot[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = warp * pf::kWarpRows + lane / 4 + 8 * h;
+      token_live[h] = j < tile_len;
+      token_pos[h] = p.q_pos ? pos_s[j] : 0;
+      slot[h] = token_live[h] ? p.view.slot(s, t0 + j) : 0;
+    }
+    int32_t warp_min_pos = INT32_MAX;
+    if (p.q_pos) {
+      const int j = warp * pf::kWarpRows + lane % pf::kWarpRows;
+      warp_min_pos = j < tile_len ? pos_s[j] : INT32_MAX;
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) warp_min_pos = min(warp_min_pos, __shfl_xor_sync(0xffffffffu, warp_min_pos, off));
+    }
+
+    float mass[2] = {0.f, 0.f}, sum_sq[2] = {0.f, 0.f};
+    int32_t seen[2] = {0, 0};
+    int stage = 0;
+    for (int mt = 0; mt < st.stats_tiles; ++mt, stage ^= 1) {
+      // Stage stage ^ 1 was last read in iteration mt - 1, which ended in a barrier.
+      if (mt + 1 < st.stats_tiles) load_q(mt + 1, stage ^ 1);
+      const uint8_t* q_tile = smem + L::kQ + stage * L::kQBytes;
+      const float* lse = reinterpret_cast<const float*>(smem + L::kLse) + stage * pf::kTileM;
+      const int32_t* qpos = reinterpret_cast<const int32_t*>(smem + L::kQPos) + stage * pf::kTileM;
+
+      // The skip rule per warp: no query of the M tile sees any of the warp's tokens.
+      bool needed = true;
+      if (p.q_pos) {
+        int32_t max_query_pos = max(qpos[lane], qpos[lane + 32]);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+          max_query_pos = max(max_query_pos, __shfl_xor_sync(0xffffffffu, max_query_pos, off));
+        needed = pf::tile_needed(warp_min_pos, max_query_pos);
+      }
+      if (needed) {
+        // S^T = K Q^T: 8 n-blocks of 8 query rows; one ldmatrix.x4 gives b0 b1 of two k-steps.
+        float sc[pf::kTileM / 8][4];
+#pragma unroll
+        for (int nb = 0; nb < pf::kTileM / 8; ++nb)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) sc[nb][c] = 0.f;
+#pragma unroll
+        for (int k2 = 0; k2 < D / 32; ++k2) {
+#pragma unroll
+          for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
+            uint32_t qb[4];
+            const pf::RowCol at = pf::ldmatrix_k(lane, 8 * nb, 32 * k2);
+            ldmatrix_x4(qb, shared_address(q_tile + pf::smem_offset(at.row, at.col, D)));
+            mma_16816<T>(sc[nb], kf[2 * k2], qb[0], qb[1]);
+            mma_16816<T>(sc[nb], kf[2 * k2 + 1], qb[2], qb[3]);
+          }
+        }
+        // Probabilities (c / 2 is the lane's token h), mass, count.
+#pragma unroll
+        for (int nb = 0; nb < pf::kTileM / 8; ++nb)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int h = c / 2;
+            const int col = 8 * nb + pf::mma_c(lane, c).col;
+            const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + col, lp, G, p.n);
+            const bool vis = token_live[h] && row.live && (!p.q_pos || pf::visible(token_pos[h], qpos[col]));
+            const float prob = vis ? pf::stats_weight(sc[nb][c] * p.scale_log2, lse[col]) : 0.f;
+            sc[nb][c] = prob;
+            mass[h] += prob;
+            seen[h] += vis && row.g == 0 ? 1 : 0;  // a query once: at its head 0
+          }
+        // last: the tile of the last query stores its heads' p (each (slot, g) in one lane).
+        if (st.last && mt == last_tile) {
+#pragma unroll
+          for (int nb = 0; nb < pf::kTileM / 8; ++nb)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + 8 * nb + pf::mma_c(lane, c).col, lp, G, p.n);
+              if (token_live[c / 2] && row.live && row.i == p.n - 1) st.last[slot[c / 2] * G + row.g] = sc[nb][c];
+            }
+        }
+        // sum_sq: each query's head sum, in the lane (its two columns, gn n-blocks), then
+        // over the gl lanes holding the query; the first of them adds the squared mean.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (Gp == 1) {
+#pragma unroll
+            for (int nb = 0; nb < pf::kTileM / 8; ++nb)
+              sum_sq[h] += sc[nb][2 * h] * sc[nb][2 * h] + sc[nb][2 * h + 1] * sc[nb][2 * h + 1];
+            continue;
+          }
+          float part = 0.f;
+#pragma unroll
+          for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
+            part += sc[nb][2 * h] + sc[nb][2 * h + 1];
+            if (((nb + 1) & gn_mask) != 0) continue;  // warp-uniform: the shuffles see every lane
+            if (gl >= 2) part += __shfl_xor_sync(0xffffffffu, part, 1);
+            if (gl >= 4) part += __shfl_xor_sync(0xffffffffu, part, 2);
+            const float mean = part * st.inv_groups;
+            if (group_leader) sum_sq[h] += mean * mean;
+            part = 0.f;
+          }
+        }
+      }
+      cp_async_wait<0>();
+      __syncthreads();  // tile mt + 1 visible to every warp; every warp done with stage
+    }
+
+    // The quad's sums of each token, stored once by its first lane.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 1; off < 4; off *= 2) {
+        mass[h] += __shfl_xor_sync(0xffffffffu, mass[h], off);
+        sum_sq[h] += __shfl_xor_sync(0xffffffffu, sum_sq[h], off);
+        seen[h] += __shfl_xor_sync(0xffffffffu, seen[h], off);
+      }
+      if (lane % 4 != 0 || !token_live[h]) continue;
+      if (st.mass) st.mass[slot[h]] = mass[h];
+      if (st.sum_sq) st.sum_sq[slot[h]] = sum_sq[h];
+      if (st.count) st.count[slot[h]] = seen[h];
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -433,6 +703,8 @@ void run_prefill(const Problem& p, Result& r) {
   const auto f32 = p.q.options().dtype(at::kFloat);
   at::Tensor part_m = at::empty({W, rows}, f32), part_l = at::empty({W, rows}, f32);
   at::Tensor part_o = at::empty({W, rows, D}, f32);
+  const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
+  const at::Tensor lse = stats ? at::empty({S, rows}, f32) : at::Tensor();
 
   PrefillParams<T> prm;
   prm.q = p.q.data_ptr<T>();
@@ -452,10 +724,11 @@ void run_prefill(const Problem& p, Result& r) {
   prm.part_m = part_m.data_ptr<float>();
   prm.part_l = part_l.data_ptr<float>();
   prm.part_o = part_o.data_ptr<float>();
+  prm.lse = stats ? lse.data_ptr<float>() : nullptr;
 
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (W > 0) {
-    // Over 48 KiB of dynamic shared memory (D = 128: 80.5 KiB) needs the opt-in.
+    // Over 48 KiB of dynamic shared memory (D = 128: 81.5 KiB) needs the opt-in.
     C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_split<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
     prefill_split<T, D><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, L::kBytes, stream>>>(prm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -466,6 +739,28 @@ void run_prefill(const Problem& p, Result& r) {
   merge_splits<T, D><<<static_cast<unsigned int>((items + kMergeThreads - 1) / kMergeThreads), kMergeThreads, 0,
                        stream>>>(prm, r.out.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  if (stats && W > 0) {
+    // As many blocks per split as the attention had (one per M tile): each owns every
+    // row_tiles-th KV tile of its split; a split of fewer KV tiles leaves blocks idle (they
+    // leave at once). The op zero-filled the statistics; the pass stores each live slot's.
+    using SL = StatsSmem<D>;
+    const int padded_log2 = pf::padded_groups_log2(static_cast<int>(p.groups));
+    TORCH_INTERNAL_ASSERT((1 << padded_log2) <= pf::kMaxStatsGroups, "prefill_tc_applies let G = ", p.groups,
+                          " through");
+    StatsOut st;
+    st.mass = r.mass.defined() ? r.mass.data_ptr<float>() : nullptr;
+    st.last = r.last.defined() ? r.last.data_ptr<float>() : nullptr;
+    st.sum_sq = r.sum_sq.defined() ? r.sum_sq.data_ptr<float>() : nullptr;
+    st.count = r.count.defined() ? r.count.data_ptr<int32_t>() : nullptr;
+    st.padded_log2 = padded_log2;
+    st.stats_tiles = pf::stats_tiles(static_cast<int>(n), padded_log2);  // n Gp < 2 G n: within int32
+    st.block_tiles = static_cast<int32_t>(row_tiles);
+    st.inv_groups = 1.f / static_cast<float>(p.groups);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_stats<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, SL::kBytes));
+    prefill_stats<T, D><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, SL::kBytes, stream>>>(prm, st);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 template <typename T>
@@ -502,7 +797,8 @@ bool prefill_tc_applies(const Problem& p, const Result& r) {
   const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
   const at::ScalarType t = p.q.scalar_type();
   const int64_t D = p.q.size(3);
-  return prefill_tc_enabled() && p.q.is_cuda() && !stats && (t == at::kHalf || t == at::kBFloat16) &&
+  return prefill_tc_enabled() && p.q.is_cuda() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
+         (t == at::kHalf || t == at::kBFloat16) &&
          (D == 64 || D == 128) && p.groups * p.q.size(2) >= kPrefillTcMinRows;
 }
 

@@ -104,6 +104,60 @@ KVCACHE_PREFILL_HD inline float merge_scale(float m_split, float m_all) {
 }
 KVCACHE_PREFILL_HD inline float inverse_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
 
+// The merged state of a row as its log-sum-exp lse = m + log2(l) (base 2), kept for the
+// statistics pass: p = exp2(logit - lse). A row that saw no token gets +inf, so that every
+// weight of it is exp2(x - inf) = 0 (x finite, or -inf when masked) with no branch.
+KVCACHE_PREFILL_HD inline float row_lse(float m, float l) { return l > 0.f ? m + log2f(l) : INFINITY; }
+KVCACHE_PREFILL_HD inline float stats_weight(float logit, float lse) { return exp2f(logit - lse); }
+
+// ---------------------------------------------------------------------------------------
+// The statistics pass (prefill_stats in prefill_cuda.cu)
+//
+// After the merge, a block owns a KV tile of kTileN tokens of one split (each warp 16 of
+// them) and walks the segment's queries in M tiles of kTileM rows, recomputing the
+// probabilities from the saved lse (as FlashAttention-2's backward does): S^T = K Q^T by
+// mma.sync, K the A operand (ldmatrix_q's map on the K tile), Q the B operand (ldmatrix_k's
+// map on the Q tile), so that a lane's C fragment holds two tokens (rows lane / 4 and
+// lane / 4 + 8) and, per n-block of 8 query rows, columns 2 (lane % 4) and 2 (lane % 4) + 1.
+// Each token's sums stay in registers; the quad adds them at the end and its first lane
+// stores them once (the block owns the tile: no atomics, no read-modify-write).
+//
+// Rows of the pass: a query's G heads are padded to Gp = the power of two >= G rows, stats
+// row P = i * Gp + g (rows g >= G dead), so that a query's heads fill an aligned block of Gp
+// adjacent rows: within a lane (the two columns of an n-block, Gp >= 2), then over
+// group_lanes(Gp) neighbouring lanes of the quad (shfl_xor 1, 2) and group_nblocks(Gp)
+// consecutive n-blocks. The mean over heads, squared, needs no shared memory for any G up to
+// kMaxStatsGroups (a query within one M tile). Padding costs (Gp - G) / Gp of the pass's mma
+// work (G = 3, 6: 1/4; G = 7: 1/8; G = 1, 2, 4, 8: none).
+constexpr int kMaxStatsGroups = kTileM;
+
+// log2 of Gp (shifts and masks, not divisions, in the kernel's inner loop).
+KVCACHE_PREFILL_HD inline int padded_groups_log2(int groups) {
+  int lg = 0;
+  while ((1 << lg) < groups) ++lg;
+  return lg;
+}
+struct StatsRow {
+  int g, i;
+  bool live;  // a head of the group (g < G) of a query of the block (i < n)
+};
+KVCACHE_PREFILL_HD inline StatsRow stats_row(int row, int padded_log2, int groups, int n) {
+  const int g = row & ((1 << padded_log2) - 1), i = row >> padded_log2;
+  return {g, i, g < groups && i < n};
+}
+KVCACHE_PREFILL_HD inline int stats_tiles(int n, int padded_log2) {
+  return static_cast<int>(((static_cast<int64_t>(n) << padded_log2) + kTileM - 1) / kTileM);
+}
+// The M tile that holds the last query's rows (all of them: Gp divides kTileM).
+KVCACHE_PREFILL_HD inline int last_query_tile(int n, int padded_log2) {
+  return static_cast<int>((static_cast<int64_t>(n - 1) << padded_log2) / kTileM);
+}
+// Lanes of a quad whose columns hold one query's rows: Gp = 1 (every column a query) and
+// 2 (the lane's two columns): one; Gp = 4: two; Gp >= 8: the whole quad.
+KVCACHE_PREFILL_HD inline int group_lanes(int padded) { return padded <= 2 ? 1 : padded == 4 ? 2 : 4; }
+// Consecutive n-blocks of 8 rows one query spans: one up to Gp = 8, Gp / 8 beyond.
+KVCACHE_PREFILL_HD inline int group_nblocks(int padded) { return padded <= 8 ? 1 : padded / 8; }
+
 // ---------------------------------------------------------------------------------------
 // mma.sync.aligned.m16n8k16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
 // lane = 4 * group + quad_lane; every register holds two 16-bit elements (A, B) or one fp32
@@ -153,6 +207,24 @@ KVCACHE_PREFILL_HD inline RowCol ldmatrix_k(int lane, int n0, int k0) {
 // the n-block n0, then of n0 + 8.
 KVCACHE_PREFILL_HD inline RowCol ldmatrix_v(int lane, int k0, int n0) {
   return {k0 + lane % 8 + 8 * ((lane / 8) % 2), n0 + 8 * (lane / 16)};
+}
+
+// ---------------------------------------------------------------------------------------
+// Pages of a KV tile: the tile's tokens [t0, t0 + len) lie in entries first .. first + count - 1
+// of the segment's page table. The kernels stage those pages' base addresses in shared memory
+// once per tile (one table and one page-base load per page, not per row) and find each row's
+// page there. At most ceil((kTileN - 1) / P) + 1 of them for pages of P tokens: kTileN at P = 1.
+struct TilePages {
+  int64_t first;
+  int count;
+};
+KVCACHE_PREFILL_HD inline TilePages tile_pages(int64_t t0, int len, int shift) {
+  const int64_t first = t0 >> shift;
+  return {first, len > 0 ? static_cast<int>(((t0 + len - 1) >> shift) - first + 1) : 0};
+}
+// Index into the staged pages of row `row` of the tile.
+KVCACHE_PREFILL_HD inline int tile_page_of(int64_t t0, int row, int64_t first, int shift) {
+  return static_cast<int>(((t0 + row) >> shift) - first);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -146,7 +147,7 @@ struct Problem {
 
 template <typename T>
 Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int shift, bool causal,
-                     bool shuffled_positions, int max_len) {
+                     bool shuffled_positions, int max_len, bool edge_segments = false) {
   Problem p{B, H, G, n, D, shift, 1.f / std::sqrt(static_cast<float>(D)), causal};
   const int S = B * H;
   const int P = 1 << shift;
@@ -155,6 +156,10 @@ Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int s
     const int kind = static_cast<int>(kvtest::uniform_int(rng, 0, 5));  // empty, one, short, long
     p.len[s] = kind == 0 ? 0 : kind == 1 ? 1 : kind == 2 ? static_cast<int>(kvtest::uniform_int(rng, 2, 70))
                                                        : static_cast<int>(kvtest::uniform_int(rng, 2, max_len));
+  }
+  if (edge_segments && S >= 3) {  // an empty and a one-token segment whatever the draw gave
+    p.len[0] = 0;
+    p.len[S - 1] = 1;
   }
   int32_t longest = 1;
   for (int32_t l : p.len) longest = std::max(longest, l);
@@ -199,6 +204,27 @@ Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int s
   }
   return p;
 }
+
+// The kernels' page list of a KV tile [t0, t0 + len) of segment s: the pages' addresses
+// staged once (tile_pages), each row's page found in the list (tile_page_of) rather than in
+// the page table. at() throws on an index outside the list.
+struct StagedPages {
+  std::vector<const char*> base;
+  int64_t t0, first, mask;
+  int shift;
+  store::PageRecord record;
+  StagedPages(const Problem& p, int s, int64_t tile_t0, int len)
+      : t0(tile_t0), mask((int64_t{1} << p.shift) - 1), shift(p.shift), record(p.record) {
+    const pf::TilePages tp = pf::tile_pages(t0, len, shift);
+    EXPECT_LE(tp.count, pf::kTileN);
+    first = tp.first;
+    for (int c = 0; c < tp.count; ++c)
+      base.push_back(reinterpret_cast<const char*>(p.page_base[p.table[s * p.width + tp.first + c]]));
+  }
+  const char* row(int part, int r) const {
+    return base.at(pf::tile_page_of(t0, r, first, shift)) + record.offset[part] + ((t0 + r) & mask) * record.row_bytes[part];
+  }
+};
 
 // float64 attention of the bf16 / fp16 values: out [B, Hq, n, D].
 template <typename T>
@@ -253,7 +279,6 @@ template <typename T>
 void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m, float* part_l,
                    float* part_o, Counters& count) {
   const int D = p.D, R = p.rows(), b = s / p.H;
-  const store::PagedView v = p.view();
   const float scale_log2 = p.scale * 1.4426950408889634f;
 
   // Q tile, swizzled; rows past R are zeros.
@@ -293,13 +318,14 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN) {
     const int tile_len = std::min(pf::kTileN, split.end - t0);
     ++count.tiles;
+    const StagedPages pages(p, s, t0, tile_len);
     // cp.async: live rows copied, rows past the split zero-filled.
     for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
       const pf::RowCol at = pf::copy_chunk(idx, D);
       const int off = pf::smem_offset(at.row, at.col, D);
       if (at.row < tile_len) {
-        std::memcpy(k_smem.data() + off, v.token(store::kK, s, t0 + at.row) + at.col * 2, 16);
-        std::memcpy(v_smem.data() + off, v.token(store::kV, s, t0 + at.row) + at.col * 2, 16);
+        std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
+        std::memcpy(v_smem.data() + off, pages.row(store::kV, at.row) + at.col * 2, 16);
       } else {
         std::memset(k_smem.data() + off, 0, 16);
         std::memset(v_smem.data() + off, 0, 16);
@@ -307,7 +333,7 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
     }
     int32_t min_pos = INT32_MAX;
     for (int j = 0; j < pf::kTileN; ++j) {
-      if (j < tile_len) std::memcpy(&pos[j], v.token(store::kPos, s, t0 + j), 4);
+      if (j < tile_len) std::memcpy(&pos[j], pages.row(store::kPos, j), 4);
       if (j < tile_len) min_pos = std::min(min_pos, pos[j]);
     }
     if (p.causal && !pf::tile_needed(min_pos, max_query_pos)) {
@@ -393,9 +419,11 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
       }
 }
 
-// The whole kernel: every (split, M tile) block, then the merge. Returns out [B, Hq, n, D].
+// The whole kernel: every (split, M tile) block, then the merge. Returns out [B, Hq, n, D];
+// lse, when given, gets each (segment, packed row)'s merged log-sum-exp ([S, R]), as the
+// merge kernel keeps it for the statistics pass.
 template <typename T>
-std::vector<float> emulate(const Problem& p, int64_t sms, Counters& count) {
+std::vector<float> emulate(const Problem& p, int64_t sms, Counters& count, std::vector<float>* lse = nullptr) {
   std::vector<Split> splits;
   std::vector<int32_t> first;
   const int R = p.rows(), D = p.D;
@@ -414,6 +442,7 @@ std::vector<float> emulate(const Problem& p, int64_t sms, Counters& count) {
   }
   // The merge kernel: one thread per (segment, packed row, d).
   std::vector<float> out(p.q.size(), NAN);
+  if (lse) lse->assign(static_cast<size_t>(p.S()) * R, NAN);
   for (int s = 0; s < p.S(); ++s) count.merged_segments += first[s + 1] - first[s] > 1 ? 1 : 0;
   for (int s = 0; s < p.S(); ++s)
     for (int prow = 0; prow < R; ++prow) {
@@ -424,6 +453,7 @@ std::vector<float> emulate(const Problem& p, int64_t sms, Counters& count) {
         st.l += part_l[pr] * pf::merge_scale(part_m[pr], st.m);
       }
       const float inv_l = pf::inverse_sum(st.l);
+      if (lse) (*lse)[static_cast<size_t>(s) * R + prow] = pf::row_lse(st.m, st.l);
       for (int d = 0; d < D; ++d) {
         float sum = 0.f;
         if (inv_l > 0.f) {
@@ -461,6 +491,289 @@ void expect_matches_reference(std::mt19937& rng, int B, int H, int G, int n, int
                         << " page " << (1 << shift) << " causal " << causal << " shuffled " << shuffled
                         << ": worst at " << worst_at;
 }
+
+// ---------------------------------------------------------------------------------------
+// The statistics pass (prefill_stats), emulated, against float64 statistics
+
+// Statistics in slot layout, as the op hands them to the kernel (zero-filled), with the
+// number of stores each slot received (the pass must store each live slot exactly once).
+struct SlotStats {
+  std::vector<double> mass, last, sum_sq;  // [capacity], [capacity, G], [capacity]
+  std::vector<int32_t> count;              // [capacity]
+  std::vector<int> stores, last_stores;    // [capacity], [capacity, G]
+  SlotStats(int64_t capacity, int G)
+      : mass(capacity, 0.0), last(capacity * G, 0.0), sum_sq(capacity, 0.0), count(capacity, 0),
+        stores(capacity, 0), last_stores(capacity * G, 0) {}
+};
+
+int64_t capacity_of(const Problem& p) { return static_cast<int64_t>(p.pages.size()) << p.shift; }
+
+// The definitions of attention_kernels.h (kvcache_ext.reference): p of every (g, i, token),
+// masked slots 0, a row that sees nothing all 0.
+template <typename T>
+SlotStats reference_stats(const Problem& p) {
+  const store::PagedView v = p.view();
+  SlotStats st(capacity_of(p), p.G);
+  for (int s = 0; s < p.S(); ++s) {
+    const int b = s / p.H, L = p.len[s];
+    std::vector<int32_t> pos(L);
+    for (int l = 0; l < L; ++l) std::memcpy(&pos[l], v.token(store::kPos, s, l), 4);
+    std::vector<double> group(static_cast<size_t>(p.n) * L, 0.0);  // [i, l]: sum over g of p
+    for (int g = 0; g < p.G; ++g)
+      for (int i = 0; i < p.n; ++i) {
+        const int64_t row = (static_cast<int64_t>(s) * p.G + g) * p.n + i;
+        std::vector<double> logit(L, -INFINITY);
+        double m = -INFINITY;
+        for (int l = 0; l < L; ++l) {
+          if (!pf::visible(pos[l], p.query_pos(b, i))) continue;
+          const auto* k = reinterpret_cast<const uint16_t*>(v.token(store::kK, s, l));
+          double dot = 0.0;
+          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[row * p.D + d])) * from_bits<T>(k[d]);
+          logit[l] = dot * p.scale;
+          m = std::max(m, logit[l]);
+        }
+        double sum = 0.0;
+        for (int l = 0; l < L; ++l) sum += m == -INFINITY || logit[l] == -INFINITY ? 0.0 : std::exp(logit[l] - m);
+        for (int l = 0; l < L; ++l) {
+          const double prob = sum > 0.0 && logit[l] != -INFINITY ? std::exp(logit[l] - m) / sum : 0.0;
+          const int64_t slot = v.slot(s, l);
+          st.mass[slot] += prob;
+          group[static_cast<size_t>(i) * L + l] += prob;
+          if (i == p.n - 1) st.last[slot * p.G + g] = prob;
+        }
+      }
+    for (int l = 0; l < L; ++l) {
+      const int64_t slot = v.slot(s, l);
+      for (int i = 0; i < p.n; ++i) {
+        const double mean = group[static_cast<size_t>(i) * L + l] / p.G;
+        st.sum_sq[slot] += mean * mean;
+        st.count[slot] += pf::visible(pos[l], p.query_pos(b, i)) ? 1 : 0;
+      }
+    }
+  }
+  return st;
+}
+
+struct StatsCounters {
+  int tiles = 0, skipped_warp_tiles = 0, strided_tiles = 0;  // strided: a block's second tile or later
+  std::set<int> padded;  // the Gp the pass ran with
+};
+
+// A mutation the test must catch: the query grouping of sum_sq one step too narrow (the two
+// halves of a query's heads squared apart).
+enum class StatsMutation { kNone, kNarrowGroups };
+
+// Block (w, first_tile) of prefill_stats, lane by lane; lse: [S, R] from the merge.
+template <typename T>
+void emulate_stats_block(const Problem& p, int s, Split split, int first_tile, int block_tiles,
+                         const std::vector<float>& lse, SlotStats& out, StatsCounters& count,
+                         StatsMutation mutation) {
+  const int D = p.D, G = p.G, n = p.n, b = s / p.H;
+  const store::PagedView v = p.view();
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const int lp = pf::padded_groups_log2(G), Gp = 1 << lp;
+  const int gl = mutation == StatsMutation::kNarrowGroups ? pf::group_lanes(std::max(1, Gp / 2)) : pf::group_lanes(Gp);
+  const int gn = mutation == StatsMutation::kNarrowGroups ? pf::group_nblocks(std::max(1, Gp / 2)) : pf::group_nblocks(Gp);
+  const int tiles_m = pf::stats_tiles(n, lp), last_tile = pf::last_query_tile(n, lp);
+  const float inv_groups = 1.f / static_cast<float>(G);
+  count.padded.insert(Gp);
+  const int ksteps = D / 16;
+
+  bool first = true;
+  for (int t0 = split.begin + first_tile * pf::kTileN; t0 < split.end; t0 += block_tiles * pf::kTileN) {
+    const int tile_len = std::min(pf::kTileN, split.end - t0);
+    ++count.tiles;
+    count.strided_tiles += first ? 0 : 1;
+    first = false;
+    const StagedPages pages(p, s, t0, tile_len);
+    Smem k_smem(pf::kTileN * D * 2);
+    std::vector<int32_t> pos(pf::kTileN, 0);
+    for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
+      const pf::RowCol at = pf::copy_chunk(idx, D);
+      const int off = pf::smem_offset(at.row, at.col, D);
+      if (at.row < tile_len) std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
+      else std::memset(k_smem.data() + off, 0, 16);
+    }
+    for (int j = 0; j < tile_len; ++j)
+      if (p.causal) std::memcpy(&pos[j], pages.row(store::kPos, j), 4);
+
+    // Per warp, per lane: K as A fragments, the lane's two tokens, the warp's least position.
+    std::vector<std::vector<std::vector<AFrag>>> kf(pf::kWarps, std::vector<std::vector<AFrag>>(ksteps, std::vector<AFrag>(32)));
+    for (int w = 0; w < pf::kWarps; ++w)
+      for (int kk = 0; kk < ksteps; ++kk) {
+        const auto regs = ldmatrix_x4(k_smem, D, false, [&](int l) { return pf::ldmatrix_q(l, 16 * w, 16 * kk); });
+        for (int lane = 0; lane < 32; ++lane)
+          for (int j = 0; j < 4; ++j)
+            for (int e = 0; e < 2; ++e) kf[w][kk][lane][j][e] = from_bits<T>(regs[lane][j][e]);
+      }
+    std::vector<int32_t> warp_min_pos(pf::kWarps, INT32_MAX);
+    for (int w = 0; w < pf::kWarps; ++w)
+      for (int j = 16 * w; j < 16 * w + 16; ++j)
+        if (p.causal && j < tile_len) warp_min_pos[w] = std::min(warp_min_pos[w], pos[j]);
+    auto token_of = [&](int w, int lane, int h) { return 16 * w + lane / 4 + 8 * h; };
+    std::vector<std::vector<std::array<float, 2>>> mass(pf::kWarps, std::vector<std::array<float, 2>>(32, {0.f, 0.f}));
+    auto sum_sq = mass;
+    std::vector<std::vector<std::array<int32_t, 2>>> seen(pf::kWarps, std::vector<std::array<int32_t, 2>>(32, {0, 0}));
+
+    for (int mt = 0; mt < tiles_m; ++mt) {
+      Smem q_smem(pf::kTileM * D * 2);
+      std::vector<float> row_lse(pf::kTileM);
+      std::vector<int32_t> row_qpos(pf::kTileM);
+      for (int idx = 0; idx < pf::kTileM * D / pf::kChunkElems; ++idx) {
+        const pf::RowCol at = pf::copy_chunk(idx, D);
+        const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + at.row, lp, G, n);
+        const int off = pf::smem_offset(at.row, at.col, D);
+        if (row.live) std::memcpy(q_smem.data() + off, p.q.data() + pf::q_row(s, pf::packed_row(row.g, row.i, G), G, n) * D + at.col, 16);
+        else std::memset(q_smem.data() + off, 0, 16);
+      }
+      for (int r = 0; r < pf::kTileM; ++r) {
+        const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + r, lp, G, n);
+        row_lse[r] = row.live ? lse[static_cast<size_t>(s) * p.rows() + pf::packed_row(row.g, row.i, G)] : INFINITY;
+        row_qpos[r] = !row.live ? INT32_MIN : p.query_pos(b, row.i);
+      }
+      const int32_t max_query_pos = *std::max_element(row_qpos.begin(), row_qpos.end());
+      for (int w = 0; w < pf::kWarps; ++w) {
+        if (p.causal && !pf::tile_needed(warp_min_pos[w], max_query_pos)) {
+          ++count.skipped_warp_tiles;
+          continue;
+        }
+        // S^T = K Q^T: n-blocks of 8 query rows.
+        std::vector<std::vector<CFrag>> sc(pf::kTileM / 8, std::vector<CFrag>(32, CFrag{}));
+        for (int k2 = 0; k2 < D / 32; ++k2)
+          for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
+            const auto regs = ldmatrix_x4(q_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, 8 * nb, 32 * k2); });
+            for (int half = 0; half < 2; ++half) {
+              std::vector<BFrag> bf(32);
+              for (int lane = 0; lane < 32; ++lane)
+                for (int r = 0; r < 2; ++r)
+                  for (int e = 0; e < 2; ++e) bf[lane][r][e] = from_bits<T>(regs[lane][2 * half + r][e]);
+              mma(sc[nb], kf[w][2 * k2 + half], bf);
+            }
+          }
+        for (int lane = 0; lane < 32; ++lane)
+          for (int nb = 0; nb < pf::kTileM / 8; ++nb)
+            for (int c = 0; c < 4; ++c) {
+              const int h = c / 2, j = token_of(w, lane, h);
+              const int col = 8 * nb + pf::mma_c(lane, c).col;
+              const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + col, lp, G, n);
+              const bool vis = j < tile_len && row.live && (!p.causal || pf::visible(pos[j], row_qpos[col]));
+              const float prob = vis ? pf::stats_weight(sc[nb][lane][c] * scale_log2, row_lse[col]) : 0.f;
+              sc[nb][lane][c] = prob;
+              mass[w][lane][h] += prob;
+              seen[w][lane][h] += vis && row.g == 0 ? 1 : 0;
+              if (mt == last_tile && j < tile_len && row.live && row.i == n - 1) {
+                const int64_t at = v.slot(s, t0 + j) * G + row.g;
+                out.last[at] = prob;
+                ++out.last_stores[at];
+              }
+            }
+        for (int h = 0; h < 2; ++h) {
+          if (Gp == 1) {
+            for (int lane = 0; lane < 32; ++lane)
+              for (int nb = 0; nb < pf::kTileM / 8; ++nb)
+                sum_sq[w][lane][h] += sc[nb][lane][2 * h] * sc[nb][lane][2 * h] + sc[nb][lane][2 * h + 1] * sc[nb][lane][2 * h + 1];
+            continue;
+          }
+          std::array<float, 32> part{};
+          for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
+            for (int lane = 0; lane < 32; ++lane) part[lane] += sc[nb][lane][2 * h] + sc[nb][lane][2 * h + 1];
+            if (((nb + 1) & (gn - 1)) != 0) continue;  // the kernel's mask
+            for (int off = 1; off < gl; off *= 2) {  // shfl_xor 1 (gl >= 2), 2 (gl >= 4)
+              const std::array<float, 32> before = part;
+              for (int lane = 0; lane < 32; ++lane) part[lane] = before[lane] + before[lane ^ off];
+            }
+            for (int lane = 0; lane < 32; ++lane) {
+              const float mean = part[lane] * inv_groups;
+              if ((lane & (gl - 1)) == 0) sum_sq[w][lane][h] += mean * mean;
+            }
+            part.fill(0.f);
+          }
+        }
+      }
+    }
+    // The quad's sums (shfl_xor 1, 2), stored by its first lane.
+    for (int w = 0; w < pf::kWarps; ++w)
+      for (int lane = 0; lane < 32; lane += 4)
+        for (int h = 0; h < 2; ++h) {
+          const int j = token_of(w, lane, h);
+          if (j >= tile_len) continue;
+          float m = 0.f, sq = 0.f;
+          int32_t c = 0;
+          for (int q = lane; q < lane + 4; ++q) {
+            m += mass[w][q][h];
+            sq += sum_sq[w][q][h];
+            c += seen[w][q][h];
+          }
+          const int64_t slot = v.slot(s, t0 + j);
+          out.mass[slot] = m;
+          out.sum_sq[slot] = sq;
+          out.count[slot] = c;
+          ++out.stores[slot];
+        }
+  }
+}
+
+// The forward pass (for the lse), then every block of the statistics grid: W splits times
+// block_tiles = the forward's M tiles.
+template <typename T>
+SlotStats emulate_stats(const Problem& p, int64_t sms, StatsCounters& count, StatsMutation mutation) {
+  Counters forward;
+  std::vector<float> lse;
+  emulate<T>(p, sms, forward, &lse);
+  std::vector<Split> splits;
+  std::vector<int32_t> first;
+  const int block_tiles = pf::row_tiles(p.rows());
+  plan_splits(p.len, block_tiles, sms, splits, first);
+  SlotStats out(capacity_of(p), p.G);
+  for (int w = 0; w < static_cast<int>(splits.size()); ++w) {
+    const int s = splits[w].segment;
+    const Split sp = effective_split(splits[w], w, first.data(), p.len[s]);
+    for (int k = 0; k < block_tiles; ++k) emulate_stats_block<T>(p, s, sp, k, block_tiles, lse, out, count, mutation);
+  }
+  return out;
+}
+
+// Worst error of the four statistics over the live slots (relative to max(1, |want|)), and
+// whether every live slot was stored exactly once and no dead slot at all.
+struct StatsError {
+  double mass = 0, last = 0, sum_sq = 0;
+  int64_t count_mismatches = 0, bad_stores = 0, live_slots = 0;
+};
+
+template <typename T>
+StatsError stats_error(const Problem& p, const SlotStats& got, const SlotStats& want) {
+  StatsError e;
+  const store::PagedView v = p.view();
+  std::vector<bool> live(got.mass.size(), false);
+  for (int s = 0; s < p.S(); ++s)
+    for (int l = 0; l < p.len[s]; ++l) live[v.slot(s, l)] = true;
+  auto err = [](double g, double w) {
+    const double d = std::abs(g - w) / std::max(1.0, std::abs(w));
+    return std::isnan(d) ? INFINITY : d;
+  };
+  for (size_t slot = 0; slot < live.size(); ++slot) {
+    if (!live[slot]) {
+      e.bad_stores += got.stores[slot] != 0 ? 1 : 0;
+      for (int g = 0; g < p.G; ++g) e.bad_stores += got.last_stores[slot * p.G + g] != 0 ? 1 : 0;
+      continue;
+    }
+    ++e.live_slots;
+    e.bad_stores += got.stores[slot] != 1 ? 1 : 0;
+    e.mass = std::max(e.mass, err(got.mass[slot], want.mass[slot]));
+    e.sum_sq = std::max(e.sum_sq, err(got.sum_sq[slot], want.sum_sq[slot]));
+    e.count_mismatches += got.count[slot] != want.count[slot] ? 1 : 0;
+    for (int g = 0; g < p.G; ++g) {
+      e.bad_stores += got.last_stores[slot * p.G + g] > 1 ? 1 : 0;  // 0: its tile was skipped (p = 0)
+      e.last = std::max(e.last, err(got.last[slot * p.G + g], want.last[slot * p.G + g]));
+    }
+  }
+  return e;
+}
+
+// fp32 probabilities of exact bf16 / fp16 products against float64: the logits differ by fp32
+// rounding only (the mma sums products exactly representable in fp32). Measured worst about
+// 2e-7 (relative to max(1, |want|)); the mutation gives about 0.45.
+constexpr double kStatsTol = 1e-5;
 
 TEST(PrefillTiles, SwizzleIsABijectionOfEachRow) {
   for (int D : {64, 128}) {
@@ -564,5 +877,102 @@ void run_emulation_cases(uint32_t seed) {
 
 TEST(PrefillTiles, EmulatedKernelMatchesFloat64ReferenceBf16) { run_emulation_cases<c10::BFloat16>(43); }
 TEST(PrefillTiles, EmulatedKernelMatchesFloat64ReferenceFp16) { run_emulation_cases<c10::Half>(44); }
+
+template <typename T>
+void run_stats_cases(uint32_t seed) {
+  std::mt19937 rng(seed);
+  StatsCounters count;
+  int64_t live_slots = 0;
+  struct Case {
+    int B, H, G, n, D, shift;
+    bool causal, shuffled;
+    int64_t sms;
+    int max_len;
+  };
+  const Case cases[] = {
+      {1, 4, 1, 70, 64, 0, true, false, 2, 400},     // G = 1, pages of one token, 2 M tiles
+      {2, 3, 2, 40, 128, 4, true, true, 1, 400},     // G = 2, positions out of token order
+      {2, 3, 4, 37, 128, 5, true, false, 1, 400},    // G = 4, 3 M tiles, a partial one
+      {2, 3, 4, 16, 64, 4, false, false, 1, 400},    // no q_pos: count = n, no skip
+      {3, 2, 8, 5, 64, 2, true, false, 4, 400},      // G = 8, n small: a partial M tile
+      {2, 3, 3, 23, 64, 4, true, false, 1, 300},     // G = 3 padded to 4 rows a query
+      {1, 4, 12, 9, 64, 4, true, false, 1, 300},     // G = 12 padded to 16: a query over 2 n-blocks
+      {1, 4, 4, 24, 128, 4, true, false, 1, 1500},   // long segments: splits of many KV tiles
+  };
+  for (const Case& c : cases) {
+    const Problem p = make_problem<T>(rng, c.B, c.H, c.G, c.n, c.D, c.shift, c.causal, c.shuffled, c.max_len,
+                                      /*edge_segments=*/true);
+    const SlotStats want = reference_stats<T>(p);
+    const StatsError e = stats_error<T>(p, emulate_stats<T>(p, c.sms, count, StatsMutation::kNone), want);
+    const std::string what = "B " + std::to_string(c.B) + " H " + std::to_string(c.H) + " G " + std::to_string(c.G) +
+                             " n " + std::to_string(c.n) + " D " + std::to_string(c.D) + " page " +
+                             std::to_string(1 << c.shift) + " causal " + std::to_string(c.causal);
+    live_slots += e.live_slots;
+    EXPECT_LE(e.mass, kStatsTol) << what;
+    EXPECT_LE(e.last, kStatsTol) << what;
+    EXPECT_LE(e.sum_sq, kStatsTol) << what;
+    EXPECT_EQ(e.count_mismatches, 0) << what;
+    EXPECT_EQ(e.bad_stores, 0) << what << ": a live slot not stored exactly once, or a dead one stored";
+    // The test can fail: sum_sq with a query's heads split in two groups (Gp >= 4).
+    if (c.G >= 3) {
+      const StatsError bad = stats_error<T>(p, emulate_stats<T>(p, c.sms, count, StatsMutation::kNarrowGroups), want);
+      EXPECT_GT(bad.sum_sq, 10 * kStatsTol) << what << ": the wrong grouping went unnoticed";
+      EXPECT_LE(bad.mass, kStatsTol) << what;
+    }
+  }
+  EXPECT_GT(live_slots, 2000) << "too few live slots to say much";
+  EXPECT_GT(count.tiles, 100);
+  EXPECT_GT(count.skipped_warp_tiles, 0) << "the causal skip of the statistics pass is untested";
+  EXPECT_GT(count.strided_tiles, 0) << "no block walked several KV tiles of its split";
+  EXPECT_EQ(count.padded, (std::set<int>{1, 2, 4, 8, 16}));
+}
+
+TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceBf16) { run_stats_cases<c10::BFloat16>(45); }
+TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceFp16) { run_stats_cases<c10::Half>(46); }
+
+TEST(PrefillTiles, TilePagesListEachPageOfATileOnce) {
+  for (int shift = 0; shift <= 7; ++shift)
+    for (int64_t t0 : {0, 1, 63, 64, 100, 127, 128, 1000})
+      for (int len = 1; len <= pf::kTileN; ++len) {
+        const pf::TilePages tp = pf::tile_pages(t0, len, shift);
+        const int P = 1 << shift;
+        EXPECT_LE(tp.count, (pf::kTileN - 1 + P - 1) / P + 1);  // ceil((kTileN - 1) / P) + 1: kTileN at P = 1
+        std::set<int> used;
+        for (int r = 0; r < len; ++r) {
+          const int c = pf::tile_page_of(t0, r, tp.first, shift);
+          ASSERT_GE(c, 0);
+          ASSERT_LT(c, tp.count);
+          EXPECT_EQ(tp.first + c, (t0 + r) >> shift);
+          used.insert(c);
+        }
+        EXPECT_EQ(static_cast<int>(used.size()), tp.count) << "a staged page no row reads";
+      }
+  EXPECT_EQ(pf::tile_pages(5, 0, 4).count, 0);
+}
+
+TEST(PrefillTiles, StatsRowsPadEachQueryToAPowerOfTwo) {
+  for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16, 33, 64}) {
+    const int lp = pf::padded_groups_log2(G), Gp = 1 << lp;
+    EXPECT_GE(Gp, G);
+    EXPECT_LT(Gp, 2 * G);
+    EXPECT_EQ(pf::kTileM % Gp, 0) << "a query's rows must not straddle M tiles";
+    // The lanes and n-blocks of a group cover exactly Gp columns of the C fragment (two per
+    // lane and n-block; Gp = 1 squares each column alone).
+    if (Gp >= 2) {
+      EXPECT_EQ(2 * pf::group_lanes(Gp) * pf::group_nblocks(Gp), Gp);
+    }
+    const int n = 11;
+    int live = 0;
+    for (int row = 0; row < pf::stats_tiles(n, lp) * pf::kTileM; ++row) {
+      const pf::StatsRow r = pf::stats_row(row, lp, G, n);
+      live += r.live ? 1 : 0;
+      if (r.live) {
+        EXPECT_EQ(row, r.i * Gp + r.g);
+      }
+    }
+    EXPECT_EQ(live, G * n);
+    EXPECT_EQ(pf::last_query_tile(n, lp), ((n - 1) * Gp) / pf::kTileM);
+  }
+}
 
 }  // namespace
