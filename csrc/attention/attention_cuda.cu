@@ -48,14 +48,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <vector>
 
 #include "attention/attention_kernels.h"
 #include "attention/attention_plan.h"
 #include "attention/cuda_head_dims.h"
 #include "attention/merge_states.h"
+#include "common/occupancy.h"
 
 namespace kvcache_ext::attention {
 
@@ -665,23 +664,13 @@ int rows_per_block(int64_t rows) {
   return rb;
 }
 
-// Blocks of attend_split an SM holds at once, for the waves of plan_splits: asked of the
-// runtime once per device and rows per block. The plan does not know the call's dtype and
-// head_dim, so it takes bf16 at head_dim 128, the commonest; for another instantiation that
-// holds a different number of blocks per SM the waves are only approximately whole.
+// Blocks of attend_split an SM holds at once, for the waves of plan_splits. The plan does
+// not know the call's dtype and head_dim, so it takes bf16 at head_dim 128, the commonest; for
+// another instantiation that holds a different number of blocks per SM the waves are only
+// approximately whole.
 template <int RB>
 int attend_blocks_per_sm(int device) {
-  static std::mutex lock;
-  static std::map<int, int> known;
-  const std::lock_guard<std::mutex> guard(lock);
-  auto it = known.find(device);
-  if (it == known.end()) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, attend_split<at::BFloat16, 128, RB>, kThreads, 0));
-    it = known.emplace(device, std::max(per_sm, 1)).first;
-  }
-  return it->second;
+  return std::max(resident_blocks_per_sm(attend_split<at::BFloat16, 128, RB>, device, kThreads), 1);
 }
 
 // The plan of attention_plan (ops.h) on the device (layout: attention/attention_plan.h); one

@@ -32,9 +32,8 @@
 #include <climits>
 #include <cstdint>
 #include <limits>
-#include <map>
-#include <mutex>
 
+#include "common/occupancy.h"
 #include "select/radix_select.h"
 #include "select/topk.h"
 #include "store/paged_layout.h"
@@ -265,21 +264,11 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(Source src, Problem p) {
   });
 }
 
-// CTAs of the team kernel an SM holds at once, asked of the runtime once per device (per
-// Source: one instantiation each), not on every selection of every layer's eviction.
+// CTAs of the team kernel an SM holds at once (common/occupancy.h: asked once per device and
+// Source, not on every selection of every layer's eviction).
 template <typename Source>
 int team_blocks_per_sm(int device) {
-  static std::mutex lock;
-  static std::map<int, int> known;
-  const std::lock_guard<std::mutex> guard(lock);
-  auto it = known.find(device);
-  if (it == known.end()) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, topk_kernel<Source, true>, kThreads, 0));
-    it = known.emplace(device, per_sm).first;
-  }
-  return it->second;
+  return resident_blocks_per_sm(topk_kernel<Source, true>, device, kThreads);
 }
 
 template <typename Source>

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <utility>
 
+#include "common/occupancy.h"
 #include "store/compact_schedule.h"
 #include "store/store_kernels.h"
 
@@ -633,7 +634,6 @@ struct CompactLaunchConfig {
 CompactLaunchConfig compact_launch_config(int device, int64_t smem) {
   static std::mutex lock;
   static std::map<int, int64_t> static_smem, allowed;
-  static std::map<std::pair<int, int64_t>, int> blocks_per_sm;
   const std::lock_guard<std::mutex> guard(lock);
   if (!static_smem.count(device)) {
     cudaFuncAttributes attributes{};
@@ -647,14 +647,8 @@ CompactLaunchConfig compact_launch_config(int device, int64_t smem) {
                                           static_cast<int>(smem)));
       allowed[device] = smem;
     }
-    const auto key = std::make_pair(device, smem);
-    if (!blocks_per_sm.count(key)) {
-      int n = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, compact_kernel, kCompactThreads,
-                                                                   static_cast<size_t>(smem)));
-      blocks_per_sm[key] = n;
-    }
-    config.blocks_per_sm = blocks_per_sm[key];
+    config.blocks_per_sm =
+        resident_blocks_per_sm(compact_kernel, device, kCompactThreads, static_cast<size_t>(smem));
   }
   return config;
 }
