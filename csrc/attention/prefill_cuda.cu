@@ -405,7 +405,8 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
 
 // ---------------------------------------------------------------------------------------
 // merge_splits: one thread per (segment, packed row, d); the splits of a segment are few
-// for prefill (their lengths were sized for its many rows), so each thread loops over them.
+// for prefill (their lengths were sized for its many rows), so each thread folds them in order
+// (merge_states.h, the decode kernel's arithmetic).
 
 template <typename T, int D>
 __global__ void __launch_bounds__(256) merge_splits(PrefillParams<T> p, T* out) {
@@ -420,23 +421,10 @@ __global__ void __launch_bounds__(256) merge_splits(PrefillParams<T> p, T* out) 
     *o = static_cast<T>(NAN);
     return;
   }
-  const int first = p.seg_first_split[s], last = p.seg_first_split[s + 1];
-  pf::MergeState st;
-  for (int w = first; w < last; ++w) st.m = fmaxf(st.m, p.part_m[static_cast<int64_t>(w) * p.rows + prow]);
-  for (int w = first; w < last; ++w) {
-    const int64_t pr = static_cast<int64_t>(w) * p.rows + prow;
-    st.l += p.part_l[pr] * pf::merge_scale(p.part_m[pr], st.m);
-  }
-  const float inv_l = pf::inverse_sum(st.l);
+  const MergeState<1> st = pf::merge_element(p.part_m, p.part_l, p.part_o, p.seg_first_split[s],
+                                              p.seg_first_split[s + 1], p.rows, prow, D, d);
   if (p.lse && d == 0) p.lse[item] = pf::row_lse(st.m, st.l);  // the statistics pass's p = exp2(x - lse)
-  float sum = 0.f;
-  if (inv_l > 0.f) {
-    for (int w = first; w < last; ++w) {
-      const int64_t pr = static_cast<int64_t>(w) * p.rows + prow;
-      sum += p.part_o[pr * D + d] * pf::merge_scale(p.part_m[pr], st.m);
-    }
-  }
-  *o = static_cast<T>(sum * inv_l);
+  *o = static_cast<T>(st.out(0));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention/merge_states.h"
+
 #if defined(__CUDACC__)
 #define KVCACHE_PREFILL_HD __host__ __device__
 #else
@@ -93,16 +95,19 @@ KVCACHE_PREFILL_HD inline float softmax_weight(float logit, float m) {
   return m == neg_inf() ? 0.f : exp2f(logit - m);
 }
 
-// Merge of the split states {m_w, l_w, o_w} of one row: m = max m_w, l = sum l_w 2^(m_w - m),
-// out = sum o_w 2^(m_w - m) / l. A row that saw no token in any split (l = 0) outputs zeros.
-struct MergeState {
-  float m = neg_inf();
-  float l = 0.f;
-};
-KVCACHE_PREFILL_HD inline float merge_scale(float m_split, float m_all) {
-  return m_all == neg_inf() ? 0.f : exp2f(m_split - m_all);
+// Merge of the split states {m_w, l_w, o_w} of one row, element d of its output: the splits
+// [first, last) folded in order by merge_states.h, as the decode kernel merges (a row that saw
+// no token in any split outputs zeros). part_* are [W, rows(, D)].
+KVCACHE_PREFILL_HD inline MergeState<1> merge_element(const float* part_m, const float* part_l,
+                                                      const float* part_o, int first, int last,
+                                                      int64_t rows, int row, int D, int d) {
+  MergeState<1> st = MergeState<1>::empty();
+  for (int w = first; w < last; ++w) {
+    const int64_t pr = static_cast<int64_t>(w) * rows + row;
+    st.merge(part_m[pr], part_l[pr], part_o + pr * D + d);
+  }
+  return st;
 }
-KVCACHE_PREFILL_HD inline float inverse_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
 
 // The merged state of a row as its log-sum-exp lse = m + log2(l) (base 2), kept for the
 // statistics pass: p = exp2(logit - lse). A row that saw no token gets +inf, so that every

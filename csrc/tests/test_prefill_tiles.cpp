@@ -446,23 +446,11 @@ std::vector<float> emulate(const Problem& p, int64_t sms, Counters& count, std::
   for (int s = 0; s < p.S(); ++s) count.merged_segments += first[s + 1] - first[s] > 1 ? 1 : 0;
   for (int s = 0; s < p.S(); ++s)
     for (int prow = 0; prow < R; ++prow) {
-      pf::MergeState st;
-      for (int w = first[s]; w < first[s + 1]; ++w) st.m = std::max(st.m, part_m[static_cast<int64_t>(w) * R + prow]);
-      for (int w = first[s]; w < first[s + 1]; ++w) {
-        const int64_t pr = static_cast<int64_t>(w) * R + prow;
-        st.l += part_l[pr] * pf::merge_scale(part_m[pr], st.m);
-      }
-      const float inv_l = pf::inverse_sum(st.l);
-      if (lse) (*lse)[static_cast<size_t>(s) * R + prow] = pf::row_lse(st.m, st.l);
       for (int d = 0; d < D; ++d) {
-        float sum = 0.f;
-        if (inv_l > 0.f) {
-          for (int w = first[s]; w < first[s + 1]; ++w) {
-            const int64_t pr = static_cast<int64_t>(w) * R + prow;
-            sum += part_o[pr * D + d] * pf::merge_scale(part_m[pr], st.m);
-          }
-        }
-        out[pf::q_row(s, prow, p.G, p.n) * D + d] = sum * inv_l;
+        const kvcache_ext::attention::MergeState<1> st = pf::merge_element(
+            part_m.data(), part_l.data(), part_o.data(), first[s], first[s + 1], R, prow, D, d);
+        if (lse && d == 0) (*lse)[static_cast<size_t>(s) * R + prow] = pf::row_lse(st.m, st.l);
+        out[pf::q_row(s, prow, p.G, p.n) * D + d] = st.out(0);
       }
     }
   return out;
@@ -843,8 +831,12 @@ TEST(PrefillTiles, SoftmaxOfNothingVisibleIsZero) {
   const pf::SoftmaxStep step = pf::softmax_step(pf::neg_inf(), pf::neg_inf());
   EXPECT_EQ(step.alpha, 1.f);
   EXPECT_EQ(pf::softmax_weight(pf::neg_inf(), step.m_new), 0.f);
-  EXPECT_EQ(pf::merge_scale(pf::neg_inf(), pf::neg_inf()), 0.f);
-  EXPECT_EQ(pf::inverse_sum(0.f), 0.f);
+  // Splits that saw nothing merge into a zero output, not NaN.
+  const float m[2] = {pf::neg_inf(), pf::neg_inf()}, l[2] = {0.f, 0.f}, o[2] = {0.f, 0.f};
+  const kvcache_ext::attention::MergeState<1> st = pf::merge_element(m, l, o, 0, 2, 1, 0, 1, 0);
+  EXPECT_EQ(st.out(0), 0.f);
+  EXPECT_EQ(st.inv_l(), 0.f);
+  EXPECT_EQ(pf::row_lse(st.m, st.l), INFINITY);
   EXPECT_EQ(pf::softmax_step(pf::neg_inf(), 3.f).alpha, 0.f);
 }
 
