@@ -359,10 +359,12 @@ def sanitize_driver(args) -> int:
             # The tensor-core prefill (32 rows per KV head), with and without statistics.
             q_tc = torch.randn(batch, heads * 4, 8, 64, generator=gen).to(torch.bfloat16).to(dev)
             os.environ[TC_SWITCH] = "1"
-            tc_out, tc_stats = kvcache_ext.ragged_attention(q_tc, store, q_pos=torch.arange(length - 3, length + 5).to(dev),
-                                                            stats=True)
-            tc_plain, _ = kvcache_ext.ragged_attention(q_tc, store)
-            os.environ[TC_SWITCH] = "0"
+            try:
+                tc_out, tc_stats = kvcache_ext.ragged_attention(
+                    q_tc, store, q_pos=torch.arange(length - 3, length + 5).to(dev), stats=True)
+                tc_plain, _ = kvcache_ext.ragged_attention(q_tc, store)
+            finally:
+                os.environ[TC_SWITCH] = "0"
             out = torch.cat([out.flatten(), tc_out.flatten(), tc_plain.flatten()])
             mass = torch.cat([stats.mass, tc_stats.mass])
             scores = torch.rand(store.capacity, generator=gen).to(dev)

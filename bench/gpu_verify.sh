@@ -204,6 +204,7 @@ run_stage() {
 }
 
 # --- the stages (each runs in its own bash, so they read only exported variables) ---------
+export -f source_hash build_key   # the build stage's bash reads the carried build's key too
 export PYTHON root carry gtest_bin commit table_json tc_json e2e_json arch jobs e2e_args pytest_args device quick
 
 stage_env() {
@@ -216,9 +217,7 @@ stage_env() {
 }
 
 stage_build() {
-  local key; key=$(cd "$root" && find csrc setup.py CMakeLists.txt -type f \( -name '*.cpp' -o -name '*.cu' \
-    -o -name '*.h' -o -name '*.py' -o -name '*.txt' \) | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-16)
-  key="$key $("$PYTHON" -c 'import sys, torch; print(sys.version.split()[0], torch.__version__)')"
+  local key; key=$(build_key)
   if [ -f "$carry/build/key" ] && [ "$(cat "$carry/build/key")" = "$key" ]; then
     echo "reusing the carried build ($key)"
     cp "$carry"/build/_C*.so kvcache_ext/

@@ -94,6 +94,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"));
   // The page-size rule (ops.h), for the Python checks.
   m.attr("MAX_PAGE_SIZE") = kvcache_ext::ops::kMaxPageSize;
+  {
+    py::dict faults;  // store_check's codes (ops.h) -> what each says
+    namespace ops = kvcache_ext::ops;
+    for (int32_t code : {ops::kStoreCheckNegativeLength, ops::kStoreCheckTooFewColumns, ops::kStoreCheckBadPage})
+      faults[py::int_(code)] = ops::kStoreCheckFaults[code - 1];
+    m.attr("STORE_CHECK_FAULTS") = faults;
+  }
   // The vector ISA of the CPU attention (README "CPU kernels"); tests switch it to run each.
   m.def("cpu_isa", &kvcache_ext::attention::cpu_isa);
   m.def("set_cpu_isa", &kvcache_ext::attention::set_cpu_isa, py::arg("isa"));

@@ -61,6 +61,11 @@ void store_append(at::TensorList pool, const at::Tensor& page_table, const at::T
 // this themselves on CPU stores (free there); on CUDA reading it costs a sync, so they trust it
 // and this op is the opt-in check (RaggedKVStore.validate raises on a bad segment).
 constexpr int32_t kStoreCheckNegativeLength = 1, kStoreCheckTooFewColumns = 2, kStoreCheckBadPage = 3;
+// What each code says, for the error RaggedKVStore.validate raises (exported as
+// _C.STORE_CHECK_FAULTS): the fault text at index code - 1.
+constexpr const char* kStoreCheckFaults[] = {
+    "len < 0", "len needs more pages than the page table has columns",
+    "a page its live tokens lie in is not a page of the pool"};
 at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                        int64_t page_size, int64_t head_dim, int64_t score_channels,
                        at::ScalarType dtype);

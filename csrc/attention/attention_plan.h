@@ -103,14 +103,6 @@ struct PlanLengths {
   }
 };
 
-inline int64_t plan_blocks(const std::vector<int32_t>& len, int64_t row_tiles, int64_t tiles_per_split) {
-  return PlanLengths(len).blocks(row_tiles, tiles_per_split);
-}
-inline int64_t plan_cost(const std::vector<int32_t>& len, int64_t row_tiles, int64_t tiles_per_split,
-                         int64_t wave) {
-  return PlanLengths(len).cost(row_tiles, tiles_per_split, wave);
-}
-
 // The split length in tiles (above).
 inline int64_t plan_tiles_per_split(const std::vector<int32_t>& len, int64_t row_tiles, int64_t sms,
                                     int64_t resident) {

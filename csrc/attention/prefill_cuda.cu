@@ -129,6 +129,29 @@ __device__ inline void mma_16816<at::Half>(float (&c)[4], const uint32_t (&a)[4]
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc = A B^T for one warp: A its 16 rows as mma fragments (D / 16 k-steps), B the 8 NB rows
+// of a swizzled shared-memory tile of D columns (one ldmatrix.x4 gives b0 b1 of two k-steps of
+// an n-block). The attention's S = Q K^T and the statistics pass's S^T = K Q^T.
+template <typename T, int D, int NB>
+__device__ inline void product_tile(float (&acc)[NB][4], const uint32_t (&a)[D / 16][4],
+                                    const uint8_t* b_tile, int lane) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[nb][c] = 0.f;
+#pragma unroll
+  for (int k2 = 0; k2 < D / 32; ++k2) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      uint32_t b[4];
+      const pf::RowCol at = pf::ldmatrix_k(lane, 8 * nb, 32 * k2);
+      ldmatrix_x4(b, shared_address(b_tile + pf::smem_offset(at.row, at.col, D)));
+      mma_16816<T>(acc[nb], a[2 * k2], b[0], b[1]);
+      mma_16816<T>(acc[nb], a[2 * k2 + 1], b[2], b[3]);
+    }
+  }
+}
+
 // Two floats rounded to T in one register, lo in the lower half (element e = 0 of a fragment
 // register).
 template <typename T>
@@ -312,23 +335,9 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
       needed = pf::tile_needed(min_pos, max_query_pos);
     }
     if (needed) {
-      // S = Q K^T: 8 n-blocks of 8 tokens; one ldmatrix.x4 gives b0 b1 of two k-steps.
+      // S = Q K^T: 8 n-blocks of 8 tokens.
       float sc[pf::kTileN / 8][4];
-#pragma unroll
-      for (int nb = 0; nb < pf::kTileN / 8; ++nb)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sc[nb][c] = 0.f;
-#pragma unroll
-      for (int k2 = 0; k2 < D / 32; ++k2) {
-#pragma unroll
-        for (int nb = 0; nb < pf::kTileN / 8; ++nb) {
-          uint32_t kb[4];
-          const pf::RowCol at = pf::ldmatrix_k(lane, 8 * nb, 32 * k2);
-          ldmatrix_x4(kb, shared_address(k_tile + pf::smem_offset(at.row, at.col, D)));
-          mma_16816<T>(sc[nb], qf[2 * k2], kb[0], kb[1]);
-          mma_16816<T>(sc[nb], qf[2 * k2 + 1], kb[2], kb[3]);
-        }
-      }
+      product_tile<T, D>(sc, qf, k_tile, lane);
       // Mask and the rows' maxima (c / 2 is the lane's row h).
       float tile_max[2] = {pf::neg_inf(), pf::neg_inf()};
 #pragma unroll
@@ -583,23 +592,9 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
         needed = pf::tile_needed(warp_min_pos, max_query_pos);
       }
       if (needed) {
-        // S^T = K Q^T: 8 n-blocks of 8 query rows; one ldmatrix.x4 gives b0 b1 of two k-steps.
+        // S^T = K Q^T: 8 n-blocks of 8 query rows.
         float sc[pf::kTileM / 8][4];
-#pragma unroll
-        for (int nb = 0; nb < pf::kTileM / 8; ++nb)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) sc[nb][c] = 0.f;
-#pragma unroll
-        for (int k2 = 0; k2 < D / 32; ++k2) {
-#pragma unroll
-          for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
-            uint32_t qb[4];
-            const pf::RowCol at = pf::ldmatrix_k(lane, 8 * nb, 32 * k2);
-            ldmatrix_x4(qb, shared_address(q_tile + pf::smem_offset(at.row, at.col, D)));
-            mma_16816<T>(sc[nb], kf[2 * k2], qb[0], qb[1]);
-            mma_16816<T>(sc[nb], kf[2 * k2 + 1], qb[2], qb[3]);
-          }
-        }
+        product_tile<T, D>(sc, kf, q_tile, lane);
         // Probabilities (c / 2 is the lane's token h), mass, count.
 #pragma unroll
         for (int nb = 0; nb < pf::kTileM / 8; ++nb)

@@ -17,8 +17,7 @@ namespace {
 
 using kvcache_ext::attention::effective_split;
 using kvcache_ext::attention::kPlanTile;
-using kvcache_ext::attention::plan_blocks;
-using kvcache_ext::attention::plan_cost;
+using kvcache_ext::attention::PlanLengths;
 using kvcache_ext::attention::plan_tiles;
 using kvcache_ext::attention::plan_tiles_per_split;
 using kvcache_ext::attention::plan_splits;
@@ -110,7 +109,7 @@ Waves waves_of(const std::vector<int32_t>& len, int64_t row_tiles, int64_t sms, 
   std::vector<int32_t> first;
   plan_splits(len, row_tiles, sms, splits, first, resident);
   w.blocks = static_cast<int64_t>(splits.size()) * row_tiles;
-  EXPECT_EQ(w.blocks, plan_blocks(len, row_tiles, w.tiles_per_split));
+  EXPECT_EQ(w.blocks, PlanLengths(len).blocks(row_tiles, w.tiles_per_split));
   w.waves = (w.blocks + wave - 1) / wave;
   w.efficiency = static_cast<double>(w.blocks) / static_cast<double>(w.waves * wave);
   return w;
@@ -129,9 +128,9 @@ TEST(AttentionPlan, UniformDecodeFillsWholeWaves) {
   const std::vector<int32_t> len(128, 32768);
   const Waves w = waves_of(len, 1, 132, 4);
   EXPECT_GE(w.efficiency, 0.96) << w.blocks << " blocks in " << w.waves << " waves";
-  EXPECT_GT(plan_blocks(len, 1, w.tiles_per_split - 1), w.waves * 528);
-  EXPECT_LE(plan_cost(len, 1, w.tiles_per_split, 528),
-            plan_cost(len, 1, old_tiles_per_split(len, 1, 132), 528));
+  EXPECT_GT(PlanLengths(len).blocks(1, w.tiles_per_split - 1), w.waves * 528);
+  EXPECT_LE(PlanLengths(len).cost(1, w.tiles_per_split, 528),
+            PlanLengths(len).cost(1, old_tiles_per_split(len, 1, 132), 528));
   // Every token once, splits within their segment.
   expect_covers(len, len, 1, 132);
 }
@@ -142,8 +141,8 @@ TEST(AttentionPlan, OneLongSegmentFillsWholeWaves) {
     const std::vector<int32_t> len{int32_t{1} << 21};
     const Waves w = waves_of(len, 1, sms, 4);
     EXPECT_GE(w.efficiency, 0.95) << sms << " SMs: " << w.blocks << " blocks in " << w.waves << " waves";
-    EXPECT_LE(plan_cost(len, 1, w.tiles_per_split, sms * 4),
-              plan_cost(len, 1, old_tiles_per_split(len, 1, sms), sms * 4));
+    EXPECT_LE(PlanLengths(len).cost(1, w.tiles_per_split, sms * 4),
+              PlanLengths(len).cost(1, old_tiles_per_split(len, 1, sms), sms * 4));
     expect_covers(len, len, 1, sms);
     // Not cut finer than the waves need: at least 8 tiles (1024 tokens) a split here.
     EXPECT_GE(w.tiles_per_split, 8);
@@ -161,17 +160,17 @@ TEST(AttentionPlan, SkewedLengthsModelNoSlowerThanBefore) {
     const int64_t row_tiles = kvtest::uniform_int(rng, 1, 4), sms = 132;
     const Waves w = waves_of(len, row_tiles, sms, 4);
     const int64_t old_tps = old_tiles_per_split(len, row_tiles, sms);
-    const int64_t old_waves = (plan_blocks(len, row_tiles, old_tps) + 527) / 528;
+    const int64_t old_waves = (PlanLengths(len).blocks(row_tiles, old_tps) + 527) / 528;
     if (old_waves <= kvcache_ext::attention::kPlanMaxWaves) {
-      EXPECT_LE(plan_cost(len, row_tiles, w.tiles_per_split, 528),
-                plan_cost(len, row_tiles, old_tps, 528))
+      EXPECT_LE(PlanLengths(len).cost(row_tiles, w.tiles_per_split, 528),
+                PlanLengths(len).cost(row_tiles, old_tps, 528))
           << "trial " << trial;
     }
     // Whole waves as far as the lengths allow: the next shorter split length would need
     // another wave (with skewed lengths the block count jumps, so the last wave may still be
     // part empty; its blocks are then as long as the waves allow).
     if (w.tiles_per_split > 1)
-      EXPECT_GT(plan_blocks(len, row_tiles, w.tiles_per_split - 1), w.waves * 528)
+      EXPECT_GT(PlanLengths(len).blocks(row_tiles, w.tiles_per_split - 1), w.waves * 528)
           << "trial " << trial << ": " << w.blocks << " blocks";
     expect_covers(len, len, row_tiles, sms);
     if (HasFailure()) return;

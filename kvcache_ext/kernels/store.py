@@ -173,10 +173,6 @@ class RaggedKVStore:
                           self._head_dim, self._channels, self._dtype)
         self._allocator.finish_compact()
 
-    # Codes of the store_check op (csrc/ops.h): what is wrong with a segment's metadata.
-    _CHECK_FAULTS = {1: "len < 0", 2: "len needs more pages than the page table has columns",
-                     3: "a page its live tokens lie in is not a page of the pool"}
-
     def validate(self) -> None:
         """Raises ValueError when ``len`` and ``page_table`` are inconsistent with the pool.
 
@@ -190,7 +186,7 @@ class RaggedKVStore:
         if bad:
             s = bad[0]
             raise ValueError(f"the store's state is inconsistent: segment {s} (batch {s // self.heads}, "
-                             f"head {s % self.heads}): {self._CHECK_FAULTS[int(codes[s])]}"
+                             f"head {s % self.heads}): {_C.STORE_CHECK_FAULTS[int(codes[s])]}"
                              f" ({len(bad)} bad segments)")
 
     def reserve(self, extra: int) -> None:
