@@ -101,7 +101,7 @@ def check_compact(segments, length, keep_fraction, device) -> dict:
     after = store.to_dense()
     # Stable: the kept tokens of each segment, in order, first.
     order = (~keep_padded).to(torch.uint8).argsort(dim=-1, stable=True)
-    ok = torch.equal(after.lens, keep_padded.sum(-1).cpu().to(after.lens.dtype))
+    ok = torch.equal(after.lens, keep_padded.sum(-1).to(device=after.lens.device, dtype=after.lens.dtype))
     L = after.k.shape[2]
     for name in ("k", "v", "pos"):
         src = getattr(before, name)
