@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // passes to the ops.
       .def("prepare_append", &PageAllocator::prepare_append, py::arg("k"), py::arg("v"),
            py::arg("pos"), py::arg("valid") = py::none())
-      .def("finish_compact", &PageAllocator::finish_compact)
+      .def("finish_compact", &PageAllocator::finish_compact, py::arg("known") = py::none())
+      .def("slot_rows", &PageAllocator::slot_rows)
       .def("state", [](const PageAllocator& a) {
         return py::make_tuple(a.pool(), a.page_table_device(), a.len_device());
       })

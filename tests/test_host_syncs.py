@@ -11,12 +11,12 @@ value-reading call on a device tensor made from kvcache_ext's own code (HF's cod
 count). A ``.to(torch.device)`` is taken as a move to the store's device (here ``cpu`` as well);
 a move to the host is ``.cpu()``, ``.numpy()`` or ``.to("cpu")`` with the string.
 
-What it cannot see: syncs inside C++ ops. There are two on an eviction's path on CUDA:
-``RaggedKVStore.compact`` reads the new lengths back (``PageAllocator.finish_compact``), and
-``RaggedKVStore.select`` will read them too once it is one op (issue 42; today's CUDA select
-reads nothing back). They are added by hand below (``CPP_SYNCS_PER_EVICTION``). The CUDA twin
-(``test_cuda_*``) counts every sync of the same steps with the profiler (the CUDA runtime's
-synchronizing calls).
+What it cannot see: syncs inside C++ ops. There is one on an eviction's path on CUDA:
+``RaggedKVStore.compact`` reads the new lengths back (``PageAllocator.finish_compact``), unless
+its caller gives them (the slot-layout eviction of equal head budgets, ``evict_in_slots``: a
+top-k of k per head keeps min(len, k)); ``select`` reads nothing back. It is added by hand below
+(``CPP_SYNCS_PER_EVICTION``). The CUDA twin (``test_cuda_*``) counts every sync of the same steps
+with the profiler (the CUDA runtime's synchronizing calls).
 """
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ from torch.overrides import TorchFunctionMode
 
 import kvcache_ext
 from kvcache_ext.hf.cache_argument import with_cache
-from kvcache_ext.policies import H2O, EveryNSteps, EveryStep, Policy, SnapKV
+from kvcache_ext.policies import H2O, AdaKV, EveryNSteps, EveryStep, Policy, SnapKV, Uniform
 from tiny_models import tiny_model
 
 KVCACHE_DIR = os.path.dirname(os.path.abspath(kvcache_ext.__file__))
 THIS_FILE = os.path.abspath(__file__)
 
 # Syncs inside C++ on an eviction's path on CUDA, invisible to WouldBeSyncs: compaction's
-# read-back of the new lengths; the one-op select's (issue 42) read-back of the same lengths.
-CPP_SYNCS_PER_EVICTION = {"compact (finish_compact)": 1, "select (one op, planned)": 1}
+# read-back of the new lengths, on the padded-view path only (``RaggedLayerKV.evict``).
+CPP_SYNCS_PER_EVICTION = {"compact (finish_compact), padded-view path": 1, "select (store_topk)": 0}
 
 _T = torch.Tensor
 # Calls that read a tensor's value on the host: a sync when the tensor is on a CUDA device.
@@ -199,23 +199,30 @@ def test_a_decoded_token_without_eviction_makes_no_host_sync():
 
 
 def _count_evictions(monkeypatch):
+    """The evictions of the ragged store, by path: "view" (``RaggedLayerKV.evict``, after a padded
+    view) and "slots" (``RaggedLayerKV.evict_in_slots``, no view, the new lengths known)."""
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     evictions = []
-    evict = RaggedLayerKV.evict
-    monkeypatch.setattr(RaggedLayerKV, "evict", lambda self, *a: evictions.append(1) or evict(self, *a))
+    for name, path in (("evict", "view"), ("evict_in_slots", "slots")):
+        method = getattr(RaggedLayerKV, name)
+        monkeypatch.setattr(RaggedLayerKV, name,
+                            lambda self, *a, _m=method, _p=path: evictions.append(_p) or _m(self, *a))
     return evictions
 
 
 def test_an_eviction_step_makes_at_most_one_host_sync_per_eviction(monkeypatch):
-    """H2O evicting every step: every layer evicts at every decode step. Python makes none;
-    with the C++ read-backs (CPP_SYNCS_PER_EVICTION) an eviction makes ``sum`` of them."""
-    evictions = _count_evictions(monkeypatch)
-    per_step, layers = _run(Policy(H2O(), budget=16, schedule=EveryStep()), steps=3)
-    assert len(evictions) == 3 * layers    # the prompt's compression is not an eviction step
-    assert all(not calls for calls in per_step), _explain(per_step)
-    # The budget of one per eviction holds only if the select op and compaction share one
-    # read-back of the new lengths: see docs/kernels.md ("host syncs").
-    assert sum(CPP_SYNCS_PER_EVICTION.values()) <= 2
+    """H2O evicting every step: every layer evicts at every decode step. Python makes none.
+    With equal head budgets the eviction stays in slot layout and gives compaction the new
+    lengths: no C++ read-back either; with Ada-KV's budgets it takes the padded view, and
+    compaction reads the lengths back: one sync (CPP_SYNCS_PER_EVICTION)."""
+    for allocation, path in ((Uniform(), "slots"), (AdaKV(), "view")):
+        evictions = _count_evictions(monkeypatch)
+        per_step, layers = _run(Policy(H2O(recent=2), budget=16, schedule=EveryStep(),
+                                       allocation=allocation), steps=3)
+        # the prompt's compression is not an eviction step
+        assert evictions == [path] * (3 * layers), (allocation, evictions)
+        assert all(not calls for calls in per_step), _explain(per_step)
+    assert sum(CPP_SYNCS_PER_EVICTION.values()) <= 1
 
 
 def test_the_counter_catches_a_sync_in_the_engine(monkeypatch):
@@ -225,7 +232,7 @@ def test_the_counter_catches_a_sync_in_the_engine(monkeypatch):
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     evict = RaggedLayerKV.evict
     monkeypatch.setattr(RaggedLayerKV, "evict", lambda self, scores, k: (scores.sum().item(), evict(self, scores, k)))
-    per_step, layers = _run(Policy(H2O(), budget=16, schedule=EveryStep()), steps=2)
+    per_step, layers = _run(Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()), steps=2)
     assert len(evictions) == 2 * layers
     assert [len(calls) for calls in per_step] == [layers, layers], _explain(per_step)
     assert all(name == "item" and "engine/eviction.py" in where for calls in per_step for name, where in calls)
@@ -275,6 +282,9 @@ def test_cuda_host_syncs_per_decoded_token_and_per_eviction():
     most the C++ read-backs of each eviction (the goal: 1 each)."""
     plain, _ = _cuda_syncs(Policy(SnapKV(window=4), budget=16))
     assert plain == [0, 0, 0]
-    evicting, layers = _cuda_syncs(Policy(H2O(), budget=16, schedule=EveryStep()))
-    # Today's CUDA select reads nothing back, so compaction's read-back is the one per eviction.
+    # Equal head budgets: the slot-layout eviction gives compaction the new lengths: no sync.
+    in_slots, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
+    assert in_slots == [0, 0, 0], in_slots
+    # Ada-KV's budgets: the padded view, and compaction's read-back, once per eviction.
+    evicting, layers = _cuda_syncs(Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()))
     assert all(c <= layers for c in evicting), evicting

@@ -349,6 +349,57 @@ def test_per_step_eviction_gives_each_head_back_its_own_page(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@given(B=st.integers(1, 3), H=st.integers(1, 4), page_size=st.sampled_from([1, 4, 16]),
+       lens=st.lists(st.integers(0, 40), min_size=12, max_size=12), keep=st.integers(0, 20),
+       seed=st.integers(0, 2**16))
+def test_slot_rows_give_each_live_slot_its_row(device, B, H, page_size, lens, keep, seed):
+    """``slot_rows`` against ``slot_index`` on random ragged stores (empty and one-token
+    segments among them), after a compaction has freed pages and appends reused them (so
+    that pages are owned out of order and the device's table holds stale entries)."""
+    store = filled_store(B, H, 4, torch.float32, device, lens[:B * H], page_size=page_size, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    store.compact(store.select(keep, torch.rand(store.capacity, generator=gen).to(device)))
+    tok = torch.randn(B, H, 3, 4, generator=gen).to(device)
+    store.append(tok, tok, torch.arange(100, 103))
+    index, mask = store.slot_index()
+    rows = store.slot_rows()
+    assert rows.shape == (store.capacity,) and rows.dtype == torch.long and rows.device == store.device
+    want = torch.arange(B, device=store.device).view(B, 1, 1).expand_as(index)
+    assert torch.equal(rows[index][mask], want[mask])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compaction_takes_the_lengths_its_caller_knows(device):
+    """``compact(keep, lens=...)``: the lengths a top-k of k per head leaves (min(len, k)) are
+    taken without reading them back; bad ones are refused before anything moves, and on a CPU
+    store a wrong one is caught after the op with the store left consistent."""
+    lens = [5, 0, 1, 7, 3, 16]
+    store = filled_store(2, 3, 8, torch.float32, device, lens, page_size=4)
+    ref = filled_store(2, 3, 8, torch.float32, device, lens, page_size=4)
+    scores = torch.rand(store.capacity).to(device)
+    for s in (store, ref):
+        s.set_scores(scores[:, None])
+    known = torch.minimum(store.lens, torch.tensor(2))
+    for bad, match in ((known.float(), "integer"), (known[:1], r"\[B, H\] = \[2, 3\]"),
+                       (known + 20, "between 0 and"), (known - 3, "between 0 and")):
+        with pytest.raises(ValueError, match=match):
+            store.compact(store.select(2), lens=bad)
+        assert store.lens.tolist() == [lens[:3], lens[3:]]          # nothing moved
+    store.compact(store.select(2), lens=known)
+    ref.compact(ref.select(2))
+    assert store.lens.tolist() == ref.lens.tolist() == [[2, 0, 1], [2, 2, 2]]
+    assert torch.equal(store.len.cpu(), ref.len.cpu()) and store.free_pages == ref.free_pages
+    assert torch.equal(store.to_dense().pos, ref.to_dense().pos)
+    if store.device.type == "cpu":    # a wrong length that is in bounds: the op's own is read
+        wrong = torch.minimum(store.lens, torch.tensor(1))
+        wrong[1, 2] = 0
+        with pytest.raises(ValueError, match="segment 5 is 0, but the compaction kept 1 tokens"):
+            store.compact(store.select(1), lens=wrong)
+        assert store.lens.tolist() == [[1, 0, 1], [1, 1, 1]]
+        store.validate()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @given(B=st.integers(1, 3), H=st.integers(1, 4), C=st.integers(1, 3), page_size=st.sampled_from([1, 4, 16]),
        max_len=st.sampled_from([1, 5, 40]), seed=st.integers(0, 2**31 - 1))
 def test_select_through_pages_matches_reference(device, B, H, C, page_size, max_len, seed):
@@ -541,3 +592,9 @@ def test_cuda_no_host_sync_in_decoding_growth_reserve_shrink_and_selection():
         torch.cuda.set_sync_debug_mode("default")
     store.compact(keep)                            # the one sync of an eviction
     assert store.lens.tolist() == [[30] * H] * B
+    torch.cuda.set_sync_debug_mode("error")
+    try:                                           # the new lengths given: no sync at all
+        store.compact(store.select(torch.full((B, H), 20, device="cuda")), lens=torch.full((B, H), 20))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert store.lens.tolist() == [[20] * H] * B and store.len.tolist() == [20] * (B * H)

@@ -199,10 +199,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> PageAllocator::prepare_append(
   return {pos32, rank, counts};
 }
 
-void PageAllocator::finish_compact() {
+void PageAllocator::finish_compact(const c10::optional<at::Tensor>& known) {
+  const int64_t S = num_segments();
+  if (known.has_value()) {
+    const at::Tensor& given = *known;
+    TORCH_CHECK_VALUE(given.device().is_cpu() && !given.is_floating_point() &&
+                          given.scalar_type() != at::kBool && given.numel() == S,
+                      "finish_compact's known lengths must be ", S, " integers on the host (one per "
+                      "segment), got a ", given.scalar_type(), " tensor of ", given.numel(),
+                      " elements on ", given.device());
+    const at::Tensor lens = given.to(at::kLong).contiguous().view({S});
+    const int64_t* kept = lens.data_ptr<int64_t>();
+    for (int64_t s = 0; s < S; ++s)
+      TORCH_CHECK_VALUE(kept[s] >= 0 && kept[s] <= len_h_[s], "finish_compact's known length of "
+                        "segment ", s, " is ", kept[s], "; a compaction keeps between 0 and the "
+                        "segment's ", len_h_[s], " tokens");
+    int64_t wrong = -1;   // a segment whose given length is not what the op kept (CPU only)
+    if (len_.is_cpu()) {  // the op's own lengths cost nothing to read here: they must agree
+      const int32_t* op_len = len_.data_ptr<int32_t>();
+      for (int64_t s = 0; s < S && wrong < 0; ++s)
+        if (op_len[s] != kept[s]) wrong = s;
+    }
+    if (wrong >= 0) {
+      // The compaction has run: take its lengths and free the pages before refusing, so
+      // that the store stays consistent.
+      const int32_t wrong_kept = len_.data_ptr<int32_t>()[wrong];
+      finish_compact(c10::nullopt);
+      TORCH_CHECK_VALUE(false, "finish_compact's known length of segment ", wrong, " is ",
+                        kept[wrong], ", but the compaction kept ", wrong_kept, " tokens");
+    }
+    for (int64_t s = 0; s < S; ++s) len_h_[s] = static_cast<int32_t>(kept[s]);
+  } else if (capacity() > 0) {
+    const at::Tensor lens = len_.to(at::kCPU);  // host sync: the new lengths depend on keep
+    std::copy_n(lens.data_ptr<int32_t>(), S, len_h_.begin());
+  }
   if (capacity() == 0) return;
-  const at::Tensor lens = len_.to(at::kCPU);  // host sync: the new lengths depend on keep
-  std::copy_n(lens.data_ptr<int32_t>(), num_segments(), len_h_.begin());
   // Pages past a segment's last token are free again (host bookkeeping only: the kernels
   // never read the table past a segment's pages, so nothing is copied up).
   for (int64_t s = 0; s < num_segments(); ++s) {
@@ -213,6 +244,20 @@ void PageAllocator::finish_compact() {
     }
     pages_h_[s] = static_cast<int32_t>(used);
   }
+}
+
+const at::Tensor& PageAllocator::slot_rows() {
+  std::vector<int64_t> rows(num_pages(), 0);
+  for (int64_t s = 0; s < num_segments(); ++s)
+    for (int64_t j = 0; j < pages_h_[s]; ++j) rows[table_h_[s * width_ + j]] = s / heads_;
+  if (!slot_rows_.defined() || rows != page_rows_h_) {
+    std::vector<int64_t> slots(capacity());
+    for (int64_t p = 0; p < num_pages(); ++p)
+      std::fill_n(slots.begin() + p * page_size_, page_size_, rows[p]);
+    slot_rows_ = to_device(slots, at::kLong, device());
+    page_rows_h_ = std::move(rows);
+  }
+  return slot_rows_;
 }
 
 void PageAllocator::reserve(int64_t extra) {

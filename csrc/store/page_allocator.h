@@ -37,8 +37,11 @@ class PageAllocator {
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
       const c10::optional<at::Tensor>& valid);
   // The host half of a compaction, after the store_compact op: reads the new lengths (the
-  // one host sync of an eviction) and gives back the pages left empty.
-  void finish_compact();
+  // one host sync of an eviction) and gives back the pages left empty. `known` ([S] integers
+  // on the host) gives the new lengths instead, from a caller that knows what it kept (a
+  // top-k of k per segment keeps min(len, k)): no sync. Checked against the op's lengths on
+  // a CPU store (free there); trusted on CUDA, where reading them is the sync it saves.
+  void finish_compact(const c10::optional<at::Tensor>& known = c10::nullopt);
   // Gives every segment pages for `extra` more tokens (new pages only where needed).
   void reserve(int64_t extra);
   // Moves the live tokens into one new slab with pages for len + extra tokens per segment
@@ -51,6 +54,11 @@ class PageAllocator {
   at::Tensor v() const { return gather_part(store::kV); }
   at::Tensor pos() const { return gather_part(store::kPos); }
   at::Tensor scores() const { return gather_part(store::kScores); }
+  // [capacity] int64 on the store's device: the batch row of the segment that owns each
+  // slot's page (row 0 for a free page: nothing should read it), for work done in slot layout
+  // that needs a slot's row (RaggedKVStore.slot_rows). Kept, and uploaded again only when a
+  // page changed hands: per-step eviction, where a head takes back the page it freed, never.
+  const at::Tensor& slot_rows();
   // Writes the score channels of every slot from a [capacity, C] float32 tensor.
   void set_scores(const at::Tensor& scores);
   at::Tensor len() const { return len_.clone(); }   // [S] int32, on the store's device
@@ -125,6 +133,8 @@ class PageAllocator {
   std::vector<int32_t> table_uploaded_; // what table_ holds
   std::vector<int32_t> pages_h_;        // pages per segment
   std::vector<int32_t> len_h_;          // host mirror of len_: no device sync to plan
+  std::vector<int64_t> page_rows_h_;    // the row of each page's owner, as slot_rows_ holds it
+  at::Tensor slot_rows_;                // slot_rows(), on the store's device
   at::Tensor page_base_, table_, len_;  // on the store's device: int64, int32, int32
   int64_t slab_allocations_ = 0, repacks_ = 0, state_version_ = 0;
 };

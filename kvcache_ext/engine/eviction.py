@@ -12,6 +12,7 @@ import torch
 from kvcache_ext.engine.prompt import compress_prompt, release_prefill_slack
 from kvcache_ext.engine.reconstruction import attend_context, hold_prompt
 from kvcache_ext.engine.state import LayerState
+from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.schedule import MAX_BLOCK
 from kvcache_ext.policies.views import CacheView
 
@@ -212,6 +213,9 @@ def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, st
     p, kv = state.policy, state.kv
     if bool((kv.lens <= target_host.view(-1, 1)).all()):   # host lengths: no device sync
         return False   # every head is within its budget: nothing to score
+    if active is None and evicts_in_slots(p, target_host):
+        if kv.evict_in_slots(p.scorer, p.protection, stats, state.last_pos, target, target_host):
+            return True
     view = cache_view(state, stats, stat_queries, target, queries)
     mask = view.mask
     lens = mask.sum(dim=-1)
@@ -221,6 +225,16 @@ def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, st
         per_head = torch.where(active.to(per_head.device)[:, None], per_head, lens)
     kv.evict(scores, per_head)
     return True
+
+
+def evicts_in_slots(policy, target_host: torch.Tensor) -> bool:
+    """Whether an eviction can skip the padded view: the scorer scores in slot layout
+    (``Scorer.scores_in_slots``) and every head of a row keeps the same whole budget (the
+    allocation's default split of an integer budget). That is H2O evicting at every decode
+    step, where the view and the read-back of the new lengths were most of the step's
+    eviction (bench/e2e.py, h2o-step)."""
+    return (policy.scorer.scores_in_slots and not target_host.is_floating_point()
+            and type(policy.allocation).head_budgets is Allocation.head_budgets)
 
 
 def _union(a, b):

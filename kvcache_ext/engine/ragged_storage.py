@@ -84,6 +84,20 @@ class RaggedLayerKV:
         """scores [B, H, L] of the cached tokens (padded view), k [B, H]: keep k per head."""
         self.store.compact(self.store.select(k.to(self.store.device), scores))
 
+    def evict_in_slots(self, scorer, protection, stats: dict, last_pos, k, k_host) -> bool:
+        """Keeps the k [B] (on the device; ``k_host`` its host copy) best tokens of each head of
+        row b by ``scorer.slot_scores``, protected tokens first, all in the store's slot layout:
+        no padded view, and the new lengths, min(len, k), known on the host (no sync)."""
+        store = self.store
+        pos = store.pos
+        scores = scorer.slot_scores(store.scores, stats, pos).float()
+        if protection.size:
+            scores = scores.masked_fill(protection.mask(pos, last_pos[store.slot_rows()]), float("inf"))
+        per_head = k[:, None].expand(store.batch, store.heads)
+        kept = torch.minimum(store.lens, k_host.long()[:, None])
+        store.compact(store.select(per_head, scores), lens=kept)
+        return True
+
     def grouped_counts(self, scores, mask, k):
         _, counts = self.store.select(k.to(self.store.device), scores, grouped=True)
         return counts.long()

@@ -51,6 +51,12 @@ class LayerStorage(Protocol):
     def evict(self, scores: torch.Tensor, k: torch.Tensor) -> None:
         """Keeps the k [B, H] best of each head by scores [B, H, L] (padded), drops the rest."""
 
+    def evict_in_slots(self, scorer, protection, stats: dict, last_pos: torch.Tensor, k: torch.Tensor,
+                       k_host: torch.Tensor) -> bool:
+        """``evict`` with equal budgets k [B] per head (``k_host`` on the host) and the scores of
+        ``scorer.slot_scores``, in the storage's own layout; False where the storage evicts only
+        through a padded view (the engine then does)."""
+
     def grouped_counts(self, scores: torch.Tensor, mask: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Ada-KV: how many of each head's tokens are among the k [B] best of its row."""
 

@@ -166,12 +166,35 @@ class RaggedKVStore:
                           self._page_size, self._head_dim, self._channels, self._dtype,
                           checks.boolean(check_bounds, "check_bounds"))
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: torch.Tensor, lens: torch.Tensor | None = None) -> None:
         """Keeps, in order, the live slots whose flag in ``keep`` ([capacity] bool) is set.
-        On CUDA this reads the new lengths back: the one host sync of an eviction."""
-        ops.store_compact(*self._current(), checks.tensor(keep, "keep"), self._page_size,
-                          self._head_dim, self._channels, self._dtype)
-        self._allocator.finish_compact()
+        On CUDA this reads the new lengths back: the one host sync of an eviction. ``lens``
+        ([B, H] integers on the host), when the caller knows them (``select``'s k per segment
+        keeps ``min(len, k)``), are taken instead: no sync. A CPU store checks them against
+        what was kept; a CUDA store trusts them (checking is the sync they save)."""
+        keep = checks.tensor(keep, "keep")
+        if lens is not None:
+            lens = checks.tensor(lens, "lens")
+            if (lens.device.type != "cpu" or lens.shape != (self.batch, self.heads)
+                    or lens.is_floating_point() or lens.dtype == torch.bool):
+                raise ValueError(f"lens must be the [B, H] = [{self.batch}, {self.heads}] integer "
+                                 f"lengths on the host, got a {lens.dtype} tensor of shape "
+                                 f"{list(lens.shape)} on {lens.device}")
+            held = self.lens
+            if bool(((lens < 0) | (lens > held)).any()):   # host tensors: free
+                raise ValueError(f"lens must be between 0 and each segment's length {held.tolist()}, "
+                                 f"got {lens.tolist()}")
+        ops.store_compact(*self._current(), keep, self._page_size, self._head_dim, self._channels,
+                          self._dtype)
+        self._allocator.finish_compact(None if lens is None else lens.reshape(-1))
+
+    @_host
+    def slot_rows(self) -> torch.Tensor:
+        """[capacity] int64 on the store's device: the batch row of the segment that holds each
+        slot (a slot no segment holds gets row 0; nothing should read it). The allocator keeps
+        it and uploads it again only when a page changed hands (never in per-step eviction,
+        where a head takes back the page it freed): not a copy, do not write to it."""
+        return self._allocator.slot_rows()
 
     def validate(self) -> None:
         """Raises ValueError when ``len`` and ``page_table`` are inconsistent with the pool.
@@ -224,7 +247,9 @@ class RaggedKVStore:
             raise TypeError(f"scores must be None or a float tensor, got {type(scores).__name__}")
         per = (self.batch,) if grouped else (self.batch, self.heads)
         k = budget_tensor(k, per, self.device)           # [prod(per)], checked
-        if k.device.type == "cpu" and k.numel() and bool((k < 0).any()):  # free on the host
+        # A CPU store's op refuses a negative budget itself; a host budget for a CUDA store is
+        # checked here (free: it is on the host, and the CUDA op does not read it back).
+        if self.device.type != "cpu" and k.device.type == "cpu" and k.numel() and bool((k < 0).any()):
             raise ValueError(f"k (the budget) must be >= 0, got {k.tolist()}")
         # One op on either device: the store selects through its own pages, reading the scores
         # where they lie (no packing, no copy of the scores). On CUDA it reads nothing back

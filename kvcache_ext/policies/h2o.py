@@ -90,8 +90,13 @@ class H2O(Scorer):
         new[..., 1:1 + G] += mass.masked_fill(~view.mask[..., None], 0.0)
         return new
 
+    scores_in_slots = True
+
     def cache_scores(self, view: CacheView):
         return view.channels[..., 0]
+
+    def slot_scores(self, channels, stats, pos):
+        return channels[:, 0]
 
     def with_query_head_state(self, max_groups: int) -> "H2O":
         return replace(self, query_heads=max_groups)

@@ -39,6 +39,7 @@ class Scorer:
     output_after_eviction: bool = False      # a block's output over the kept tokens only (CAOTE Eq. 7)
     updates_from_view: bool = False          # ``update_view`` runs after every attention over the cache
     reconstructs: bool = False               # True for a ReconstructionScorer (below)
+    scores_in_slots: bool = False            # ``slot_scores`` gives ``cache_scores`` (below)
 
     def default_protection(self) -> Protection:
         return Protection()
@@ -68,6 +69,13 @@ class Scorer:
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
         raise NotImplementedError
+
+    def slot_scores(self, channels: torch.Tensor, stats: dict, pos: torch.Tensor) -> torch.Tensor:
+        """With ``scores_in_slots``: ``cache_scores`` computed elementwise in the storage's own
+        slot layout (channels [capacity, C], the eviction statistics and pos [capacity]), for a
+        scorer that needs nothing else of a view (no rows, budget, queries or neighbours). The
+        engine then evicts without building a padded view (``engine.eviction.evict_in_slots``)."""
+        raise NotImplementedError(f"{type(self).__name__} scores through a padded view only")
 
     # --- per-query-head scores: what CAOTE's per-head readings (gqa="group_l2", ...) wrap ------
     # A scorer that rates tokens per query head before it combines the G heads of a KV head

@@ -26,5 +26,10 @@ class StreamingLLM(Scorer):
         H = p.k.shape[1]
         return p.pos.float()[:, None, :].expand(-1, H, -1).contiguous(), None
 
+    scores_in_slots = True
+
     def cache_scores(self, view: CacheView):
         return view.pos.float()
+
+    def slot_scores(self, channels, stats, pos):
+        return pos.float()

@@ -92,6 +92,11 @@ class MaskedLayerKV:
         kept = torch.zeros_like(self.alive).scatter_(2, order, keep)
         self.alive &= kept
 
+    def evict_in_slots(self, scorer, protection, stats, last_pos, k, k_host) -> bool:
+        """The reference evicts through the padded view only: the ragged store's slot-layout
+        eviction is tested against it."""
+        return False
+
     def grouped_counts(self, scores, mask, k):
         flat, pos, lens, order = self._flat(scores)
         _, counts = grouped_topk(flat, pos, lens, order.shape[1], k.cpu())
