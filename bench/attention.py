@@ -16,7 +16,9 @@ longest segment, as SDPA time / our time:
   q [B, Hkv, G*n, D] against the same K/V: no GQA support needed, K/V read once per KV head.
 
 Both get an additive mask for the padding (and the causal positions) built outside the timed
-region; a uniform decode store has no padding and gets no mask. Results go to
+region; a uniform decode store has no padding and gets no mask. "Ours" is the default path: on
+CUDA a prefill block goes to the tensor-core prefill (KVCACHE_EXT_TC_PREFILL=0 in the
+environment times the scalar kernel instead). Results go to
 bench/results/attention-<device>-<date>.json (not with --quick).
 """
 from __future__ import annotations
@@ -226,7 +228,7 @@ def fmt_pct(value):
 # --- one case ---------------------------------------------------------------------------------
 def switched(fn, on: bool):
     """fn run with the tensor-core prefill switch (KVCACHE_EXT_TC_PREFILL, read on every call)
-    set to on or off, whatever the environment says."""
+    at 1 (on, the default) or 0 (the scalar kernel), whatever the environment says."""
     def call():
         os.environ[TC_SWITCH] = "1" if on else "0"
         return fn()
@@ -238,8 +240,10 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
              tensor_cores: bool = False) -> dict:
     """kind: 'decode' (n = 1, no q_pos) or 'prefill' (n = n_block new tokens appended to a
     store of mean_len per segment, attended causally by position); `heads` KV heads.
-    tensor_cores: also time the experimental tensor-core prefill (the switch on, with and
-    without statistics) against the same calls with it off, in the same interleaved turns."""
+    tensor_cores: time the tensor-core prefill (the switch at 1, with and without statistics:
+    the tc_* fields) against the same calls with it at 0 (the scalar kernel: `seconds`,
+    `stats_seconds`), in the same interleaved turns; each call sets the switch, which stays as
+    the last one left it."""
     if lengths == "uniform":
         lens, sigma = uniform_lengths(batch, heads, mean_len), None
     else:
@@ -285,7 +289,7 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
         return kvcache_ext.ragged_attention(q, store, q_pos=q_pos, stats=True)
 
     # With tensor_cores every call sets the switch (a few microseconds of host time, so not
-    # otherwise: the environment decides).
+    # otherwise: the environment decides, unset meaning the tensor-core prefill where it applies).
     ours, ours_stats, tc = attend, attend_stats, {}
     if tensor_cores:
         ours, ours_stats = switched(attend, False), switched(attend_stats, False)

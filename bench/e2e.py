@@ -94,6 +94,7 @@ from common import device_name, git_commit, sync, write_results  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
+from kvcache_ext.kernels.attention import CUDA_HEAD_DIMS  # noqa: E402
 from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
 
 # Llama-3.1-8B's architecture (its config.json), built with random weights: no download.
@@ -106,9 +107,20 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 # Llama-3.1-8B's layers and heads (32 layers, 32 query and 8 KV heads) at tiny widths: the
 # arithmetic of a step is negligible, so what a method adds to the full cache's step time is
-# the host work it does per layer (the Python, the ops' dispatch, the page allocator).
+# the host work it does per layer (the Python, the ops' dispatch, the page allocator). On CUDA
+# its head_dim is 64 (model_config).
 HOST = dict(TINY, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
 MODELS = {"llama8b": LLAMA_8B, "tiny": TINY, "host": HOST}
+
+
+def model_config(name: str, device: str) -> dict:
+    """MODELS[name], except that on CUDA a head_dim the CUDA attention kernel does not take (the
+    tiny widths' 16) is raised to the next size it takes (64), every other width kept. On the
+    CPU the config is unchanged, so that CPU numbers stay comparable across runs."""
+    config = MODELS[name]
+    if device.startswith("cuda") and config["head_dim"] not in CUDA_HEAD_DIMS:
+        config = dict(config, head_dim=min(d for d in CUDA_HEAD_DIMS if d >= config["head_dim"]))
+    return config
 
 STEP_BLOCK = 128   # the block-wise prefill of the per-step eviction methods
 POLICIES = {       # name -> Policy at budget b
@@ -132,7 +144,7 @@ def build_model(name: str, device: str, dtype: torch.dtype):
         from kvcache_ext.hf.models import load_model
         return load_model(None, dtype=dtype, device=device)
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**MODELS[name])
+    config = LlamaConfig(**model_config(name, device))
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)        # built in its dtype, on its device: no fp32 copy of 8B
@@ -670,8 +682,8 @@ def main(argv=None) -> int:
     print(format_table(rows))
     print("largest batch x context that ran: " +
           ", ".join(f"{k} {v['batch']} x {v['context']}" for k, v in largest.items()))
-    extra = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), steps=args.steps,
-                 warmup_steps=args.warmup, repeats=args.repeats,
+    extra = dict(model=args.model, head_dim=model.config.head_dim, dtype=str(dtype).removeprefix("torch."),
+                 steps=args.steps, warmup_steps=args.warmup, repeats=args.repeats,
                  step_prefill_block=STEP_BLOCK, mlp_chunk=args.mlp_chunk, kvcache_ext_path=package,
                  transformers=transformers.__version__, kvpress=kvpress, keep=args.keep,
                  largest_fit=largest, kvpress_ratios=kvpress_ratios(rows), table=format_table(rows))

@@ -10,20 +10,23 @@ sanitizers' driver and the final report.
 and grouped, compaction, append; bench/attention.py: decode and prefill attention), each with
 wall and kernel time, plus correctness at benchmark scale (top-k keep masks against an exact
 sort, compaction against a gather of the dense cache, append against the tokens appended,
-attention against SDPA, which bench/attention.py measures). Writes the rows to JSON (default
+attention against SDPA, which bench/attention.py measures; its attention runs the default path,
+so on CUDA its prefill row is the tensor-core prefill's). Writes the rows to JSON (default
 bench/results/gpu-verify-<device>-<date>.json, with the device, date and commit).
 
-``tc``: the experimental tensor-core prefill (issue 43; csrc/attention/prefill_cuda.cu, on under
-KVCACHE_EXT_TC_PREFILL=1) against the same calls with the switch off and SDPA, in one
-interleaved run: causal blocks of 64 and 256 queries on a uniform store, with and without
-statistics. Its own process and JSON (default bench/results/gpu-verify-tc-<device>-<date>.json),
-so that a kernel that has never run on a GPU cannot take the kernel table down with it.
+``tc``: the tensor-core prefill (issue 43; csrc/attention/prefill_cuda.cu, the default on CUDA)
+against the same calls with the switch off (KVCACHE_EXT_TC_PREFILL=0: the scalar kernel) and
+SDPA, in one interleaved run: causal blocks of 64 and 256 queries on a uniform store, with and
+without statistics. Its own process and JSON (default
+bench/results/gpu-verify-tc-<device>-<date>.json), so that a fault there cannot take the kernel
+table down with it.
 
 ``sanitize-driver``: small stores that go through every store op, both compaction paths (few
 long segments: the multi-tile path; more segments than SMs, short: one tile each), top-k
-(segmented and grouped) and attention with statistics, the last also with the tensor-core
-prefill switch on (a block of 32 rows per KV head). Run under compute-sanitizer by
-gpu_verify.sh; exits non-zero if a result differs from the CPU store's.
+(segmented and grouped) and attention with statistics, the last also on a block of 32 rows per
+KV head both by default (the tensor-core prefill) and with KVCACHE_EXT_TC_PREFILL=0 (the scalar
+kernel). Run under compute-sanitizer by gpu_verify.sh; exits non-zero if a result differs from
+the CPU store's.
 
 ``report``: the one table gpu_verify.sh prints last: metric | ours (wall, kernel) | baseline |
 ratio | goal | met, from the table's JSON, the e2e JSON and the stages' summary.
@@ -261,7 +264,8 @@ def report_rows(doc: dict | None, e2e: dict | None, stages: dict | None, tc: dic
 
 
 def tc_rows(tc: dict) -> list[tuple]:
-    """The tensor-core prefill against SDPA and against the switch off (same run, same card)."""
+    """The tensor-core prefill against SDPA and against the switch off (KVCACHE_EXT_TC_PREFILL=0:
+    the scalar kernel), same run, same card."""
     out = []
     for r in tc["attention"]:
         name = f"tensor-core prefill B={r['batch']} Hkv={r['kv_heads']} n={r['n']}"
@@ -356,17 +360,25 @@ def sanitize_driver(args) -> int:
             q = torch.randn(batch, heads * 2, 3, 64, generator=gen).to(torch.bfloat16).to(dev)
             out, stats = kvcache_ext.ragged_attention(q, store, q_pos=torch.arange(length, length + 3).to(dev),
                                                       stats=True)      # attention with statistics
-            # The tensor-core prefill (32 rows per KV head), with and without statistics.
+            # A block of 32 rows per KV head, with and without statistics, on both paths: the
+            # default (the tensor-core prefill) and the switch off (the scalar kernel).
             q_tc = torch.randn(batch, heads * 4, 8, 64, generator=gen).to(torch.bfloat16).to(dev)
-            os.environ[TC_SWITCH] = "1"
+            outs, masses = [out.flatten()], [stats.mass]
+            saved = os.environ.pop(TC_SWITCH, None)
             try:
-                tc_out, tc_stats = kvcache_ext.ragged_attention(
-                    q_tc, store, q_pos=torch.arange(length - 3, length + 5).to(dev), stats=True)
-                tc_plain, _ = kvcache_ext.ragged_attention(q_tc, store)
+                for switch in (None, "0"):
+                    if switch is not None:
+                        os.environ[TC_SWITCH] = switch
+                    tc_out, tc_stats = kvcache_ext.ragged_attention(
+                        q_tc, store, q_pos=torch.arange(length - 3, length + 5).to(dev), stats=True)
+                    tc_plain, _ = kvcache_ext.ragged_attention(q_tc, store)
+                    outs += [tc_out.flatten(), tc_plain.flatten()]
+                    masses.append(tc_stats.mass)
             finally:
-                os.environ[TC_SWITCH] = "0"
-            out = torch.cat([out.flatten(), tc_out.flatten(), tc_plain.flatten()])
-            mass = torch.cat([stats.mass, tc_stats.mass])
+                os.environ.pop(TC_SWITCH, None)
+                if saved is not None:
+                    os.environ[TC_SWITCH] = saved
+            out, mass = torch.cat(outs), torch.cat(masses)
             scores = torch.rand(store.capacity, generator=gen).to(dev)
             seg = store.select(7, scores)                                # top-k
             grp, _ = store.select(7 * heads, scores, grouped=True)

@@ -16,13 +16,14 @@
 #   bench     bench/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
 #             and prefill attention, each against its torch baseline (wall and kernel time), and
 #             the checks against the reference at benchmark scale
-#   tc        the experimental tensor-core prefill (issue 43, KVCACHE_EXT_TC_PREFILL=1):
-#             tests/test_prefill_tc.py, then bench/gpu_verify.py tc (blocks of 64 and 256 causal
-#             queries, switch on against off and SDPA, with and without statistics), in processes
-#             of their own so that a fault there leaves the other stages' results whole
+#   tc        the tensor-core prefill (issue 43; the default on CUDA, KVCACHE_EXT_TC_PREFILL=0
+#             the scalar kernel): tests/test_prefill_tc.py (both paths; it sets the switch per
+#             test), then bench/gpu_verify.py tc (blocks of 64 and 256 causal queries, against
+#             the switch at 0 and SDPA, with and without statistics), in processes of their own
+#             so that a fault there leaves the other stages' results whole
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/gpu_verify.py
-#             sanitize-driver (small stores through every op, both compaction paths, the
-#             tensor-core prefill)
+#             sanitize-driver (small stores through every op, both compaction paths, a prefill
+#             block by default and with KVCACHE_EXT_TC_PREFILL=0)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 4, one-shot
 #             SnapKV at 1024 tokens per head, H2O evicting every step and the full cache (the
 #             default --e2e-args below: issue 42's per-step goal); Ada-SnapKV and the masked
@@ -247,8 +248,8 @@ stage_tc() {
   local rc=0
   if [ "$device" = cuda ]; then
     # At most 5 failures listed: a kernel that is wrong is wrong in most of the ~200 cases.
-    KVCACHE_EXT_TC_PREFILL=1 "$PYTHON" -m pytest -q -p no:cacheprovider -rfE --maxfail=5 \
-      tests/test_prefill_tc.py || rc=1
+    # Every test sets the switch itself (unset, 1, 0): the environment here does not matter.
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rfE --maxfail=5 tests/test_prefill_tc.py || rc=1
   fi
   # shellcheck disable=SC2086  # quick is empty or one flag
   "$PYTHON" bench/gpu_verify.py tc --device "$device" $quick --out "$tc_json" || rc=1
@@ -326,7 +327,7 @@ describe() {
     env) echo "nvidia-smi; torch, nvcc and compute-sanitizer versions" ;;
     build) echo "TORCH_CUDA_ARCH_LIST=<gpu arch> $PYTHON setup.py build_ext --inplace (or .gpucarry/build when its key matches)" ;;
     bench) echo "$PYTHON bench/gpu_verify.py table --device $device $quick --out $table_json" ;;
-    tc) echo "KVCACHE_EXT_TC_PREFILL=1 $PYTHON -m pytest tests/test_prefill_tc.py; $PYTHON bench/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
+    tc) echo "$PYTHON -m pytest tests/test_prefill_tc.py; $PYTHON bench/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
     sanitize) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PYTHON bench/gpu_verify.py sanitize-driver" ;;
     e2e) echo "$PYTHON bench/e2e.py --no-progress --device $device --out $e2e_json" $e2e_args ;;
     test) echo "for f in" $TEST_FILES "; do $PYTHON -m pytest \$f -k 'cuda or build' $pytest_args; done" ;;

@@ -322,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
     }
   } else {
 #ifdef KVCACHE_EXT_WITH_CUDA
-    // Experimental tensor-core prefill, only under KVCACHE_EXT_TC_PREFILL=1 (attention_kernels.h).
+    // The tensor-core prefill where it applies, unless KVCACHE_EXT_TC_PREFILL=0 (attention_kernels.h).
     if (device.is_cuda() && attention::prefill_tc_applies(p, r)) {
       attention::prefill_attention_cuda(p, r);
     } else {
@@ -580,7 +580,8 @@ at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Devic
 #ifdef KVCACHE_EXT_WITH_CUDA
   const int32_t* p = host.data_ptr<int32_t>();
   std::vector<int32_t> len(p, p + host.numel());
-  // Experimental tensor-core prefill (KVCACHE_EXT_TC_PREFILL=1): splits sized for its tiles.
+  // Blocks the tensor-core prefill may take (unless KVCACHE_EXT_TC_PREFILL=0): splits sized for
+  // its tiles. The switch is read (and a bad value refused) on every CUDA plan.
   if (attention::prefill_tc_enabled() && rows >= attention::kPrefillTcMinRows)
     return attention::plan_prefill_cuda(len, rows, device);
   return attention::plan_cuda(len, rows, device);

@@ -244,3 +244,15 @@ def test_host_model_has_the_8b_layers_and_heads_at_tiny_widths():
     for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
         assert getattr(config, name) == big[name], name
     assert config.hidden_size == e2e.TINY["hidden_size"] and config.head_dim == e2e.TINY["head_dim"]
+
+
+def test_tiny_widths_take_a_head_dim_the_cuda_kernel_supports_on_cuda():
+    """On CUDA --model host (and tiny) get head_dim 64, the smallest the CUDA attention kernel
+    takes (16 was refused on an H100), every other width as on the CPU, where 16 stays."""
+    from kvcache_ext.kernels.attention import CUDA_HEAD_DIMS
+    e2e = import_e2e()
+    for name in ("host", "tiny"):
+        cpu, cuda = e2e.model_config(name, "cpu"), e2e.model_config(name, "cuda:0")
+        assert cpu == e2e.MODELS[name] and cpu["head_dim"] == 16
+        assert cuda == dict(cpu, head_dim=64) and min(CUDA_HEAD_DIMS) == 64
+    assert e2e.model_config("llama8b", "cuda") == e2e.LLAMA_8B

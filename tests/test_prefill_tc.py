@@ -1,10 +1,12 @@
-"""The experimental tensor-core prefill kernel (csrc/attention/prefill_cuda.cu), reached through
-attention_run when KVCACHE_EXT_TC_PREFILL=1: fp16 / bf16, head_dim 64 or 128, G * n >= 16 query
-rows per KV head, statistics for G <= 64 (its statistics pass recomputes P from the merged
-log-sum-exp). Compared with the float64 reference and with the existing CUDA kernel (the switch
-off) on random ragged paged stores. The CUDA cases skip without a GPU; the host model of its
-tiles and of the statistics pass is tested in csrc/tests/test_prefill_tiles.cpp."""
+"""The tensor-core prefill kernel (csrc/attention/prefill_cuda.cu), which attention_run sends the
+CUDA calls it takes by default: fp16 / bf16, head_dim 64 or 128, G * n >= 16 query rows per KV
+head, statistics for G <= 64 (its statistics pass recomputes P from the merged log-sum-exp).
+KVCACHE_EXT_TC_PREFILL=0 sends them to the scalar CUDA kernel. Both paths are compared with the
+float64 reference and with each other on random ragged paged stores. The CUDA cases skip without
+a GPU; the host model of its tiles and of the statistics pass is tested in
+csrc/tests/test_prefill_tiles.cpp."""
 import math
+import re
 
 import pytest
 import torch
@@ -15,14 +17,19 @@ from conftest import DEVICES
 from test_attention import OUT_TOL, STAT_TOL, build_store, check_against_reference
 
 SWITCH = "KVCACHE_EXT_TC_PREFILL"
+DEFAULT, OFF = None, "0"   # the switch unset (the tensor-core prefill where it applies), or 0
 needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="the tensor-core prefill kernel needs a GPU")
 
 
-def attend(monkeypatch, tensor_cores, q, store, scale, q_pos, stats=False):
-    if tensor_cores:
-        monkeypatch.setenv(SWITCH, "1")
-    else:
+def set_switch(monkeypatch, value):
+    if value is None:
         monkeypatch.delenv(SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH, value)
+
+
+def attend(monkeypatch, switch, q, store, scale, q_pos, stats=False):
+    set_switch(monkeypatch, switch)
     return kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=stats)
 
 
@@ -40,20 +47,21 @@ def dense_reference(store, q, scale, q_pos):
                                      (2, 1, 4, 256), (1, 1, 3, 100)])
 @pytest.mark.parametrize("prompt,evict", [(0, 0.0), (300, 0.5), (1000, 0.9), (200, 1.0)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_tensor_core_prefill_matches_reference_and_old_kernel(monkeypatch, dtype, D, B, H, G, n, prompt,
-                                                              evict, causal):
+def test_default_and_switched_off_prefill_match_reference(monkeypatch, dtype, D, B, H, G, n, prompt,
+                                                          evict, causal):
     gen = torch.Generator().manual_seed(B * 1000 + G * 100 + n + prompt)
     store, q_pos = build_store(gen, B, H, D, dtype, "cuda", prompt, evict, n)
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).cuda()
     q_pos = q_pos if causal else None
     scale = 1 / math.sqrt(D)
-    new, _ = attend(monkeypatch, True, q, store, scale, q_pos)
-    old, _ = attend(monkeypatch, False, q, store, scale, q_pos)
+    new, _ = attend(monkeypatch, DEFAULT, q, store, scale, q_pos)
+    old, _ = attend(monkeypatch, OFF, q, store, scale, q_pos)
     want = dense_reference(store, q, scale, q_pos)
     tol = OUT_TOL[dtype]
-    assert new.shape == q.shape and new.dtype == dtype
-    assert torch.isfinite(new.float()).all()
-    torch.testing.assert_close(new.cpu().float(), want, atol=tol, rtol=tol)
+    for out in (new, old):
+        assert out.shape == q.shape and out.dtype == dtype
+        assert torch.isfinite(out.float()).all()
+        torch.testing.assert_close(out.cpu().float(), want, atol=tol, rtol=tol)
     # Both kernels round P differently (fp32 against T before P V): within twice the tolerance.
     torch.testing.assert_close(new.float(), old.float(), atol=2 * tol, rtol=2 * tol)
 
@@ -72,7 +80,7 @@ def test_tensor_core_prefill_page_sizes(monkeypatch, page_size):
     store.append(k.cuda(), v.cuda(), torch.arange(500, 500 + n))
     q = torch.randn(B, H * G, n, D, generator=gen).bfloat16().cuda()
     q_pos = torch.arange(500, 500 + n).expand(B, n)
-    new, _ = attend(monkeypatch, True, q, store, D ** -0.5, q_pos)
+    new, _ = attend(monkeypatch, DEFAULT, q, store, D ** -0.5, q_pos)
     torch.testing.assert_close(new.cpu().float(), dense_reference(store, q, D ** -0.5, q_pos),
                                atol=OUT_TOL[torch.bfloat16], rtol=OUT_TOL[torch.bfloat16])
 
@@ -84,20 +92,21 @@ def test_tensor_core_prefill_page_sizes(monkeypatch, page_size):
                                      (1, 1, 12, 20), (2, 2, 2, 256), (1, 1, 64, 3)])
 @pytest.mark.parametrize("prompt,evict", [(0, 0.0), (300, 0.5), (1000, 0.9), (200, 1.0)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_tensor_core_statistics_match_reference_and_old_kernel(monkeypatch, dtype, D, B, H, G, n, prompt,
-                                                               evict, causal):
+def test_default_and_switched_off_statistics_match_reference(monkeypatch, dtype, D, B, H, G, n, prompt,
+                                                              evict, causal):
     """The statistics pass (P recomputed per KV tile from the merged log-sum-exp, no logits
-    buffer): every statistic against the float64 reference (check_against_reference: values,
-    zeros on slack slots), and against the old kernel's statistics."""
+    buffer) and the scalar kernel's: every statistic against the float64 reference
+    (check_against_reference: values, zeros on slack slots), and against each other."""
     gen = torch.Generator().manual_seed(B * 1000 + G * 100 + n + prompt + 7)
     store, q_pos = build_store(gen, B, H, D, dtype, "cuda", prompt, evict, n)
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).cuda()
     q_pos = q_pos if causal else None
     scale = 1 / math.sqrt(D)
-    monkeypatch.setenv(SWITCH, "1")
-    check_against_reference(store, q, scale, q_pos, True)
-    _, new = attend(monkeypatch, True, q, store, scale, q_pos, stats=True)
-    _, old = attend(monkeypatch, False, q, store, scale, q_pos, stats=True)
+    for switch in (DEFAULT, OFF):
+        set_switch(monkeypatch, switch)
+        check_against_reference(store, q, scale, q_pos, True)
+    _, new = attend(monkeypatch, DEFAULT, q, store, scale, q_pos, stats=True)
+    _, old = attend(monkeypatch, OFF, q, store, scale, q_pos, stats=True)
     assert torch.equal(new.count, old.count)
     for name in ("mass", "last", "sum_sq"):
         torch.testing.assert_close(getattr(new, name), getattr(old, name), atol=2 * STAT_TOL, rtol=2 * STAT_TOL,
@@ -111,44 +120,75 @@ def test_tensor_core_statistics_subsets(monkeypatch, stats):
     gen = torch.Generator().manual_seed(len(stats) * 11 + len(stats[0]))
     store, q_pos = build_store(gen, 2, 2, 128, torch.bfloat16, "cuda", 700, 0.6, 64)
     q = torch.randn(2, 8, 64, 128, generator=gen).bfloat16().cuda()
-    monkeypatch.setenv(SWITCH, "1")
+    set_switch(monkeypatch, DEFAULT)
     check_against_reference(store, q, 128 ** -0.5, q_pos, stats)
 
 
 @needs_cuda
-def test_other_shapes_keep_the_old_kernel(monkeypatch):
-    """Calls the new kernel does not take (fp32, head_dim 96, fewer than 16 rows, statistics
-    with G > 64) give the old kernel's bytes with the switch on."""
+def test_other_shapes_keep_the_scalar_kernel(monkeypatch):
+    """Calls the tensor-core kernel does not take (fp32, head_dim 96, fewer than 16 rows,
+    statistics with G > 64) give the scalar kernel's bytes by default."""
     gen = torch.Generator().manual_seed(3)
     for dtype, D, G, n, stats in [(torch.bfloat16, 64, 72, 2, True), (torch.float32, 128, 4, 32, False),
                                   (torch.float16, 96, 4, 32, False), (torch.bfloat16, 128, 2, 4, False)]:
         store, q_pos = build_store(gen, 2, 2, D, dtype, "cuda", 200, 0.5, n)
         q = torch.randn(2, 2 * G, n, D, generator=gen).to(dtype).cuda()
-        new, new_stats = attend(monkeypatch, True, q, store, 0.1, q_pos, stats)
-        old, old_stats = attend(monkeypatch, False, q, store, 0.1, q_pos, stats)
+        new, new_stats = attend(monkeypatch, DEFAULT, q, store, 0.1, q_pos, stats)
+        old, old_stats = attend(monkeypatch, OFF, q, store, 0.1, q_pos, stats)
         assert torch.equal(new, old), (dtype, D, G, n, stats)
         if stats:
             for name in kvcache_ext.STAT_NAMES:
                 assert torch.equal(getattr(new_stats, name), getattr(old_stats, name)), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_switch_leaves_the_cpu_kernel_alone(monkeypatch, dtype):
-    """The switch routes CUDA calls only: on CPU the output is the same bytes either way."""
-    gen = torch.Generator().manual_seed(5)
-    store, q_pos = build_store(gen, 2, 2, 64, dtype, "cpu", 150, 0.5, 16)
-    q = torch.randn(2, 8, 16, 64, generator=gen).to(dtype)
-    new, _ = attend(monkeypatch, True, q, store, 0.125, q_pos)
-    old, _ = attend(monkeypatch, False, q, store, 0.125, q_pos)
-    assert torch.equal(new, old)
+@needs_cuda
+def test_the_default_is_the_tensor_core_kernel(monkeypatch):
+    """Unset and 1 are the same path, and it is not the scalar kernel's: the tensor-core kernel
+    rounds P to bf16 before P V where the scalar one keeps it in fp32, so over 2 x 8 x 64 x 128
+    outputs some bytes differ (were the default the scalar kernel, the comparisons of the tests
+    above would compare it with itself)."""
+    gen = torch.Generator().manual_seed(9)
+    store, q_pos = build_store(gen, 2, 2, 128, torch.bfloat16, "cuda", 1000, 0.5, 64)
+    q = torch.randn(2, 8, 64, 128, generator=gen).bfloat16().cuda()
+    default, _ = attend(monkeypatch, DEFAULT, q, store, 128 ** -0.5, q_pos)
+    one, _ = attend(monkeypatch, "1", q, store, 128 ** -0.5, q_pos)
+    off, _ = attend(monkeypatch, OFF, q, store, 128 ** -0.5, q_pos)
+    assert torch.equal(default, one)
+    assert not torch.equal(default, off)
 
 
 @needs_cuda
-def test_stale_and_foreign_plans_under_the_switch(monkeypatch):
+@pytest.mark.parametrize("value", ["", "2", "on", "true", " 1"])
+def test_a_bad_switch_value_is_refused(monkeypatch, value):
+    """Only unset, 1 and 0 are accepted; the error names the variable, the value and those."""
+    gen = torch.Generator().manual_seed(4)
+    store, q_pos = build_store(gen, 1, 2, 64, torch.bfloat16, "cuda", 100, 0.0, 16)
+    q = torch.randn(1, 8, 16, 64, generator=gen).bfloat16().cuda()
+    monkeypatch.setenv(SWITCH, value)
+    with pytest.raises(ValueError, match=f"{SWITCH} must be 0 .* or 1 or unset .* got '{re.escape(value)}'"):
+        kvcache_ext.ragged_attention(q, store, q_pos=q_pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_switch_leaves_the_cpu_kernel_alone(monkeypatch, dtype):
+    """The switch routes CUDA calls only and is not read on CPU: the output is the same bytes
+    unset, 1, 0 or a value CUDA calls refuse."""
+    gen = torch.Generator().manual_seed(5)
+    store, q_pos = build_store(gen, 2, 2, 64, dtype, "cpu", 150, 0.5, 16)
+    q = torch.randn(2, 8, 16, 64, generator=gen).to(dtype)
+    default, _ = attend(monkeypatch, DEFAULT, q, store, 0.125, q_pos)
+    for switch in ("1", OFF, "2"):
+        out, _ = attend(monkeypatch, switch, q, store, 0.125, q_pos)
+        assert torch.equal(out, default), switch
+
+
+@needs_cuda
+@pytest.mark.parametrize("switch", [DEFAULT, OFF])
+def test_stale_and_foreign_plans(monkeypatch, switch):
     """A plan made before a change of lengths gives the same output as a fresh one (the rules of
-    attention_plan.h), and a plan of another store NaN rows, as with the old kernel."""
+    attention_plan.h), and a plan of another store NaN rows, on both paths."""
     from test_cuda_metadata import _changes, filled
-    monkeypatch.setenv(SWITCH, "1")
+    set_switch(monkeypatch, switch)
     store, gen = filled("cuda", length=3000, dtype=torch.bfloat16)
     G, n = 4, 16
     q = torch.randn(2, 2 * G, n, 64, generator=gen).bfloat16().cuda()

@@ -1,5 +1,6 @@
-// CUDA attention over the ragged store for prefill blocks, on tensor cores (EXPERIMENTAL: not
-// yet run on a GPU; only used when KVCACHE_EXT_TC_PREFILL=1, see prefill_tc_applies).
+// CUDA attention over the ragged store for prefill blocks, on tensor cores: the default for the
+// CUDA calls prefill_tc_applies accepts (KVCACHE_EXT_TC_PREFILL=0 sends them to the scalar
+// kernel of attention_cuda.cu, as does every call it rejects).
 //
 // The tiling, masking, softmax, merge, fragment maps and swizzle are those of
 // attention/prefill_tiles.h, whose host emulation (csrc/tests/test_prefill_tiles.cpp) matches a
@@ -25,13 +26,13 @@
 //    logits buffer, no query chunks; prefill_tiles.h says how the heads of a query are
 //    grouped for sum_sq).
 //
-// Left for later (issue 43), in this order: (1) a GPU run of tests/test_prefill_tc.py and
-// compute-sanitizer (memcheck, racecheck) on it, statistics cases included, then the prefill
-// benchmark with the switch on and off, with and without statistics; (2) in prefill_stats, a
-// block-level skip of M tiles no query of which sees the KV tile, before their Q copy (today
-// each warp skips the mma only); (3) a parallel merge (FlashInfer's merge-states shape) and a
-// 3-stage pipeline if ncu shows the copies exposed; (4) the switch on by default for the calls
-// it takes, once (1) is clean.
+// On an H100 (2026-11-27, bench/results/gpu-verify-tc-NVIDIA-H100-80GB-HBM3-2026-11-27.json):
+// tests/test_prefill_tc.py and memcheck / racecheck / synccheck clean; blocks of 64 causal
+// queries 1.40x SDPA's speed, of 256 0.51x. Left for later (issue 43), in this order: (1) the
+// 256-query block (ncu: tensor-core use, bank conflicts, exposed copies; a 3-stage pipeline or
+// wgmma); (2) in prefill_stats, a block-level skip of M tiles no query of which sees the KV
+// tile, before their Q copy (today each warp skips the mma only); (3) a parallel merge
+// (FlashInfer's merge-states shape).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -772,8 +773,14 @@ at::Tensor plan_prefill_cuda(const std::vector<int32_t>& len, int64_t rows, cons
 }
 
 bool prefill_tc_enabled() {
-  const char* flag = std::getenv("KVCACHE_EXT_TC_PREFILL");
-  return flag != nullptr && std::strcmp(flag, "1") == 0;
+  // Read on every call (one getenv, no lock): the benchmarks flip it between calls to time both
+  // kernels in one process.
+  const char* flag = std::getenv(kPrefillTcSwitch);
+  const bool off = flag != nullptr && std::strcmp(flag, "0") == 0;
+  TORCH_CHECK_VALUE(flag == nullptr || off || std::strcmp(flag, "1") == 0, "the environment variable ",
+                    kPrefillTcSwitch, " must be 0 (the scalar prefill kernel) or 1 or unset (the "
+                    "tensor-core prefill, the default), got '", flag, "'");
+  return !off;
 }
 
 bool prefill_tc_applies(const Problem& p, const Result& r) {
