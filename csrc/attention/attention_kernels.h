@@ -56,8 +56,8 @@ at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::D
 // timed 5.2x / 6.7x the scalar kernel on causal blocks of 64 / 256 queries (docs/kernels.md).
 constexpr int64_t kPrefillTcMinRows = 16;
 constexpr const char* kPrefillTcSwitch = "KVCACHE_EXT_TC_PREFILL";
-// The switch, read from the environment on every call: unset or "1" on, "0" off; any other
-// value raises a ValueError naming it.
+// The switch, read from the environment on every call that could take the tensor-core path
+// (never on decode): unset or "1" on, "0" off; any other value raises a ValueError naming it.
 bool prefill_tc_enabled();
 // The plan of attention_plan (same layout, same stale-plan rules) with splits sized for the
 // tensor-core prefill's 64-row tiles rather than the scalar kernel's 4-row ones (which would

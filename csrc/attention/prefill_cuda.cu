@@ -787,9 +787,10 @@ bool prefill_tc_applies(const Problem& p, const Result& r) {
   const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
   const at::ScalarType t = p.q.scalar_type();
   const int64_t D = p.q.size(3);
-  return prefill_tc_enabled() && p.q.is_cuda() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
-         (t == at::kHalf || t == at::kBFloat16) &&
-         (D == 64 || D == 128) && p.groups * p.q.size(2) >= kPrefillTcMinRows;
+  // The switch last: a decode call (too few rows) never reads the environment.
+  return p.q.is_cuda() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
+         (t == at::kHalf || t == at::kBFloat16) && (D == 64 || D == 128) &&
+         p.groups * p.q.size(2) >= kPrefillTcMinRows && prefill_tc_enabled();
 }
 
 void prefill_attention_cuda(const Problem& p, Result& r) {

@@ -74,7 +74,7 @@ class Scorer:
         """With ``scores_in_slots``: ``cache_scores`` computed elementwise in the storage's own
         slot layout (channels [capacity, C], the eviction statistics and pos [capacity]), for a
         scorer that needs nothing else of a view (no rows, budget, queries or neighbours). The
-        engine then evicts without building a padded view (``engine.eviction.evict_in_slots``)."""
+        engine then evicts without building a padded view (``engine.eviction.evicts_in_slots``)."""
         raise NotImplementedError(f"{type(self).__name__} scores through a padded view only")
 
     # --- per-query-head scores: what CAOTE's per-head readings (gqa="group_l2", ...) wrap ------
