@@ -93,6 +93,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // attention_run in one host call, over the functions those ops run.
   m.def("append_and_attend", &kvcache_ext::ops::append_and_attend, py::arg("allocator"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"));
+  // The eager decode step of slot-layout eviction (ops.h): append_and_attend + the channel
+  // update + protection + top-k + compaction in one host call.
+  m.def("append_attend_evict", &kvcache_ext::ops::append_attend_evict, py::arg("allocator"),
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"), py::kw_only(),
+        py::arg("rule"), py::arg("sinks") = 0, py::arg("recent") = 0,
+        py::arg("last_pos") = py::none(), py::arg("budget") = py::none(),
+        py::arg("budget_host") = py::none());
   // The page-size rule (ops.h), for the Python checks.
   m.attr("MAX_PAGE_SIZE") = kvcache_ext::ops::kMaxPageSize;
   {

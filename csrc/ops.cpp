@@ -11,6 +11,7 @@
 #include <limits>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "attention/attention_kernels.h"
 #include "common/checks.h"
 #include "common/device_dispatch.h"
+#include "select/slot_rule.h"
 #include "select/topk.h"
 #include "store/page_allocator.h"
 #include "store/store_kernels.h"
@@ -612,6 +614,112 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
   const at::Tensor plan = allocator.attention_plan(q.size(1) / heads * q.size(2));
   return std::get<0>(attend(st, q, allocator.len_device(), plan, c10::nullopt, scale, heads,
                             allocator.head_dim(), allocator.dtype(), false, false, false, false));
+}
+
+namespace {
+
+// append_attend_evict's budgets, checked before anything is stored: budget [B] integers on
+// the device, budget_host the same on the host (>= 0), both or neither.
+bool check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<at::Tensor>& budget_host,
+                   int64_t batch, const c10::Device& device) {
+  const bool on_device = budget.has_value() && budget->defined();
+  const bool on_host = budget_host.has_value() && budget_host->defined();
+  TORCH_CHECK_VALUE(on_device == on_host, "budget and budget_host are given together (an eviction "
+                    "this step) or not at all, got ", on_device ? "budget" : "budget_host", " only");
+  if (!on_device) return false;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{*budget, "budget"},
+                                {*budget_host, "budget_host"}}) {
+    TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
+                     t.scalar_type());
+    check_shape(t, {batch}, name);
+  }
+  check_device(*budget, device, "budget");
+  TORCH_CHECK_VALUE(budget_host->device().is_cpu(), "budget_host must be on the host, got ",
+                    budget_host->device());
+  const at::Tensor host = budget_host->to(at::kLong).contiguous();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(host.data_ptr<int64_t>()[b] >= 0, "budget_host must be >= 0, got budget_host[",
+                      b, "] = ", host.data_ptr<int64_t>()[b]);
+  }
+  return true;
+}
+
+}  // namespace
+
+at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& pos, double scale,
+                               const std::string& rule, int64_t sinks, int64_t recent,
+                               const c10::optional<at::Tensor>& last_pos,
+                               const c10::optional<at::Tensor>& budget,
+                               const c10::optional<at::Tensor>& budget_host) {
+  const int64_t B = allocator.batch(), H = allocator.heads(), S = B * H;
+  const c10::Device device = allocator.device();
+  // Every check before anything is stored.
+  check_query(q, device, allocator.dtype(), B, H, allocator.head_dim(), scale);
+  TORCH_CHECK_VALUE(rule == "mass" || rule == "position", "rule must be 'mass' (score channel 0 "
+                    "accumulates the attention each token receives) or 'position', got '", rule, "'");
+  const bool by_mass = rule == "mass";
+  TORCH_CHECK_VALUE(!by_mass || allocator.score_channels() >= 1, "rule 'mass' accumulates in score "
+                    "channel 0, but this store has no score channels");
+  TORCH_CHECK_VALUE(sinks >= 0 && recent >= 0, "sinks and recent must be >= 0, got sinks = ", sinks,
+                    " and recent = ", recent);
+  const bool evicting = check_budgets(budget, budget_host, B, device);
+  const bool by_recency = evicting && recent > 0;
+  if (by_recency) {
+    TORCH_CHECK_VALUE(last_pos.has_value() && last_pos->defined(), "recent > 0 needs last_pos, the "
+                      "newest position of every row");
+    TORCH_CHECK_TYPE(is_integer_dtype(last_pos->scalar_type()), "last_pos must be an integer tensor, "
+                     "got ", last_pos->scalar_type());
+    check_shape(*last_pos, {B}, "last_pos");
+    check_device(*last_pos, device, "last_pos");
+  }
+
+  // append_and_attend, with the mass when the rule keeps it.
+  const auto [pos32, rank, counts] = allocator.prepare_append(k, v, pos, c10::nullopt);
+  const StateView st = allocator.own_state();
+  const at::Tensor& len = allocator.len_device();
+  append_tokens(st, len, k, v, pos32, rank, counts);
+  const at::Tensor plan = allocator.attention_plan(q.size(1) / H * q.size(2));
+  const auto result = attend(st, q, len, plan, c10::nullopt, scale, H, allocator.head_dim(),
+                             allocator.dtype(), by_mass, false, false, false);
+  const at::Tensor& out = std::get<0>(result);
+  if (by_mass) allocator.add_to_scores(0, std::get<1>(result));
+  if (!evicting) return out;
+
+  // Only when a segment holds more than its row's budget (the host lengths: no sync).
+  const at::Tensor host_budget = budget_host->to(at::kLong).contiguous();
+  const int64_t* per_row = host_budget.data_ptr<int64_t>();
+  const std::vector<int32_t>& held = allocator.len_host();
+  at::Tensor kept = at::empty({S}, at::kLong);  // min(len, budget): what the top-k keeps
+  bool over = false;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t want = per_row[s / H];
+    over = over || held[s] > want;
+    kept.data_ptr<int64_t>()[s] = std::min<int64_t>(held[s], want);
+  }
+  if (!over) return out;
+  // store_topk's work, each token's score read from its record by the rule (slot_rule.h: the
+  // scorer's slot score and the protection, as the Python step computes them), k per segment
+  // its row's budget clamped as the op clamps it; then store_compact's, on the same view:
+  // nothing allocated pages since the append.
+  const at::Tensor newest = by_recency ? last_pos->to(at::kLong).contiguous() : at::Tensor();
+  select::SlotRule slot_rule;
+  slot_rule.by_position = !by_mass;
+  slot_rule.sinks = static_cast<int32_t>(std::min<int64_t>(sinks, INT32_MAX));
+  // Beyond 2^32 every int32 position is as recent as it gets (and newest - recent cannot overflow).
+  slot_rule.recent = by_recency ? std::min<int64_t>(recent, int64_t{1} << 32) : 0;
+  slot_rule.newest = by_recency ? newest.data_ptr<int64_t>() : nullptr;
+  slot_rule.heads = H;
+  const at::Tensor k32 = budget->to(at::kLong).clamp(0, INT32_MAX).to(at::kInt)
+                             .unsqueeze(1).expand({B, H}).reshape({S}).contiguous();
+  const auto on_device = at::TensorOptions().device(device);
+  at::Tensor keep = at::zeros({st.capacity}, on_device.dtype(at::kBool));
+  at::Tensor kept_per_segment = at::zeros({S}, on_device.dtype(at::kInt));
+  KVCACHE_DEVICE_DISPATCH(device, select::paged_topk, st.view, len, at::Tensor(), 1, k32, keep,
+                          kept_per_segment, &slot_rule);
+  KVCACHE_DEVICE_DISPATCH(device, store::compact, st.view, len, keep);
+  allocator.finish_compact(kept);
+  return out;
 }
 
 }  // namespace kvcache_ext::ops

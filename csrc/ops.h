@@ -18,6 +18,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
 #include <tuple>
 
 #include "store/paged_layout.h"
@@ -153,5 +154,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 // bench/results/decode-calls-cpu-2026-11-27.json).
 at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, const at::Tensor& pos, double scale);
+
+// append_attend_evict: the eager decode step of a policy that evicts in the store's slot layout
+// while decoding (H2O and StreamingLLM under equal head budgets), in one host call: the decode
+// fast path of every step such a policy takes, eviction or not. It is exactly
+//   append_and_attend, with the attention mass of every slot when rule == "mass"
+//   + (rule "mass") score channel 0 += that mass, in every slot (PageAllocator::add_to_scores)
+//   + when budget is given and a segment holds more than its row's budget[b] tokens:
+//       store_topk of budget[b] per segment, each token scored from its record by the rule
+//       (select/slot_rule.h: channel 0 for "mass", the position for "position"; +inf where
+//       protected: position < sinks, or position > last_pos[b] - recent) + store_compact
+//       + allocator.finish_compact(min(len, budget[b])): the new lengths known, no read-back
+// through the functions those ops run past their checks, on the allocator's own state view.
+// budget [B] integers on the store's device and budget_host, the same on the host, come
+// together (none: no eviction this step); last_pos [B] integers on the device, each row's
+// newest position, is needed when recent > 0. Everything is checked before anything is
+// stored. Returns out [B, Hq, 1, D]. No host sync (the lengths are known on the host).
+// Why it exists: through Python (append, attend, the channel update, protection, select,
+// compact), H2O evicting every step decoded at 0.50x one-shot SnapKV on an H100 and on this
+// CPU's 8B-shaped host model alike, every step host-bound (bench/e2e.py --model host).
+at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& pos, double scale,
+                               const std::string& rule, int64_t sinks, int64_t recent,
+                               const c10::optional<at::Tensor>& last_pos,
+                               const c10::optional<at::Tensor>& budget,
+                               const c10::optional<at::Tensor>& budget_host);
 
 }  // namespace kvcache_ext::ops

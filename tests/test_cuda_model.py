@@ -71,3 +71,36 @@ def test_budget_at_least_length_gives_unpatched_logits_on_cuda(dtype, atol):
     with kvcache_ext.patch(model, policy) as handle:
         got = teacher_forced(model, handle.new_cache(), ids, mask, fed=fed)
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("policy", [Policy(H2O(recent=3), budget=14, schedule=EveryStep()),
+                                    Policy(StreamingLLM(sinks=2), budget=10, schedule=EveryNSteps(2))],
+                         ids=lambda p: type(p.scorer).__name__)
+def test_compiled_decode_step_on_cuda_equals_reference_and_cpu(policy):
+    """The compiled decode step of a slot-rule scorer (test_patch.py's
+    test_compiled_decode_step_equals_the_python_step) on CUDA: it serves every decode step, and
+    gives the reference path's logits and the CPU store's kept tokens."""
+    from test_patch import _decode_unpadded
+    from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+    served = []
+    compiled_step = RaggedLayerKV.append_attend_evict
+    results = []
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(RaggedLayerKV, "append_attend_evict",
+                        lambda self, *a: served.append(self.store.device.type) or compiled_step(self, *a))
+        for device in ("cpu", "cuda"):
+            model = tiny_model("llama", heads=8, kv_heads=2, head_dim=64, layers=3).to(device)
+            ids, _ = inputs(batch=2, length=40)
+            with kvcache_ext.patch(model, policy) as handle:
+                cache = handle.new_cache()
+                logits = _decode_unpadded(model, cache, ids.to(device), steps=8)
+                if device == "cuda":
+                    expected = _decode_unpadded(model, handle.new_cache(reference=True), ids.cuda(), steps=8)
+                    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
+            kept = [cache.layer_kv(i).view(None, False) for i in range(3)]
+            results.append((logits.cpu(), [k["pos"].masked_fill(~k["mask"], -1).cpu() for k in kept]))
+    assert served.count("cuda") == served.count("cpu") == 3 * 8
+    (cpu_logits, cpu_kept), (gpu_logits, gpu_kept) = results
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=2e-4, rtol=2e-4)
+    for a, b in zip(cpu_kept, gpu_kept):
+        assert torch.equal(a, b)

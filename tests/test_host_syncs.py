@@ -13,8 +13,9 @@ a move to the host is ``.cpu()``, ``.numpy()`` or ``.to("cpu")`` with the string
 
 What it cannot see: syncs inside C++ ops. There is one on an eviction's path on CUDA:
 ``RaggedKVStore.compact`` reads the new lengths back (``PageAllocator.finish_compact``), unless
-its caller gives them (the slot-layout eviction of equal head budgets, ``evict_in_slots``: a
-top-k of k per head keeps min(len, k)); ``select`` reads nothing back. It is added by hand below
+its caller gives them (the slot-layout eviction of equal head budgets, ``evict_in_slots`` and the
+compiled decode step ``append_attend_evict``: a top-k of k per head keeps min(len, k));
+``select`` reads nothing back. It is added by hand below
 (``CPP_SYNCS_PER_EVICTION``). The CUDA twin (``test_cuda_*``) counts every sync of the same steps
 with the profiler (the CUDA runtime's synchronizing calls).
 """
@@ -200,10 +201,12 @@ def test_a_decoded_token_without_eviction_makes_no_host_sync():
 
 def _count_evictions(monkeypatch):
     """The evictions of the ragged store, by path: "view" (``RaggedLayerKV.evict``, after a padded
-    view) and "slots" (``RaggedLayerKV.evict_in_slots``, no view, the new lengths known)."""
+    view), "slots" (``RaggedLayerKV.evict_in_slots``, no view, the new lengths known) and
+    "fused" (``RaggedLayerKV.append_attend_evict``, the compiled decode step, counted at every
+    decode step it serves)."""
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     evictions = []
-    for name, path in (("evict", "view"), ("evict_in_slots", "slots")):
+    for name, path in (("evict", "view"), ("evict_in_slots", "slots"), ("append_attend_evict", "fused")):
         method = getattr(RaggedLayerKV, name)
         monkeypatch.setattr(RaggedLayerKV, name,
                             lambda self, *a, _m=method, _p=path: evictions.append(_p) or _m(self, *a))
@@ -215,12 +218,17 @@ def test_an_eviction_step_makes_at_most_one_host_sync_per_eviction(monkeypatch):
     With equal head budgets the eviction stays in slot layout and gives compaction the new
     lengths: no C++ read-back either; with Ada-KV's budgets it takes the padded view, and
     compaction reads the lengths back: one sync (CPP_SYNCS_PER_EVICTION)."""
-    for allocation, path in ((Uniform(), "slots"), (AdaKV(), "view")):
-        evictions = _count_evictions(monkeypatch)
-        per_step, layers = _run(Policy(H2O(recent=2), budget=16, schedule=EveryStep(),
-                                       allocation=allocation), steps=3)
+    from kvcache_ext.engine import eviction
+    for allocation, fused, path in ((Uniform(), True, "fused"), (Uniform(), False, "slots"),
+                                    (AdaKV(), True, "view")):
+        with monkeypatch.context() as patched:
+            if not fused:   # the Python path the compiled step replaces
+                patched.setattr(eviction, "fuses_decode_step", lambda *args: False)
+            evictions = _count_evictions(patched)
+            per_step, layers = _run(Policy(H2O(recent=2), budget=16, schedule=EveryStep(),
+                                           allocation=allocation), steps=3)
         # the prompt's compression is not an eviction step
-        assert evictions == [path] * (3 * layers), (allocation, evictions)
+        assert evictions == [path] * (3 * layers), (allocation, fused, evictions)
         assert all(not calls for calls in per_step), _explain(per_step)
     assert sum(CPP_SYNCS_PER_EVICTION.values()) <= 1
 
@@ -282,8 +290,14 @@ def test_cuda_host_syncs_per_decoded_token_and_per_eviction():
     most the C++ read-backs of each eviction (the goal: 1 each)."""
     plain, _ = _cuda_syncs(Policy(SnapKV(window=4), budget=16))
     assert plain == [0, 0, 0]
-    # Equal head budgets: the slot-layout eviction gives compaction the new lengths: no sync.
-    in_slots, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
+    # Equal head budgets: the compiled decode step (and the Python slot-layout eviction it
+    # replaces) give compaction the new lengths: no sync.
+    fused, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
+    assert fused == [0, 0, 0], fused
+    from kvcache_ext.engine import eviction
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(eviction, "fuses_decode_step", lambda *args: False)
+        in_slots, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
     assert in_slots == [0, 0, 0], in_slots
     # Ada-KV's budgets: the padded view, and compaction's read-back, once per eviction.
     evicting, layers = _cuda_syncs(Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()))

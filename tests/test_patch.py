@@ -147,6 +147,98 @@ def test_left_padded_batch_gives_each_row_its_own_result(policy):
             torch.testing.assert_close(batched[row:row + 1], alone, atol=1e-4, rtol=1e-4)
 
 
+FUSED_POLICIES = [
+    Policy(H2O(), budget=12, schedule=EveryStep()),
+    Policy(H2O(recent=4), budget=12, schedule=EveryStep(prefill_block=8)),
+    Policy(H2O(recent=3), budget=14, allocation=Pyramid(beta=3), schedule=EveryNSteps(2)),
+    Policy(StreamingLLM(sinks=2), budget=10, schedule=EveryNSteps(3)),
+    Policy(StreamingLLM(sinks=3), budget=9, schedule=EveryStep(prefill_block=8)),
+    Policy(H2O(recent=2), budget=12, allocation=AdaKV(), schedule=EveryNSteps(2)),   # eviction: Python
+    Policy(H2O(recent=2), ratio=0.3, schedule=EveryStep()),
+]
+
+
+def _decode_unpadded(model, cache, ids, steps):
+    """Logits of the prompt's last token and of `steps` fed tokens with no attention mask (HF
+    then gives none: the compiled decode step's case): [B, steps + 1, V]."""
+    fed = fed_tokens(ids.shape[0], steps)
+    with torch.no_grad():
+        out = [model(ids, **with_cache(model, cache), use_cache=True).logits[:, -1]]
+        for t in range(steps):
+            out.append(model(fed[:, t:t + 1], **with_cache(model, cache), use_cache=True).logits[:, -1])
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("policy", FUSED_POLICIES, ids=lambda p: repr(p).replace(" ", ""))
+def test_compiled_decode_step_equals_the_python_step(policy, monkeypatch):
+    """A scorer with a ``slot_rule`` decodes through one C++ call per layer
+    (``RaggedLayerKV.append_attend_evict``). It must give exactly what the engine's Python
+    step gives (the same logits bit for bit, the same tokens, channels and lengths in every
+    store), and the reference path's logits; a step whose eviction needs the padded view (Ada-KV's
+    budgets) still takes the Python eviction."""
+    from kvcache_ext.engine import eviction
+    from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, _ = inputs(batch=2, length=40)
+    steps = 9
+    served = []
+    compiled_step = RaggedLayerKV.append_attend_evict
+    monkeypatch.setattr(RaggedLayerKV, "append_attend_evict",
+                        lambda self, *a: served.append(a[-1] is not None) or compiled_step(self, *a))
+    with kvcache_ext.patch(model, policy) as handle:
+        fused_cache = handle.new_cache()
+        fused = _decode_unpadded(model, fused_cache, ids, steps)
+        fused_calls = list(served)
+        with monkeypatch.context() as python_only:
+            python_only.setattr(eviction, "fuses_decode_step", lambda *args: False)
+            python_cache = handle.new_cache()
+            python = _decode_unpadded(model, python_cache, ids, steps)
+        reference = _decode_unpadded(model, handle.new_cache(reference=True), ids, steps)
+    every = policy.schedule.decode_every
+    evicting_steps = [(t + 1) % every == 0 for t in range(steps)]
+    if isinstance(policy.allocation, AdaKV):
+        # Only the steps that do not evict are compiled ones; they never evict.
+        assert fused_calls == [False] * (3 * evicting_steps.count(False)), fused_calls
+    else:
+        assert fused_calls == [e for e in evicting_steps for _ in range(3)], fused_calls
+    assert torch.equal(fused, python)
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
+    for layer in range(3):
+        a, b = fused_cache.layer_kv(layer).store, python_cache.layer_kv(layer).store
+        assert torch.equal(a.lens, b.lens)
+        da, db = a.to_dense(), b.to_dense()
+        for name in ("k", "v", "pos", "scores", "mask"):
+            assert torch.equal(getattr(da, name), getattr(db, name)), (layer, name)
+    assert int(fused_cache.kept_tokens()[0].sum()) < 2 * 2 * (40 + steps)   # eviction happened
+
+
+def test_the_compiled_decode_step_refuses_bad_input_before_storing():
+    """Errors name the argument; nothing is appended when one is refused."""
+    from kvcache_ext.kernels.store import RaggedKVStore
+    store = RaggedKVStore(2, 2, 16, dtype=torch.float32, score_channels=1)
+    store.append(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), torch.arange(5))
+    q, k, v, pos = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), torch.full((2, 1), 5)
+    budget = (torch.tensor([3, 3]), torch.tensor([3, 3]))
+    bad = [
+        (dict(rule="tova"), "rule must be 'mass'"),
+        (dict(rule="mass", budget=(budget[0], None)), "budget and budget_host are given together"),
+        (dict(rule="mass", budget=(torch.tensor([3]), torch.tensor([3]))), "budget must have shape"),
+        (dict(rule="mass", budget=(budget[0], torch.tensor([3, -1]))), "budget_host must be >= 0"),
+        (dict(rule="mass", budget=(budget[0].float(), budget[1])), "budget must be an integer tensor"),
+        (dict(rule="mass", recent=2, budget=budget), "recent > 0 needs last_pos"),
+        (dict(rule="mass", recent=2, last_pos=torch.tensor([5]), budget=budget), "last_pos must have shape"),
+        (dict(rule="mass", sinks=-1), "sinks and recent must be >= 0"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises((ValueError, TypeError), match=message):
+            store.append_attend_evict(q, k, v, pos, 0.25, **kwargs)
+        assert store.lens.tolist() == [[5, 5], [5, 5]]
+    no_channels = RaggedKVStore(2, 2, 16, dtype=torch.float32, score_channels=0)
+    with pytest.raises(ValueError, match="rule 'mass' accumulates in score channel 0"):
+        no_channels.append_attend_evict(q, k, v, pos, 0.25, rule="mass")
+    assert no_channels.num_tokens == 0
+
+
 def test_positions_after_eviction():
     """StreamingLLM at its budget every step: decode token p attends to the sinks and the
     newest budget - sinks tokens. The unpatched model with that attention pattern as an explicit

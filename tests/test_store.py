@@ -598,3 +598,70 @@ def test_cuda_no_host_sync_in_decoding_growth_reserve_shrink_and_selection():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert store.lens.tolist() == [[20] * H] * B and store.len.tolist() == [20] * (B * H)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(B=st.integers(1, 3), H=st.integers(1, 4), G=st.integers(1, 3), rule=st.sampled_from(["mass", "position"]),
+       sinks=st.integers(0, 3), recent=st.integers(0, 6), page_size=st.sampled_from([1, 4, 16]),
+       max_len=st.sampled_from([1, 5, 40]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, recent, page_size, max_len,
+                                              dtype, seed):
+    """``append_attend_evict`` (the compiled decode step of a slot-rule scorer) against the same
+    step through the ops, as the engine's Python step runs it: append, the attention with the
+    mass, channel 0 += mass ("mass"), then the scores (channel 0 or the position) with the
+    protected tokens at +inf, select k[b] per head and compact. Ragged segments (empty ones
+    before the append, single-slot ones), ties, NaN and infinite channel values, budgets below,
+    at and above the lengths, k = 0; every step kept bit for bit (on CUDA the mass may sum in
+    another order: close, and the same tokens kept)."""
+    from kvcache_ext.kernels.attention import ragged_attention
+    from kvcache_ext.policies.protection import Protection
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, max_len + 1, (B * H,), generator=gen).tolist()
+    lens[0] = 0
+    D, C = 16, 2
+    stores = []
+    for _ in range(2):
+        s = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, score_channels=C, page_size=page_size)
+        stores.append(s)
+    k0 = (torch.randn(B, H, max_len, D, generator=gen) * 0.5).to(dtype)
+    valid = torch.arange(max_len) < torch.tensor(lens).view(B, H, 1)
+    channels = random_scores(gen, (B, H, max_len, C))
+    for s in stores:
+        s.append(k0.to(device), k0.flip(-1).to(device), torch.arange(max_len).to(device), valid.to(device))
+        s.set_scores(s.from_padded(channels[:, :, :int(s.lens.max())].to(device)))
+    fused, ops_store = stores
+    protection = Protection(sinks=sinks, recent=recent)
+    expected = torch.tensor(lens).view(B, H)
+    for step in range(3):
+        q = (torch.randn(B, H * G, 1, D, generator=gen) * 0.5).to(dtype).to(device)
+        k, v = ((torch.randn(B, H, 1, D, generator=gen) * 0.5).to(dtype).to(device) for _ in range(2))
+        pos = (max_len + step + torch.arange(B)).view(B, 1).to(device)      # rows at their own positions
+        last_pos = pos[:, 0]
+        budget = torch.randint(0, max_len + 3, (B,), generator=gen)
+        budget[-1] = 0 if step == 1 else budget[-1]
+        got = fused.append_attend_evict(q, k, v, pos, 0.25, rule=rule, sinks=sinks, recent=recent,
+                                        last_pos=last_pos, budget=(budget.to(device), budget))
+        # The same step through the ops.
+        ops_store.append(k, v, pos)
+        want, stats = ragged_attention(q, ops_store, 0.25, stats=("mass",) if rule == "mass" else False)
+        if rule == "mass":
+            updated = ops_store.scores
+            updated[:, 0] += stats.mass
+            ops_store.set_scores(updated)
+        if bool((ops_store.lens > budget[:, None]).any()):
+            slot_pos = ops_store.pos
+            scores = ops_store.scores[:, 0].clone() if rule == "mass" else slot_pos.float()
+            scores = scores.masked_fill(protection.mask(slot_pos, last_pos[ops_store.slot_rows()]), float("inf"))
+            keep = ops_store.select(budget.to(device)[:, None].expand(B, H), scores)
+            ops_store.compact(keep, lens=torch.minimum(ops_store.lens, budget[:, None]))
+        expected = torch.minimum(expected + 1, budget[:, None])   # every segment: min(len, k[b])
+        assert fused.lens.tolist() == ops_store.lens.tolist() == expected.tolist()
+        a, b = fused.to_dense(), ops_store.to_dense()
+        assert torch.equal(a.pos.masked_fill(~a.mask, -1).cpu(), b.pos.masked_fill(~b.mask, -1).cpu())
+        if device == "cpu":
+            assert torch.equal(bits(got), bits(want))
+            for name in ("k", "v", "scores"):
+                assert torch.equal(bits(getattr(a, name)), bits(getattr(b, name))), name
+        else:
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(a.scores, b.scores, equal_nan=True)

@@ -11,6 +11,8 @@ struct PagedView;  // store/paged_layout.h
 }  // namespace store
 
 namespace select {
+struct SlotRule;  // select/slot_rule.h
+
 // Inputs already checked. k is int32 [S] (segmented) or [G] (grouped).
 // Keeps the k[s] best live slots of every segment s (all of them when k[s] >= len[s]):
 // scores [capacity] float32, pos [capacity] int32, start [S] int64, len [S] int32; keep
@@ -29,9 +31,11 @@ void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at:
 // [capacity] (slot layout) or [B, H, L] (padded) float32. keep [capacity] bool, zeroed;
 // counts [S] int32, zeroed, receives the number kept per segment. The CPU op checks every
 // k >= 0; the CUDA kernel clamps k[g] to [0, live tokens of g] on the device (no host sync).
+// rule (the compiled decode step's eviction; scores then undefined): each token's score is
+// rule->score of its record (slot_rule.h) instead.
 void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
-                    const at::Tensor& counts);
+                    const at::Tensor& counts, const SlotRule* rule = nullptr);
 
 #ifdef KVCACHE_EXT_WITH_CUDA
 void segmented_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at::Tensor& start,
@@ -41,7 +45,7 @@ void grouped_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at
                        const at::Tensor& keep, const at::Tensor& counts);
 void paged_topk_cuda(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                      int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
-                     const at::Tensor& counts);
+                     const at::Tensor& counts, const SlotRule* rule = nullptr);
 #endif
 }  // namespace select
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "select/radix_select.h"
+#include "select/slot_rule.h"
 #include "select/topk.h"
 #include "store/paged_layout.h"
 
@@ -140,6 +141,19 @@ void add_run(Candidates& c, const float* score, int64_t stride, const int32_t* p
   c.size += count;
 }
 
+// add_run under a slot rule: each candidate's score is rule.score of its record (channel 0
+// at score[r * stride], the position pos[r]) in segment `segment`.
+void add_run(Candidates& c, const SlotRule& rule, int64_t segment, const float* score,
+             int64_t stride, const int32_t* pos, int64_t first, int64_t count) {
+  uint64_t* key = c.key + c.size;
+  int64_t* slot = c.slot + c.size;
+  for (int64_t r = 0; r < count; ++r) {
+    key[r] = selection_key(rule.score(score + r * stride, pos[r], segment), pos[r]);
+    slot[r] = first + r;
+  }
+  c.size += count;
+}
+
 // The slot-layout inputs of segmented_topk_cpu and grouped_topk_cpu, as the kernels read them.
 struct SlotLayout {
   const float* scores;
@@ -198,7 +212,7 @@ constexpr int64_t kPrefetchPages = 8;  // how far ahead a segment's pages are pr
 
 void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
-                    const at::Tensor& counts) {
+                    const at::Tensor& counts, const SlotRule* rule) {
   using store::kPos;
   using store::kScores;
   const int32_t* len_p = len.data_ptr<int32_t>();
@@ -235,8 +249,12 @@ void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const a
             __builtin_prefetch(view.row(kPos, far));
             __builtin_prefetch(score_of(ahead, far));
           }
-          add_run(cand, score_of(i, slot), given == nullptr ? channels : 1,
-                  reinterpret_cast<const int32_t*>(view.row(kPos, slot)), slot, run);
+          const auto* positions = reinterpret_cast<const int32_t*>(view.row(kPos, slot));
+          if (rule != nullptr) {
+            add_run(cand, *rule, s, score_of(i, slot), channels, positions, slot, run);
+          } else {
+            add_run(cand, score_of(i, slot), given == nullptr ? channels : 1, positions, slot, run);
+          }
           i += run;
         }
         ends[j] = cand.size;

@@ -34,6 +34,7 @@
 #include <limits>
 
 #include "common/occupancy.h"
+#include "select/slot_rule.h"
 #include "select/radix_select.h"
 #include "select/topk.h"
 #include "store/paged_layout.h"
@@ -76,11 +77,16 @@ struct PagedSource {
   store::PagedView view;
   const float* given;
   int64_t padded_len;
+  SlotRule rule;      // with has_rule (given == nullptr): the score is rule.score of the record
+  bool has_rule;
   __device__ int64_t slot(int64_t s, int64_t i) const { return view.slot(s, i); }
   // Explicitly global, read-only loads (scores and positions do not change during the
   // kernel): the compiler may then overlap them with the shared-memory atomics of the
   // histogram, which a generic pointer (one that could point to shared memory) forbids.
   __device__ float score(int64_t s, int64_t i, int64_t slot) const {
+    if (has_rule) {  // as paged_topk_cpu's add_run under a rule (slot_rule.h)
+      return rule.score(reinterpret_cast<const float*>(view.row(store::kScores, slot)), position(slot), s);
+    }
     if (given == nullptr) return __ldg(reinterpret_cast<const float*>(view.row(store::kScores, slot)));
     if (padded_len < 0) return __ldg(given + slot);
     // The CPU op checks L >= every length (a host read); here a token past the padded
@@ -349,11 +355,11 @@ void grouped_topk_cuda(const at::Tensor& scores, const at::Tensor& pos, const at
 
 void paged_topk_cuda(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                      int64_t group_size, const at::Tensor& k, const at::Tensor& keep,
-                     const at::Tensor& counts) {
+                     const at::Tensor& counts, const SlotRule* rule) {
   const int64_t groups = k.size(0);
   if (groups == 0 || keep.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(len.device());
-  PagedSource src{view, nullptr, -1};
+  PagedSource src{view, nullptr, -1, rule != nullptr ? *rule : SlotRule{}, rule != nullptr};
   if (scores.defined()) {
     src.given = scores.data_ptr<float>();
     src.padded_len = scores.dim() == 3 ? scores.size(2) : -1;

@@ -150,6 +150,19 @@ void PageAllocator::set_scores(const at::Tensor& scores) {
   }
 }
 
+void PageAllocator::add_to_scores(int64_t channel, const at::Tensor& values) {
+  TORCH_CHECK_VALUE(channel >= 0 && channel < score_channels_, "channel must be in [0, ",
+                    score_channels_, ") (the store's score channels), got ", channel);
+  check_defined(values, "values");
+  check_dtype(values, at::kFloat, "values");
+  check_device(values, device(), "values");
+  check_shape(values, {capacity()}, "values");
+  for (size_t i = 0; i < slabs_.size(); ++i) {
+    at::Tensor dst = part_of(slabs_[i], store::kScores).select(2, channel);  // [pages, P]
+    dst.add_(values.narrow(0, slab_first_[i] * page_size_, dst.numel()).view(dst.sizes()));
+  }
+}
+
 void PageAllocator::check_tokens(const at::Tensor& t, int64_t n, const char* name) const {
   check_defined(t, name);
   TORCH_CHECK_TYPE(t.scalar_type() == dtype(), name, " must have the store's dtype ", dtype(),

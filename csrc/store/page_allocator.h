@@ -61,6 +61,9 @@ class PageAllocator {
   const at::Tensor& slot_rows();
   // Writes the score channels of every slot from a [capacity, C] float32 tensor.
   void set_scores(const at::Tensor& scores);
+  // Adds values ([capacity] float32, slot layout) to score channel `channel` of every slot,
+  // in place in the pages (what set_scores(scores() with the channel added) writes).
+  void add_to_scores(int64_t channel, const at::Tensor& values);
   at::Tensor len() const { return len_.clone(); }   // [S] int32, on the store's device
   at::Tensor page_table() const;                     // [S, width] int32 copy, -1: no page
   const std::vector<int32_t>& len_host() const { return len_h_; }

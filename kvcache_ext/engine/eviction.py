@@ -30,6 +30,10 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
             f"sequence is now longer than the window; kvcache_ext does not evict by window yet")
     if appends_only(state, n, attention_mask):
         return decode_append_only(state, q, k, v, position_ids, scale)
+    if fuses_decode_step(state, n, attention_mask):
+        out = decode_fused(state, q, k, v, position_ids, scale)
+        if out is not None:
+            return out
     state.check_positions(n)
     valid, all_valid = step_validity(state, attention_mask, n, B, q.device)
     pos = new_positions(position_ids, state.seen, n, B, q.device)
@@ -74,6 +78,46 @@ def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
     state.check_positions(1)
     pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
     out = state.kv.append_and_attend(k, v, pos, q, scale)   # first: nothing has changed if it refuses
+    state.advance(1)
+    state.count_decode_step()
+    state.note_newest(pos[:, 0])
+    return out.transpose(1, 2)
+
+
+def fuses_decode_step(state: LayerState, n: int, attention_mask) -> bool:
+    """Whether this call is a decode step that the storage may serve in one compiled call
+    (``decode_fused``): one token, no padding, a cache already filled, and a scorer whose
+    decode-time update and scores have a ``slot_rule`` under a schedule that evicts over the
+    cache (H2O or StreamingLLM evicting every step or every few)."""
+    return (n == 1 and attention_mask is None and state.kv is not None
+            and state.policy.scorer.slot_rule is not None and state.policy.schedule.evicts_over_cache)
+
+
+def decode_fused(state: LayerState, q, k, v, position_ids, scale):
+    """The decode step of a ``slot_rule`` scorer in one storage call: append, attend with the
+    rule's statistics, update the channels and, on an eviction step, evict in slot layout
+    (``evicts_in_slots``) with the new lengths known on the host. Exactly ``attend_block``'s
+    work for such a step (tests/test_patch.py compares the two), at about the host cost of
+    ``decode_append_only``: H2O evicting every step spent half its decode step in Python's
+    host work (bench/e2e.py h2o-step). Returns None, having changed nothing, where the step
+    needs the general path: an eviction whose budgets need the padded view (Ada-KV's, a
+    fractional budget), or a storage without the compiled step (the reference's)."""
+    B = q.shape[0]
+    if (B, k.dtype, k.device) != state.tokens or k.shape[1] != state.layout[0]:
+        state.check_tokens(q, k)
+    state.check_positions(1)
+    p = state.policy
+    every = p.schedule.decode_every
+    evict_now = every is not None and (state.decode_steps + 1) % every == 0
+    if evict_now and not evicts_in_slots(p, state.decode_budget_host):
+        return None
+    pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
+    # The rows' newest positions with this token: what protection of the recent tokens reads.
+    newest = torch.maximum(state.last_pos, pos[:, 0]) if evict_now and p.protection.recent else None
+    budget = (state.decode_budget, state.decode_budget_host) if evict_now else None
+    out = state.kv.append_attend_evict(k, v, pos, q, scale, p.scorer.slot_rule, p.protection, newest, budget)
+    if out is None:
+        return None
     state.advance(1)
     state.count_decode_step()
     state.note_newest(pos[:, 0])

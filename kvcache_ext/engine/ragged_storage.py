@@ -61,6 +61,15 @@ class RaggedLayerKV:
             return self.attend(q, scale, None, ())[0]
         return self.store.append_and_attend(q, k.contiguous(), v.contiguous(), pos, scale)
 
+    def append_attend_evict(self, k, v, pos, q, scale, rule, protection, last_pos, budget):
+        """One C++ call (``RaggedKVStore.append_attend_evict``) in eager mode; None under
+        ``torch.compile``, which traces the general path's ops."""
+        if torch.compiler.is_compiling():
+            return None
+        return self.store.append_attend_evict(q, k.contiguous(), v.contiguous(), pos, scale, rule=rule,
+                                              sinks=protection.sinks, recent=protection.recent,
+                                              last_pos=last_pos, budget=budget)
+
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)
         if st is None:

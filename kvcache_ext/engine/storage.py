@@ -45,6 +45,16 @@ class LayerStorage(Protocol):
         """``append(k, v, pos, None)``, then ``attend(q, scale, None, ())``'s output (a decode
         step that only appends; one call, so that a storage can do both at once)."""
 
+    def append_attend_evict(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, q: torch.Tensor,
+                            scale: float, rule: str, protection, last_pos: torch.Tensor,
+                            budget: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+        """A decode step of a slot-layout eviction (``Scorer.slot_rule``) in one call:
+        ``append_and_attend`` with the statistics the rule reads, the rule's channel update,
+        and, with ``budget`` ((k [B] on the device, the same on the host)), an eviction to k
+        per head, ``protection`` first (``last_pos`` [B]: each row's newest position, this
+        token included). Returns the output [B, Hq, 1, D], or None where the storage has no
+        such step (nothing was done: the engine then takes its general path)."""
+
     def view(self, stats: dict | None, need_kv: bool) -> dict:
         """The stored tokens padded: pos, mask, channels, the statistics padded, and k, v."""
 

@@ -156,6 +156,34 @@ class RaggedKVStore:
             self._stale = True
         return out
 
+    def append_attend_evict(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                            scale: float, *, rule: str, sinks: int = 0, recent: int = 0,
+                            last_pos: torch.Tensor | None = None,
+                            budget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """A decode step of eviction in slot layout, in one host call (``_C.append_attend_evict``,
+        csrc/ops.h): ``append_and_attend``, then by ``rule``
+
+        - ``"mass"``: score channel 0 of every token adds the attention it received from q (over
+          the query heads of its KV head); a token's score is that channel (H2O);
+        - ``"position"``: no channel changes; a token's score is its position (StreamingLLM);
+
+        and with ``budget`` = ``(k, k_host)`` (k [B] integers on the store's device, ``k_host`` the
+        same on the host), every segment of row b holding more than k[b] tokens keeps its k[b]
+        best, the protected ones first (position < ``sinks``, or position > last_pos[b] -
+        ``recent``; ``last_pos`` [B] on the device, each row's newest position), as
+        ``select(k, scores)`` + ``compact(keep, lens=min(len, k))`` would. No host sync.
+        Returns out [B, Hq, n, D]. Nothing changes when an argument is refused."""
+        k_device, k_host = (None, None) if budget is None else budget
+        out = _C.append_attend_evict(self._allocator, checks.tensor(q, "q"), checks.tensor(k, "k"),
+                                     checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
+                                     scale if type(scale) is float else
+                                     checks.real(scale, "scale", what="a finite number"),
+                                     rule=rule, sinks=sinks, recent=recent, last_pos=last_pos,
+                                     budget=k_device, budget_host=k_host)
+        if self._allocator.state_version != self._state_version:   # as append_and_attend
+            self._stale = True
+        return out
+
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]
@@ -180,10 +208,10 @@ class RaggedKVStore:
                 raise ValueError(f"lens must be the [B, H] = [{self.batch}, {self.heads}] integer "
                                  f"lengths on the host, got a {lens.dtype} tensor of shape "
                                  f"{list(lens.shape)} on {lens.device}")
-            held = self.lens
-            if bool(((lens < 0) | (lens > held)).any()):   # host tensors: free
-                raise ValueError(f"lens must be between 0 and each segment's length {held.tolist()}, "
-                                 f"got {lens.tolist()}")
+            held = self._allocator.len_host     # host lists: no tensor op per eviction
+            if any(not 0 <= n <= h for n, h in zip(lens.reshape(-1).tolist(), held)):
+                raise ValueError(f"lens must be between 0 and each segment's length "
+                                 f"{self.lens.tolist()}, got {lens.tolist()}")
         ops.store_compact(*self._current(), keep, self._page_size, self._head_dim, self._channels,
                           self._dtype)
         self._allocator.finish_compact(None if lens is None else lens.reshape(-1))

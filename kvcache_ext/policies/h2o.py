@@ -92,6 +92,10 @@ class H2O(Scorer):
 
     scores_in_slots = True
 
+    @property
+    def slot_rule(self) -> str | None:
+        return None if self.query_heads else "mass"
+
     def cache_scores(self, view: CacheView):
         return view.channels[..., 0]
 

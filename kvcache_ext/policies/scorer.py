@@ -40,6 +40,7 @@ class Scorer:
     updates_from_view: bool = False          # ``update_view`` runs after every attention over the cache
     reconstructs: bool = False               # True for a ReconstructionScorer (below)
     scores_in_slots: bool = False            # ``slot_scores`` gives ``cache_scores`` (below)
+    slot_rule: str | None = None             # the compiled decode step's form of the scorer (below)
 
     def default_protection(self) -> Protection:
         return Protection()
@@ -76,6 +77,13 @@ class Scorer:
         scorer that needs nothing else of a view (no rows, budget, queries or neighbours). The
         engine then evicts without building a padded view (``engine.eviction.evicts_in_slots``)."""
         raise NotImplementedError(f"{type(self).__name__} scores through a padded view only")
+
+    # ``slot_rule``: a scorer whose decode-time ``update`` and ``slot_scores`` are one of the
+    # forms the store's compiled decode step knows (``RaggedKVStore.append_attend_evict``) names
+    # it, and its decode steps then run in one C++ call per layer (``engine.eviction``):
+    #   "mass": update adds the attention mass to channel 0; slot_scores is channel 0 (H2O);
+    #   "position": no update; slot_scores is the position (StreamingLLM).
+    # tests/test_patch.py checks each such scorer's compiled step against its Python one.
 
     # --- per-query-head scores: what CAOTE's per-head readings (gqa="group_l2", ...) wrap ------
     # A scorer that rates tokens per query head before it combines the G heads of a KV head

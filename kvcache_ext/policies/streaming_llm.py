@@ -27,6 +27,7 @@ class StreamingLLM(Scorer):
         return p.pos.float()[:, None, :].expand(-1, H, -1).contiguous(), None
 
     scores_in_slots = True
+    slot_rule = "position"
 
     def cache_scores(self, view: CacheView):
         return view.pos.float()

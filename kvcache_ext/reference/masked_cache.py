@@ -92,6 +92,10 @@ class MaskedLayerKV:
         kept = torch.zeros_like(self.alive).scatter_(2, order, keep)
         self.alive &= kept
 
+    def append_attend_evict(self, k, v, pos, q, scale, rule, protection, last_pos, budget):
+        """The reference runs every step through the engine's general path."""
+        return None
+
     def evict_in_slots(self, scorer, protection, stats, last_pos, k, k_host) -> bool:
         """The reference evicts through the padded view only: the ragged store's slot-layout
         eviction is tested against it."""
