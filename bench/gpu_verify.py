@@ -396,7 +396,7 @@ def sanitize_driver(args) -> int:
                 tok = torch.randn(batch, heads, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
                 q1 = torch.randn(batch, heads * 2, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
                 p1 = torch.full((batch, 1), at).to(dev)
-                budget = torch.full((batch,), 6)
+                budget = torch.full((batch, heads), 6)
                 store.append_attend_evict(q1, tok, tok, p1, 0.125, rule=rule, sinks=1, recent=2,
                                           last_pos=p1[:, 0], budget=(budget.to(dev), budget))
             decode_step("position", 10**6 + 1)       # by position: the same tokens on both devices

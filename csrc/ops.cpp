@@ -618,10 +618,10 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
 
 namespace {
 
-// append_attend_evict's budgets, checked before anything is stored: budget [B] integers on
+// append_attend_evict's budgets, checked before anything is stored: budget [B, H] integers on
 // the device, budget_host the same on the host (>= 0), both or neither.
 bool check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<at::Tensor>& budget_host,
-                   int64_t batch, const c10::Device& device) {
+                   int64_t batch, int64_t heads, const c10::Device& device) {
   const bool on_device = budget.has_value() && budget->defined();
   const bool on_host = budget_host.has_value() && budget_host->defined();
   TORCH_CHECK_VALUE(on_device == on_host, "budget and budget_host are given together (an eviction "
@@ -631,15 +631,15 @@ bool check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<
                                 {*budget_host, "budget_host"}}) {
     TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
                      t.scalar_type());
-    check_shape(t, {batch}, name);
+    check_shape(t, {batch, heads}, name);
   }
   check_device(*budget, device, "budget");
   TORCH_CHECK_VALUE(budget_host->device().is_cpu(), "budget_host must be on the host, got ",
                     budget_host->device());
   const at::Tensor host = budget_host->to(at::kLong).contiguous();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK_VALUE(host.data_ptr<int64_t>()[b] >= 0, "budget_host must be >= 0, got budget_host[",
-                      b, "] = ", host.data_ptr<int64_t>()[b]);
+  for (int64_t s = 0; s < batch * heads; ++s) {
+    TORCH_CHECK_VALUE(host.data_ptr<int64_t>()[s] >= 0, "budget_host must be >= 0, got budget_host[",
+                      s / heads, ", ", s % heads, "] = ", host.data_ptr<int64_t>()[s]);
   }
   return true;
 }
@@ -663,7 +663,7 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
                     "channel 0, but this store has no score channels");
   TORCH_CHECK_VALUE(sinks >= 0 && recent >= 0, "sinks and recent must be >= 0, got sinks = ", sinks,
                     " and recent = ", recent);
-  const bool evicting = check_budgets(budget, budget_host, B, device);
+  const bool evicting = check_budgets(budget, budget_host, B, H, device);
   const bool by_recency = evicting && recent > 0;
   if (by_recency) {
     TORCH_CHECK_VALUE(last_pos.has_value() && last_pos->defined(), "recent > 0 needs last_pos, the "
@@ -686,22 +686,23 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
   if (by_mass) allocator.add_to_scores(0, std::get<1>(result));
   if (!evicting) return out;
 
-  // Only when a segment holds more than its row's budget (the host lengths: no sync).
+  // Only when a segment holds more than its budget (the host lengths: no sync).
   const at::Tensor host_budget = budget_host->to(at::kLong).contiguous();
-  const int64_t* per_row = host_budget.data_ptr<int64_t>();
+  const int64_t* per_segment = host_budget.data_ptr<int64_t>();
   const std::vector<int32_t>& held = allocator.len_host();
   at::Tensor kept = at::empty({S}, at::kLong);  // min(len, budget): what the top-k keeps
   bool over = false;
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t want = per_row[s / H];
+    const int64_t want = per_segment[s];
     over = over || held[s] > want;
     kept.data_ptr<int64_t>()[s] = std::min<int64_t>(held[s], want);
   }
   if (!over) return out;
   // store_topk's work, each token's score read from its record by the rule (slot_rule.h: the
   // scorer's slot score and the protection, as the Python step computes them), k per segment
-  // its row's budget clamped as the op clamps it; then store_compact's, on the same view:
-  // nothing allocated pages since the append.
+  // its budget clamped as the op clamps it (an int32 budget is taken as it is: the caller
+  // keeps one for every step); then store_compact's, on the same view: nothing allocated
+  // pages since the append.
   const at::Tensor newest = by_recency ? last_pos->to(at::kLong).contiguous() : at::Tensor();
   select::SlotRule slot_rule;
   slot_rule.by_position = !by_mass;
@@ -710,8 +711,9 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
   slot_rule.recent = by_recency ? std::min<int64_t>(recent, int64_t{1} << 32) : 0;
   slot_rule.newest = by_recency ? newest.data_ptr<int64_t>() : nullptr;
   slot_rule.heads = H;
-  const at::Tensor k32 = budget->to(at::kLong).clamp(0, INT32_MAX).to(at::kInt)
-                             .unsqueeze(1).expand({B, H}).reshape({S}).contiguous();
+  const at::Tensor k32 = budget->scalar_type() == at::kInt
+                            ? budget->reshape({S}).contiguous()
+                            : budget->to(at::kLong).clamp(0, INT32_MAX).to(at::kInt).reshape({S}).contiguous();
   const auto on_device = at::TensorOptions().device(device);
   at::Tensor keep = at::zeros({st.capacity}, on_device.dtype(at::kBool));
   at::Tensor kept_per_segment = at::zeros({S}, on_device.dtype(at::kInt));

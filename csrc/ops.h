@@ -160,14 +160,15 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
 // fast path of every step such a policy takes, eviction or not. It is exactly
 //   append_and_attend, with the attention mass of every slot when rule == "mass"
 //   + (rule "mass") score channel 0 += that mass, in every slot (PageAllocator::add_to_scores)
-//   + when budget is given and a segment holds more than its row's budget[b] tokens:
-//       store_topk of budget[b] per segment, each token scored from its record by the rule
+//   + when budget is given and a segment holds more than its budget[b, h] tokens:
+//       store_topk of budget[b, h] per segment, each token scored from its record by the rule
 //       (select/slot_rule.h: channel 0 for "mass", the position for "position"; +inf where
 //       protected: position < sinks, or position > last_pos[b] - recent) + store_compact
-//       + allocator.finish_compact(min(len, budget[b])): the new lengths known, no read-back
+//       + allocator.finish_compact(min(len, budget[b, h])): the new lengths known, no read-back
 // through the functions those ops run past their checks, on the allocator's own state view.
-// budget [B] integers on the store's device and budget_host, the same on the host, come
-// together (none: no eviction this step); last_pos [B] integers on the device, each row's
+// budget [B, H] integers on the store's device (int32: taken as it is, no conversion; a
+// negative one keeps nothing) and budget_host, the same on the host (>= 0), come together
+// (none: no eviction this step); last_pos [B] integers on the device, each row's
 // newest position, is needed when recent > 0. Everything is checked before anything is
 // stored. Returns out [B, Hq, 1, D]. No host sync (the lengths are known on the host).
 // Why it exists: through Python (append, attend, the channel update, protection, select,

@@ -218,12 +218,12 @@ def test_the_compiled_decode_step_refuses_bad_input_before_storing():
     store = RaggedKVStore(2, 2, 16, dtype=torch.float32, score_channels=1)
     store.append(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), torch.arange(5))
     q, k, v, pos = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), torch.full((2, 1), 5)
-    budget = (torch.tensor([3, 3]), torch.tensor([3, 3]))
+    budget = (torch.full((2, 2), 3), torch.full((2, 2), 3))
     bad = [
         (dict(rule="tova"), "rule must be 'mass'"),
         (dict(rule="mass", budget=(budget[0], None)), "budget and budget_host are given together"),
-        (dict(rule="mass", budget=(torch.tensor([3]), torch.tensor([3]))), "budget must have shape"),
-        (dict(rule="mass", budget=(budget[0], torch.tensor([3, -1]))), "budget_host must be >= 0"),
+        (dict(rule="mass", budget=(torch.tensor([3, 3]), torch.tensor([3, 3]))), "budget must have shape"),
+        (dict(rule="mass", budget=(budget[0], torch.tensor([[3, 3], [3, -1]]))), r"budget_host must be >= 0, got budget_host\[1, 1\] = -1"),
         (dict(rule="mass", budget=(budget[0].float(), budget[1])), "budget must be an integer tensor"),
         (dict(rule="mass", recent=2, budget=budget), "recent > 0 needs last_pos"),
         (dict(rule="mass", recent=2, last_pos=torch.tensor([5]), budget=budget), "last_pos must have shape"),

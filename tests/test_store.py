@@ -639,8 +639,10 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
         last_pos = pos[:, 0]
         budget = torch.randint(0, max_len + 3, (B,), generator=gen)
         budget[-1] = 0 if step == 1 else budget[-1]
+        per_head = budget[:, None].expand(B, H)
+        device_budget = per_head.to(device) if step else per_head.to(torch.int32).to(device)   # both dtypes
         got = fused.append_attend_evict(q, k, v, pos, 0.25, rule=rule, sinks=sinks, recent=recent,
-                                        last_pos=last_pos, budget=(budget.to(device), budget))
+                                        last_pos=last_pos, budget=(device_budget, per_head))
         # The same step through the ops.
         ops_store.append(k, v, pos)
         want, stats = ragged_attention(q, ops_store, 0.25, stats=("mass",) if rule == "mass" else False)

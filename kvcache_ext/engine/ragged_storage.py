@@ -27,6 +27,8 @@ class RaggedLayerKV:
                  device: torch.device, channels: int, page_size: int = 16):
         self.store = RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device,
                                    score_channels=channels, page_size=page_size)
+        # The compiled decode step's per-head budgets, made from the row budgets they came from.
+        self._budget_source, self._per_head_budget = None, None
 
     # --- storage -------------------------------------------------------------------------
     def append(self, k, v, pos, keep) -> None:
@@ -68,7 +70,19 @@ class RaggedLayerKV:
             return None
         return self.store.append_attend_evict(q, k.contiguous(), v.contiguous(), pos, scale, rule=rule,
                                               sinks=protection.sinks, recent=protection.recent,
-                                              last_pos=last_pos, budget=budget)
+                                              last_pos=last_pos,
+                                              budget=None if budget is None else self._per_head(*budget))
+
+    def _per_head(self, k, k_host):
+        """Row budgets (k [B] on the device, k_host on the host) as the compiled step takes them:
+        [B, H] per head, int32 on the device. Made once per budget tensor (the engine's layer
+        keeps one for every decode step), so that an eviction step converts nothing."""
+        if self._budget_source is not k:
+            heads = self.store.heads
+            self._per_head_budget = (k.clamp(0, 2**31 - 1).to(torch.int32)[:, None].expand(-1, heads).contiguous(),
+                                     k_host[:, None].expand(-1, heads))
+            self._budget_source = k
+        return self._per_head_budget
 
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)

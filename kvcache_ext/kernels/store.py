@@ -167,11 +167,12 @@ class RaggedKVStore:
           the query heads of its KV head); a token's score is that channel (H2O);
         - ``"position"``: no channel changes; a token's score is its position (StreamingLLM);
 
-        and with ``budget`` = ``(k, k_host)`` (k [B] integers on the store's device, ``k_host`` the
-        same on the host), every segment of row b holding more than k[b] tokens keeps its k[b]
-        best, the protected ones first (position < ``sinks``, or position > last_pos[b] -
-        ``recent``; ``last_pos`` [B] on the device, each row's newest position), as
-        ``select(k, scores)`` + ``compact(keep, lens=min(len, k))`` would. No host sync.
+        and with ``budget`` = ``(k, k_host)`` (k [B, H] integers on the store's device, int32
+        taken without conversion; ``k_host`` the same on the host), when a segment holds more
+        than its k[b, h] tokens every segment keeps its k[b, h] best, the protected ones first
+        (position < ``sinks``, or position > last_pos[b] - ``recent``; ``last_pos`` [B] on the
+        device, each row's newest position), as ``select(k, scores)`` +
+        ``compact(keep, lens=min(len, k))`` would. No host sync.
         Returns out [B, Hq, n, D]. Nothing changes when an argument is refused."""
         k_device, k_host = (None, None) if budget is None else budget
         out = _C.append_attend_evict(self._allocator, checks.tensor(q, "q"), checks.tensor(k, "k"),
