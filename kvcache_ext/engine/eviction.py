@@ -99,9 +99,10 @@ def decode_fused(state: LayerState, q, k, v, position_ids, scale):
     (``evicts_in_slots``) with the new lengths known on the host. Exactly ``attend_block``'s
     work for such a step (tests/test_patch.py compares the two), at about the host cost of
     ``decode_append_only``: H2O evicting every step spent half its decode step in Python's
-    host work (bench/e2e.py h2o-step). Returns None, having changed nothing, where the step
-    needs the general path: an eviction whose budgets need the padded view (Ada-KV's, a
-    fractional budget), or a storage without the compiled step (the reference's)."""
+    host work (bench/e2e.py h2o-step). Returns None where the step needs the general path, having
+    changed nothing but the rows' newest positions (which that path notes again, to the same
+    values): an eviction whose budgets need the padded view (Ada-KV's, a fractional budget),
+    or a storage without the compiled step (the reference's)."""
     B = q.shape[0]
     if (B, k.dtype, k.device) != state.tokens or k.shape[1] != state.layout[0]:
         state.check_tokens(q, k)
@@ -112,15 +113,16 @@ def decode_fused(state: LayerState, q, k, v, position_ids, scale):
     if evict_now and not evicts_in_slots(p, state.decode_budget_host):
         return None
     pos = new_positions(position_ids, state.seen, 1, B, q.device)        # [B, 1]
-    # The rows' newest positions with this token: what protection of the recent tokens reads.
-    newest = torch.maximum(state.last_pos, pos[:, 0]) if evict_now and p.protection.recent else None
+    # The rows' newest positions with this token, what protection of the recent tokens reads
+    # (noted first: the general path, when the storage declines, notes the same again).
+    state.note_newest(pos[:, 0])
     budget = (state.decode_budget, state.decode_budget_host) if evict_now else None
-    out = state.kv.append_attend_evict(k, v, pos, q, scale, p.scorer.slot_rule, p.protection, newest, budget)
+    out = state.kv.append_attend_evict(k, v, pos, q, scale, p.scorer.slot_rule, p.protection,
+                                       state.last_pos, budget)
     if out is None:
         return None
     state.advance(1)
     state.count_decode_step()
-    state.note_newest(pos[:, 0])
     return out.transpose(1, 2)
 
 
