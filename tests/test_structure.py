@@ -40,7 +40,11 @@ ALLOWED_FOREIGN_WRITES = {
     (f"{NAME}.hf.cache", "enter_patched_forward", "_forward.depth"): THREAD_LOCAL,
     (f"{NAME}.hf.cache", "exit_patched_forward", "_forward.depth"): THREAD_LOCAL,
     (f"{NAME}.hf.cache", "take_pending", "_pending.entry"): THREAD_LOCAL,
-    (f"{NAME}.hf.cache", "RaggedLayer.update", "_pending.entry"): THREAD_LOCAL,
+    (f"{NAME}.hf.cache", "set_pending", "_pending.entry"): THREAD_LOCAL,
+    (f"{NAME}.hf.patching", "patch", "model.init_continuous_batching"): PATCHES_THE_MODEL,
+    (f"{NAME}.serving.cache", "RaggedPagedCache.adopt", "cache.__class__"):
+        "the continuous batching engine's cache becomes a RaggedPagedCache in place: the engine's scheduler, "
+        "batch processor and inputs all hold that one object, and building it again would copy the engine's code",
     (f"{NAME}.checks", "check_fields", "object.__setattr__(obj, name)"):
         "every dataclass calls check_fields(self, ...) from its own __post_init__ to store its checked "
         "fields (object.__setattr__: frozen dataclasses too)",

@@ -49,6 +49,12 @@ def patched_forward():
         exit_patched_forward()
 
 
+def set_pending(state, key: torch.Tensor) -> None:
+    """What the attention function called next with ``key`` takes (``take_pending``): a layer's
+    state, or a continuous-batching step's layer (``kvcache_ext.serving.cache.PackedLayer``)."""
+    _pending.entry = (state, key)
+
+
 def take_pending(key: torch.Tensor) -> LayerState | None:
     """The layer state whose update() returned ``key``, or None (not our cache)."""
     entry = getattr(_pending, "entry", None)
@@ -79,7 +85,7 @@ class RaggedLayer(CacheLayerMixin):
             raise RuntimeError(NOT_PATCHED)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        _pending.entry = (self.state, key_states)
+        set_pending(self.state, key_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:

@@ -6,6 +6,7 @@ Uses transformers' public extension points only: an attention function registere
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -22,6 +23,7 @@ from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patche
 from kvcache_ext.hf.cache_argument import cache_argument
 from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.eviction import layer_forward
+from kvcache_ext.engine.state import LayerState
 from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.policies.views import ModelParts
 from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
@@ -55,6 +57,9 @@ def _make_attention(dense_name: str):
             return dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
+        if not isinstance(state, LayerState):   # a continuous-batching step: every request's tokens
+            from kvcache_ext.serving.attention import attend_packed
+            return attend_packed(state, dense, module, query, key, value, scaling), None
         position_ids = kwargs.pop("position_ids", None)
         out = layer_forward(state, dense, module, query, key, value, attention_mask, scaling,
                             position_ids, **kwargs)
@@ -204,11 +209,20 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         return prepare(generation_config, model_kwargs, *args, **kwargs)
 
     model._prepare_cache_for_generation = _prepare_cache_for_generation
+    # Continuous batching (generate_batch, transformers serve): each request in a ragged cache.
+    model.init_continuous_batching = functools.partial(_init_continuous_batching, model, handle)
     if policy.scorer.reconstructs:   # its passes run as soon as the forward that prefilled a prompt returns
         original = model.forward
         model._kvcache_ext_forward, model.forward = original, score_after_forward(original, key, handle.tokens)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _init_continuous_batching(model, handle, *args, **kwargs):
+    """A patched model's ``init_continuous_batching`` (kvcache_ext.serving; imported when first
+    used, since older transformers lack the engine's extension points)."""
+    from kvcache_ext.serving.manager import init_continuous_batching
+    return init_continuous_batching(model, handle, *args, **kwargs)
 
 
 def _user_stacklevel() -> int:
@@ -272,6 +286,10 @@ def unpatch(model) -> None:
         raise ValueError("this model is not patched by kvcache_ext")
     model.set_attn_implementation(handle.original_attn)
     del model._prepare_cache_for_generation
+    vars(model).pop("init_continuous_batching", None)
+    cached = getattr(model, "_cached_continuous_batching_manager", None)
+    if cached is not None and getattr(cached, "handle", None) is handle:
+        model.destroy_cached_continuous_batching_manager()
     if "_kvcache_ext_forward" in vars(model):
         del model.forward, model._kvcache_ext_forward
     for hook in handle._hooks:

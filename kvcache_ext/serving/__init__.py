@@ -1,0 +1,11 @@
+"""Serving many requests at once with eviction, on transformers' continuous batching engine.
+
+A patched model's ``generate_batch`` (and the engine that ``transformers serve
+--continuous-batching`` runs) serves each request from its own ragged cache with the patch's
+policy: ``manager.RaggedBatchingManager``, transformers' ``ContinuousBatchingManager`` with our
+cache (``cache.RaggedPagedCache``) and our attention (``attention.attend_packed``).
+"""
+from kvcache_ext.serving.cache import RaggedPagedCache
+from kvcache_ext.serving.manager import RaggedBatchingManager, init_continuous_batching
+
+__all__ = ["RaggedBatchingManager", "RaggedPagedCache", "init_continuous_batching"]

@@ -1,0 +1,115 @@
+"""Continuous batching with eviction (kvcache_ext.serving): a patched model's ``generate_batch``
+serves every request from its own ragged cache, with the tokens it gets alone."""
+import pytest
+import torch
+import transformers
+from transformers import GenerationConfig
+
+import kvcache_ext
+from kvcache_ext.policies import H2O, AdaKV, EveryStep, Policy, SnapKV, StreamingLLM
+from tiny_models import VOCAB, tiny_model
+
+try:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+except ImportError:    # transformers 5.2 (CI's oldest): its engine has no such config
+    ContinuousBatchingConfig = None
+needs_engine = pytest.mark.skipif(ContinuousBatchingConfig is None, reason=(
+    f"transformers {transformers.__version__} has no ContinuousBatchingConfig: these tests need its "
+    "continuous batching engine as 5.24 has it"))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 6
+GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+SMALL_ENGINE = dict(num_blocks=64, max_batch_tokens=256, page_size=16)
+
+
+def prompts(lengths=(40, 33, 52, 17), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.skipif(ContinuousBatchingConfig is not None, reason="this transformers has the engine")
+def test_continuous_batching_says_what_it_needs_on_an_older_transformers():
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16)):
+        with pytest.raises(ImportError, match=f"transformers {transformers.__version__} lacks it"):
+            model.init_continuous_batching()
+
+
+def served(model, inputs, **engine):
+    out = model.generate_batch(inputs, generation_config=GREEDY,
+                               continuous_batching_config=ContinuousBatchingConfig(**{**SMALL_ENGINE, **engine}))
+    assert all(r.error is None for r in out.values()), [r.error for r in out.values()]
+    return [r.generated_tokens for r in out.values()]
+
+
+def alone(model, inputs):
+    """Each prompt by itself through ``generate`` (its mask given: token 0 is not padding)."""
+    tokens = []
+    for p in inputs:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GREEDY)
+        tokens.append(out[0, len(p):].tolist())
+    return tokens
+
+
+@needs_engine
+@pytest.mark.parametrize("policy", [
+    Policy(SnapKV(window=4), budget=16),
+    Policy(SnapKV(window=4), budget=16, allocation=AdaKV()),
+    Policy(H2O(recent=2), budget=16, schedule=EveryStep()),
+    Policy(StreamingLLM(sinks=2), budget=12, schedule=EveryStep()),
+], ids=lambda p: repr(p)[:60].replace(" ", ""))
+def test_each_request_gets_the_tokens_it_gets_alone(policy):
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    inputs = prompts()
+    with kvcache_ext.patch(model, policy):
+        assert served(model, inputs) == alone(model, inputs)
+
+
+@needs_engine
+def test_a_budget_at_least_the_prompt_gives_the_unpatched_engine_tokens():
+    model = tiny_model("qwen2", heads=6, kv_heads=2, layers=2)
+    inputs = prompts()
+    stock = served(model, inputs)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=1000)):
+        assert served(model, inputs) == stock
+    assert "init_continuous_batching" not in vars(model)          # unpatched: the stock engine again
+
+
+@needs_engine
+def test_requests_hold_ragged_caches_while_served_and_none_after():
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    inputs = prompts()
+    made, freed = [], []
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16)) as handle, torch.no_grad():
+        new_cache = handle.new_cache
+        handle.new_cache = lambda *a, **k: made.append(new_cache(*a, **k)) or made[-1]
+        out = model.generate_batch(inputs, generation_config=GREEDY, persistent_manager=True,
+                                   continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))
+        from kvcache_ext.serving import RaggedBatchingManager, RaggedPagedCache
+        manager = model._cached_continuous_batching_manager
+        assert isinstance(manager, RaggedBatchingManager)
+        cache = manager.batch_processor.cache
+        assert isinstance(cache, RaggedPagedCache)
+        assert len(made) == len(inputs) and all(r.error is None for r in out.values())
+        assert cache.requests == {} and cache.nbytes == 0                # every request's pages freed
+        # Each request's cache held its kept tokens only: budget 16 + the decoded ones, per KV head.
+        for c in made:
+            kept = c.kept_tokens()
+            assert all(int(k.max()) <= 16 + NEW_TOKENS for k in kept)
+        model.destroy_cached_continuous_batching_manager()
+
+
+@needs_engine
+def test_a_prompt_split_into_chunks_is_refused_for_a_one_shot_policy():
+    """The engine splits a prompt longer than max_batch_tokens over several steps; a one-shot
+    policy compresses a prompt once, whole: the request fails with an error that says what to set."""
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16)):
+        out = model.generate_batch(prompts((90,)), generation_config=GREEDY,
+                                   continuous_batching_config=ContinuousBatchingConfig(**{**SMALL_ENGINE,
+                                                                                         "max_batch_tokens": 32}))
+    errors = [r.error for r in out.values()]
+    assert errors and all(e is not None and "max_batch_tokens" in str(e) for e in errors), errors
