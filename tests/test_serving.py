@@ -62,10 +62,14 @@ def alone(model, inputs):
     Policy(StreamingLLM(sinks=2), budget=12, schedule=EveryStep()),
 ], ids=lambda p: repr(p)[:60].replace(" ", ""))
 def test_each_request_gets_the_tokens_it_gets_alone(policy):
+    """All prompts prefilled in one step, then (64 tokens a step) each prompt joining while the
+    earlier ones decode, and finished requests leaving while others go on."""
     model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
     inputs = prompts()
     with kvcache_ext.patch(model, policy):
-        assert served(model, inputs) == alone(model, inputs)
+        expected = alone(model, inputs)
+        assert served(model, inputs) == expected
+        assert served(model, inputs, max_batch_tokens=64) == expected
 
 
 @needs_engine
@@ -103,13 +107,14 @@ def test_requests_hold_ragged_caches_while_served_and_none_after():
 
 
 @needs_engine
-def test_a_prompt_split_into_chunks_is_refused_for_a_one_shot_policy():
-    """The engine splits a prompt longer than max_batch_tokens over several steps; a one-shot
-    policy compresses a prompt once, whole: the request fails with an error that says what to set."""
+@pytest.mark.parametrize("policy", [Policy(SnapKV(window=4), budget=16),
+                                    Policy(SnapKV(window=4), budget=16, allocation=AdaKV())],
+                         ids=["snapkv", "ada-snapkv"])
+def test_a_prompt_split_over_steps_is_compressed_whole(policy):
+    """The engine splits prompts longer than its per-step token budget over several steps; a
+    one-shot policy compresses each prompt once, whole, as when it comes in one piece."""
     model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
-    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16)):
-        out = model.generate_batch(prompts((90,)), generation_config=GREEDY,
-                                   continuous_batching_config=ContinuousBatchingConfig(**{**SMALL_ENGINE,
-                                                                                         "max_batch_tokens": 32}))
-    errors = [r.error for r in out.values()]
-    assert errors and all(e is not None and "max_batch_tokens" in str(e) for e in errors), errors
+    inputs = prompts((90, 41, 70))
+    with kvcache_ext.patch(model, policy) as handle:
+        expected = alone(model, inputs)
+        assert served(model, inputs, max_batch_tokens=32) == expected

@@ -14,6 +14,11 @@ NAME = PACKAGE.name
 
 # Entry scripts: importing them runs the command.
 NOT_IMPORTED_ALONE = {f"{NAME}.__main__"}
+try:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
+except ImportError:   # transformers 5.2: kvcache_ext.serving raises an ImportError that says what it lacks
+    NOT_IMPORTED_ALONE |= {f"{NAME}.serving", f"{NAME}.serving.manager", f"{NAME}.serving.cache",
+                           f"{NAME}.serving.attention"}
 
 # The few places that must write attributes of an object they do not own, each with its reason:
 # (module, enclosing function, target as written) -> why.

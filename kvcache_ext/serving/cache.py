@@ -28,6 +28,7 @@ class StepRequest:
     past_length: int
     first: int
     count: int
+    prompt_done: bool    # no prompt token left after these (the engine splits long prompts)
 
 
 @dataclass(frozen=True)
@@ -43,28 +44,33 @@ class RaggedPagedCache(PagedAttentionCache):
 
     handle = None                   # the PatchHandle whose policy serves the requests
     requests: dict                  # request id -> RaggedCache (batch 1)
+    chunks: dict                    # (request id, layer) -> PromptChunks of a prompt split over steps
     step: list                      # [StepRequest] of the step being run, in batch order
     step_closed = False             # the step's forward has begun: the next request starts a new step
 
     @classmethod
-    def adopt(cls, cache: PagedAttentionCache, handle) -> "RaggedPagedCache":
+    def adopt(cls, cache: PagedAttentionCache, handle, scheduler) -> "RaggedPagedCache":
         """Turns the engine's ``PagedAttentionCache`` into this class in place: the engine's
         scheduler, batch processor and inputs all hold that object, and building it again here
         would copy the manager's construction code."""
         cache.__class__ = cls
-        cache.start(handle)
+        cache.start(handle, scheduler)
         return cache
 
-    def start(self, handle) -> None:
-        """This class's own state, from ``adopt``: no request yet."""
-        self.handle, self.requests, self.step, self.step_closed = handle, {}, [], False
+    def start(self, handle, scheduler) -> None:
+        """This class's own state, from ``adopt``: no request yet. ``scheduler``: the engine's,
+        whose request states say whether a prompt has tokens left."""
+        self.handle, self.scheduler = handle, scheduler
+        self.requests, self.chunks, self.step, self.step_closed = {}, {}, [], False
 
     # --- what the engine calls ----------------------------------------------------------------
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
         if self.step_closed:
             self.step, self.step_closed = [], False
         first = self.step[-1].first + self.step[-1].count if self.step else 0
-        self.step.append(StepRequest(request_id, past_length, first, query_length))
+        state = self.scheduler.active_requests.get(request_id)
+        done = state is None or not state.remaining_prefill_tokens
+        self.step.append(StepRequest(request_id, past_length, first, query_length, done))
         if request_id not in self.requests:
             self.requests[request_id] = self.handle.new_cache()
         super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
@@ -80,10 +86,13 @@ class RaggedPagedCache(PagedAttentionCache):
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         self.requests.pop(request_id, None)
+        for key in [key for key in self.chunks if key[0] == request_id]:   # a request cancelled mid-prompt
+            del self.chunks[key]
         super().free_blocks(request_id, no_cache)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         self.requests.clear()
+        self.chunks.clear()
         super().free_all_requests(clear_ledgers)
 
     # --- accounting ---------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class RaggedBatchingManager(ContinuousBatchingManager):
     def _create_batch_processor(self):
         processor = super()._create_batch_processor()
         if not isinstance(processor.cache, RaggedPagedCache):
-            RaggedPagedCache.adopt(processor.cache, self.handle)
+            RaggedPagedCache.adopt(processor.cache, self.handle, processor.scheduler)
         return processor
 
 
