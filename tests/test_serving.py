@@ -118,3 +118,13 @@ def test_a_prompt_split_over_steps_is_compressed_whole(policy):
     with kvcache_ext.patch(model, policy) as handle:
         expected = alone(model, inputs)
         assert served(model, inputs, max_batch_tokens=32) == expected
+
+
+@needs_engine
+def test_a_scorer_that_reruns_the_model_is_refused_before_anything_runs():
+    from kvcache_ext.policies import KVzip
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    with kvcache_ext.patch(model, Policy(KVzip(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None), budget=16)):
+        with pytest.raises(ValueError, match="reconstruction passes"):
+            model.generate_batch(prompts((20,)), generation_config=GREEDY,
+                                 continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))

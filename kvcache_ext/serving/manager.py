@@ -52,6 +52,10 @@ def init_continuous_batching(model, handle, generation_config=None, continuous_b
                              workload_hints=None) -> RaggedBatchingManager:
     """``model.init_continuous_batching`` of a patched model (see the module's docstring): the
     stock method's defaults, and a ``RaggedBatchingManager``."""
+    if handle.policy.scorer.reconstructs:
+        raise ValueError(f"{type(handle.policy.scorer).__name__} scores a prompt by re-running the model over it "
+                         "(reconstruction passes), which the continuous batching engine does not run: serve it "
+                         "with generate, one request at a time")
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, RaggedBatchingManager) and cached.handle is handle:
         return cached
