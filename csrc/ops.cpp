@@ -619,14 +619,15 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
 namespace {
 
 // append_attend_evict's budgets, checked before anything is stored: budget [B, H] integers on
-// the device, budget_host the same on the host (>= 0), both or neither.
-bool check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<at::Tensor>& budget_host,
-                   int64_t batch, int64_t heads, const c10::Device& device) {
+// the device, budget_host the same on the host (>= 0), both or neither. Returns budget_host as
+// int64 contiguous (undefined when neither is given: no eviction this step).
+at::Tensor check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<at::Tensor>& budget_host,
+                         int64_t batch, int64_t heads, const c10::Device& device) {
   const bool on_device = budget.has_value() && budget->defined();
   const bool on_host = budget_host.has_value() && budget_host->defined();
   TORCH_CHECK_VALUE(on_device == on_host, "budget and budget_host are given together (an eviction "
                     "this step) or not at all, got ", on_device ? "budget" : "budget_host", " only");
-  if (!on_device) return false;
+  if (!on_device) return at::Tensor();
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{*budget, "budget"},
                                 {*budget_host, "budget_host"}}) {
     TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
@@ -641,7 +642,7 @@ bool check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<
     TORCH_CHECK_VALUE(host.data_ptr<int64_t>()[s] >= 0, "budget_host must be >= 0, got budget_host[",
                       s / heads, ", ", s % heads, "] = ", host.data_ptr<int64_t>()[s]);
   }
-  return true;
+  return host;
 }
 
 }  // namespace
@@ -663,7 +664,8 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
                     "channel 0, but this store has no score channels");
   TORCH_CHECK_VALUE(sinks >= 0 && recent >= 0, "sinks and recent must be >= 0, got sinks = ", sinks,
                     " and recent = ", recent);
-  const bool evicting = check_budgets(budget, budget_host, B, H, device);
+  const at::Tensor host_budget = check_budgets(budget, budget_host, B, H, device);
+  const bool evicting = host_budget.defined();
   const bool by_recency = evicting && recent > 0;
   if (by_recency) {
     TORCH_CHECK_VALUE(last_pos.has_value() && last_pos->defined(), "recent > 0 needs last_pos, the "
@@ -687,7 +689,6 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
   if (!evicting) return out;
 
   // Only when a segment holds more than its budget (the host lengths: no sync).
-  const at::Tensor host_budget = budget_host->to(at::kLong).contiguous();
   const int64_t* per_segment = host_budget.data_ptr<int64_t>();
   const std::vector<int32_t>& held = allocator.len_host();
   at::Tensor kept = at::empty({S}, at::kLong);  // min(len, budget): what the top-k keeps

@@ -80,7 +80,7 @@ class RaggedLayerKV:
         if self._budget_source is not k:
             heads = self.store.heads
             self._per_head_budget = (k.clamp(0, 2**31 - 1).to(torch.int32)[:, None].expand(-1, heads).contiguous(),
-                                     k_host[:, None].expand(-1, heads))
+                                     k_host.long()[:, None].expand(-1, heads).contiguous())
             self._budget_source = k
         return self._per_head_budget
 

@@ -1,9 +1,10 @@
 """Serving many requests at once with eviction, on transformers' continuous batching engine.
 
-A patched model's ``generate_batch`` (and the engine that ``transformers serve
---continuous-batching`` runs) serves each request from its own ragged cache with the patch's
-policy: ``manager.RaggedBatchingManager``, transformers' ``ContinuousBatchingManager`` with our
-cache (``cache.RaggedPagedCache``) and our attention (``attention.attend_packed``).
+A patched model's ``generate_batch`` (and ``continuous_batching_context_manager``) serves each
+request from its own ragged cache with the patch's policy: ``manager.RaggedBatchingManager``,
+transformers' ``ContinuousBatchingManager`` with our cache (``cache.RaggedPagedCache``) and our
+attention (``attention.attend_packed``). ``transformers serve`` loads a model of its own,
+unpatched: it is not served this way yet.
 """
 from kvcache_ext.serving.cache import RaggedPagedCache
 from kvcache_ext.serving.manager import RaggedBatchingManager, init_continuous_batching

@@ -1,8 +1,8 @@
 """RaggedBatchingManager: transformers' continuous batching manager for a patched model.
 
 ``kvcache_ext.patch`` gives the model an ``init_continuous_batching`` of its own (this module's),
-which ``generate_batch``, ``continuous_batching_context_manager`` and ``transformers serve``
-call: it builds this manager, transformers' ``ContinuousBatchingManager`` with
+which ``generate_batch`` and ``continuous_batching_context_manager`` call (as would the serving
+handler of ``transformers serve``, given a patched model): it builds this manager, transformers' ``ContinuousBatchingManager`` with
 
 - the patched attention kept (the stock manager accepts only its own implementations);
 - the engine's cache turned into ``RaggedPagedCache`` (each request in its own ragged cache);
