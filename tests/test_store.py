@@ -607,7 +607,8 @@ def test_cuda_no_host_sync_in_decoding_growth_reserve_shrink_and_selection():
 def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, recent, page_size, max_len,
                                               dtype, seed):
     """``append_attend_evict`` (the compiled decode step of a slot-rule scorer) against the same
-    step through the ops, as the engine's Python step runs it: append, the attention with the
+    step through the ops (their selection against ``reference.segmented_topk``), as the engine's
+    Python step runs it: append, the attention with the
     mass, channel 0 += mass ("mass"), then the scores (channel 0 or the position) with the
     protected tokens at +inf, select k[b] per head and compact. Ragged segments (empty ones
     before the append, single-slot ones), ties, NaN and infinite channel values, budgets below,
@@ -655,6 +656,13 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
             scores = ops_store.scores[:, 0].clone() if rule == "mass" else slot_pos.float()
             scores = scores.masked_fill(protection.mask(slot_pos, last_pos[ops_store.slot_rows()]), float("inf"))
             keep = ops_store.select(budget.to(device)[:, None].expand(B, H), scores)
+            # The selection against the plain-PyTorch reference on the padded scores.
+            dense = ops_store.to_dense()
+            S, L = B * H, dense.mask.shape[-1]
+            by_reference = reference.segmented_topk(ops_store.to_padded(scores).cpu().reshape(S, L),
+                                                    dense.pos.cpu().reshape(S, L), dense.lens.cpu().reshape(S),
+                                                    budget[:, None].expand(B, H).reshape(S))
+            assert torch.equal(ops_store.to_padded(keep, False).cpu().reshape(S, L), by_reference)
             ops_store.compact(keep, lens=torch.minimum(ops_store.lens, budget[:, None]))
         expected = torch.minimum(expected + 1, budget[:, None])   # every segment: min(len, k[b])
         assert fused.lens.tolist() == ops_store.lens.tolist() == expected.tolist()
