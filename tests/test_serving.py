@@ -6,7 +6,8 @@ import transformers
 from transformers import GenerationConfig
 
 import kvcache_ext
-from kvcache_ext.policies import H2O, AdaKV, EveryStep, Policy, SnapKV, StreamingLLM
+from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, Policy, Pyramid,
+                                  SnapKV, StreamingLLM)
 from tiny_models import VOCAB, tiny_model
 
 try:
@@ -127,4 +128,131 @@ def test_a_scorer_that_reruns_the_model_is_refused_before_anything_runs():
     with kvcache_ext.patch(model, Policy(KVzip(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None), budget=16)):
         with pytest.raises(ValueError, match="reconstruction passes"):
             model.generate_batch(prompts((20,)), generation_config=GREEDY,
+                                 continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))
+
+
+# --- admission by our pages -------------------------------------------------------------------
+FOOTPRINT_POLICIES = [
+    Policy(SnapKV(window=4), budget=16),
+    Policy(SnapKV(window=4), ratio=0.125),
+    Policy(SnapKV(window=4), budget=16, allocation=AdaKV()),
+    Policy(SnapKV(window=4), budget=20, allocation=Pyramid(beta=3)),
+    Policy(H2O(recent=2), budget=16, schedule=EveryStep()),
+    Policy(StreamingLLM(sinks=2), budget=12, schedule=EveryNSteps(5, target=9)),
+    Policy(TOVA(), ratio=0.3, allocation=AdaKV(), schedule=BlockwisePrefill(16)),
+    Policy(SnapKV(window=4), budget=1000),
+]
+
+
+@needs_engine
+@pytest.mark.parametrize("policy", FOOTPRINT_POLICIES, ids=lambda p: repr(p)[:70].replace(" ", ""))
+@pytest.mark.parametrize("prompt,new_tokens", [(200, 6), (200, 40), (37, 20), (9, 3)])
+def test_a_request_holds_at_most_what_it_reserves(policy, prompt, new_tokens):
+    """The reservation (Footprint.cache_bytes) bounds the bytes a request's cache holds at every
+    step, made as the serving cache makes it (told its longest sequence)."""
+    from kvcache_ext.serving.admission import Footprint
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
+    g = torch.Generator().manual_seed(prompt + new_tokens)
+    ids = torch.randint(0, VOCAB, (1, prompt), generator=g)
+    with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
+        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.channels)
+        reserved = footprint.cache_bytes(policy, prompt, new_tokens)
+        cache = handle.new_cache(max_cache_len=prompt + new_tokens)
+        out = model(ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+        peak = cache.nbytes
+        for _ in range(new_tokens - 1):      # the last token generated is never fed back
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+            peak = max(peak, cache.nbytes)
+    assert 0 < peak <= reserved
+    if policy.budget is not None and policy.budget < prompt:
+        dense = footprint.cache_bytes(Policy(SnapKV(window=4), budget=prompt + 1), prompt, new_tokens)
+        assert reserved < dense      # eviction reserves less than the whole prompt
+
+
+def admission_probe(monkeypatch):
+    """Records the most requests holding a reservation at once, and every reservation made."""
+    from kvcache_ext.serving import RaggedPagedCache
+    seen = {"most": 0, "made": []}
+    original = RaggedPagedCache.can_store_request_tokens
+
+    def probe(self, state, request_len, dry_run=False):
+        fits = original(self, state, request_len, dry_run)
+        seen["most"] = max(seen["most"], len(self.admission.reserved))
+        seen["budget"] = self.admission.budget_bytes
+        if fits and state.request_id not in {r for r, _ in seen["made"]}:
+            seen["made"].append((state.request_id, self.admission.reserved[state.request_id]))
+        assert self.admission.reserved_bytes <= self.admission.budget_bytes
+        return fits
+    monkeypatch.setattr(RaggedPagedCache, "can_store_request_tokens", probe)
+    return seen
+
+
+@needs_engine
+def test_admission_counts_the_pages_requests_reserve(monkeypatch):
+    """With a KV budget of num_blocks blocks, as many requests run at once as their reservations
+    fit in it, the others wait (and then get their alone tokens), and every reservation is given
+    back at the end; the engine's own pages stay as small as it allows."""
+    from kvcache_ext.serving.admission import Footprint
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    policy = Policy(SnapKV(window=4), budget=16)
+    inputs = prompts((60, 61, 62, 63, 64, 65))
+    with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
+        expected = alone(model, inputs)
+        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.channels)
+        each = footprint.request_bytes(policy, 65, NEW_TOKENS, 256)
+        block = 2 * 2 * 2 * 16 * 4 * 16                 # layers x (K, V) x KV heads x D x float32 x page
+        num_blocks = -(-3 * each // block)                 # room for three of them, not four
+        assert 4 * footprint.request_bytes(policy, 60, NEW_TOKENS, 256) > num_blocks * block
+        seen = admission_probe(monkeypatch)
+        out = model.generate_batch(inputs, generation_config=GREEDY, persistent_manager=True,
+                                   continuous_batching_config=ContinuousBatchingConfig(
+                                       **{**SMALL_ENGINE, "num_blocks": num_blocks}))
+        assert [r.generated_tokens for r in out.values()] == expected
+        assert seen["most"] == 3 and seen["budget"] == num_blocks * block
+        assert sorted(r for r, _ in seen["made"]) == sorted(out)
+        cache = model._cached_continuous_batching_manager.batch_processor.cache
+        assert cache.admission.reserved == {} and cache.requests == {}
+        # The engine's pages: one block's worth and its two trash sectors, not num_blocks blocks.
+        assert cache.cache_tensor.nbytes < 4 * block
+        model.destroy_cached_continuous_batching_manager()
+
+
+@needs_engine
+def test_eviction_admits_more_requests_than_the_whole_prompt_in_the_same_budget(monkeypatch):
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    inputs = prompts((120,) * 8)
+    most = {}
+    for name, policy in [("full", Policy(SnapKV(window=4), budget=10_000)),
+                         ("snapkv", Policy(SnapKV(window=4), ratio=0.125))]:
+        with kvcache_ext.patch(model, policy), torch.no_grad():
+            seen = admission_probe(monkeypatch)
+            served(model, inputs, num_blocks=16, max_batch_tokens=512)
+            most[name] = seen["most"]
+            monkeypatch.undo()
+    assert most["full"] == 1 and most["snapkv"] >= 4, most    # 120 tokens reserve 126 per head, or 32
+
+
+@needs_engine
+def test_a_request_that_could_never_fit_fails_alone_with_a_clear_error():
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    inputs = prompts((40, 600, 33))
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=2000)):
+        expected = alone(model, [inputs[0], inputs[2]])
+        out = model.generate_batch(inputs, generation_config=GREEDY,
+                                   continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))
+    results = list(out.values())
+    assert results[1].error is not None and "whole KV budget is" in results[1].error
+    assert "prompt 600 tokens" in results[1].error and "raise the budget (num_blocks)" in results[1].error
+    assert [results[0].generated_tokens, results[2].generated_tokens] == expected
+    assert results[0].error is None and results[2].error is None
+
+
+@needs_engine
+def test_several_sequences_per_request_are_refused_before_anything_runs():
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    config = GenerationConfig(max_new_tokens=4, do_sample=True, num_return_sequences=2, eos_token_id=-1,
+                              pad_token_id=0)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16)):
+        with pytest.raises(ValueError, match="num_return_sequences = 2: several sequences per request"):
+            model.generate_batch(prompts((20,)), generation_config=config,
                                  continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))

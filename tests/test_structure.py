@@ -18,7 +18,8 @@ try:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
 except ImportError:   # transformers 5.2: kvcache_ext.serving raises an ImportError that says what it lacks
     NOT_IMPORTED_ALONE |= {f"{NAME}.serving", f"{NAME}.serving.manager", f"{NAME}.serving.cache",
-                           f"{NAME}.serving.attention"}
+                           f"{NAME}.serving.attention", f"{NAME}.serving.admission", f"{NAME}.serving.server",
+                           f"{NAME}.serving.load"}
 
 # The few places that must write attributes of an object they do not own, each with its reason:
 # (module, enclosing function, target as written) -> why.
@@ -27,6 +28,9 @@ PATCHES_THE_MODEL = ("patching an HF model puts kvcache_ext's own methods on the
 THREAD_LOCAL = ("hf/cache.py's own per-thread state (threading.local has no methods: it is written by "
                 "attribute; a subclass with methods is traced by torch.compile, which then breaks the "
                 "update()-to-attention handshake: tests/test_ops.py's torch.compile test)")
+SERVE_BUILDS_BY_NAME = ("transformers serve builds its model manager and its app by name inside Serve's "
+                        "constructor (no hook): kvcache-ext serve puts its subclass and wrapper there while "
+                        "Serve is built, and puts the originals back")
 ALLOWED_FOREIGN_WRITES = {
     (f"{NAME}.hf.patching", "patch", "model._prepare_cache_for_generation"): PATCHES_THE_MODEL,
     (f"{NAME}.hf.patching", "patch", "setattr(model, _HANDLE_ATTR)"): PATCHES_THE_MODEL,
@@ -50,6 +54,15 @@ ALLOWED_FOREIGN_WRITES = {
     (f"{NAME}.serving.cache", "RaggedPagedCache.adopt", "cache.__class__"):
         "the continuous batching engine's cache becomes a RaggedPagedCache in place: the engine's scheduler, "
         "batch processor and inputs all hold that one object, and building it again would copy the engine's code",
+    (f"{NAME}.serving.manager", "RaggedBatchingManager._create_batch_processor", "processor.scheduler.__class__"):
+        "the engine's scheduler becomes its admitting subclass in place, for the same reason as the cache",
+    (f"{NAME}.serving.manager", "RaggedBatchingManager._create_batch_processor", "config.num_blocks"):
+        "the manager's own copy of the engine's configuration (made in __init__), from which the engine builds "
+        "its cache: num_blocks is set around that construction, as the engine itself sets it after",
+    (f"{NAME}.serving.server", "serve_hooks", "model_manager.ModelManager"): SERVE_BUILDS_BY_NAME,
+    (f"{NAME}.serving.server", "serve_hooks", "server.build_server"): SERVE_BUILDS_BY_NAME,
+    (f"{NAME}.serving.server", "stop", "serve.server.force_exit"):
+        "uvicorn's server is stopped by its flags (should_exit, force_exit): it has no method for it",
     (f"{NAME}.checks", "check_fields", "object.__setattr__(obj, name)"):
         "every dataclass calls check_fields(self, ...) from its own __post_init__ to store its checked "
         "fields (object.__setattr__: frozen dataclasses too)",

@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "context (multi), perplexity under block-wise eviction "
                               "(ppl), or KL and top-1 agreement against the full cache (fidelity).")
     add_arguments(evaluate)
+    from kvcache_ext.cli.serve import add_arguments as add_serve_arguments
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (transformers serve) with a policy",
+                           description="Runs transformers' OpenAI-compatible server with continuous "
+                           "batching on a model patched with a policy: each request keeps its own "
+                           "compressed KV cache, and requests are admitted by the memory their caches "
+                           "hold. Needs transformers[serving].")
+    add_serve_arguments(serve)
     return parser
 
 
@@ -54,6 +61,9 @@ def main(argv=None) -> int:
     if args.command == "eval":
         from kvcache_ext.cli.eval import main as eval_main
         return eval_main(args)
+    if args.command == "serve":
+        from kvcache_ext.cli.serve import main as serve_main
+        return serve_main(args)
     return 2
 
 

@@ -92,6 +92,7 @@ class PatchHandle:
         self.tokens = PromptTokens(tokenizer)    # tokens(text): a ReconstructionScorer's instructions
         self.shape = ModelShape.of(model)
         self._last_cache = None
+        self._last_batching = None
         self._hooks = []
 
     def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, scores=None):
@@ -125,6 +126,16 @@ class PatchHandle:
     def remember_cache(self, cache: RaggedCache) -> None:
         """``last_cache`` is now ``cache`` (held weakly)."""
         self._last_cache = weakref.ref(cache)
+
+    @property
+    def last_batching(self):
+        """The continuous batching manager that ``init_continuous_batching`` made last
+        (``kvcache_ext.serving.RaggedBatchingManager``), while something else still holds it."""
+        return self._last_batching() if self._last_batching is not None else None
+
+    def remember_batching(self, manager) -> None:
+        """``last_batching`` is now ``manager`` (held weakly)."""
+        self._last_batching = weakref.ref(manager)
 
     def unpatch(self) -> None:
         unpatch(self.model)
@@ -222,7 +233,9 @@ def _init_continuous_batching(model, handle, *args, **kwargs):
     """A patched model's ``init_continuous_batching`` (kvcache_ext.serving; imported when first
     used, since older transformers lack the engine's extension points)."""
     from kvcache_ext.serving.manager import init_continuous_batching
-    return init_continuous_batching(model, handle, *args, **kwargs)
+    manager = init_continuous_batching(model, handle, *args, **kwargs)
+    handle.remember_batching(manager)
+    return manager
 
 
 def _user_stacklevel() -> int:
@@ -300,3 +313,8 @@ def unpatch(model) -> None:
 
 def is_patched(model) -> bool:
     return getattr(model, _HANDLE_ATTR, None) is not None
+
+
+def handle_of(model) -> PatchHandle | None:
+    """The PatchHandle of a patched model (None when it is not patched)."""
+    return getattr(model, _HANDLE_ATTR, None)

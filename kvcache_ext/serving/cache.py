@@ -7,8 +7,13 @@ tokens go (``extend_read_and_write_indices``, in batch order), then the model's 
 ``cache.update`` with the packed K and V. This subclass records each step's requests in that
 order (``step``), keeps one ``RaggedCache`` of batch 1 per request (made at its first tokens,
 dropped when the engine frees the request), and hands the packed batch to the patched attention
-function, which splits it by request (``kvcache_ext.serving.attention``). The engine's own
-scheduling and page bookkeeping run unchanged.
+function, which splits it by request (``kvcache_ext.serving.attention``).
+
+Admission is by our pages (``kvcache_ext.serving.admission``): the engine's scheduler asks
+``can_store_request_tokens`` before it schedules a request's tokens; a request is admitted when
+what it holds at its peak fits in the KV budget beside the other requests' reservations, and
+its reservation is given back when the engine frees it. The engine's own pages are not used
+(the manager builds them as small as the engine allows).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from kvcache_ext.hf import cache as hf_cache
+from kvcache_ext.serving.admission import TOO_LARGE, Admission, Footprint
 
 
 @dataclass(frozen=True)
@@ -47,21 +53,74 @@ class RaggedPagedCache(PagedAttentionCache):
     chunks: dict                    # (request id, layer) -> PromptChunks of a prompt split over steps
     step: list                      # [StepRequest] of the step being run, in batch order
     step_closed = False             # the step's forward has begun: the next request starts a new step
+    admission: Admission            # the KV budget and each admitted request's reservation
+    footprint: Footprint            # what a request holds, from the model's shape
 
     @classmethod
-    def adopt(cls, cache: PagedAttentionCache, handle, scheduler) -> "RaggedPagedCache":
+    def adopt(cls, cache: PagedAttentionCache, handle, scheduler, budget_bytes: int) -> "RaggedPagedCache":
         """Turns the engine's ``PagedAttentionCache`` into this class in place: the engine's
         scheduler, batch processor and inputs all hold that object, and building it again here
         would copy the manager's construction code."""
         cache.__class__ = cls
-        cache.start(handle, scheduler)
+        cache.start(handle, scheduler, budget_bytes)
         return cache
 
-    def start(self, handle, scheduler) -> None:
+    def start(self, handle, scheduler, budget_bytes: int) -> None:
         """This class's own state, from ``adopt``: no request yet. ``scheduler``: the engine's,
-        whose request states say whether a prompt has tokens left."""
+        whose request states say whether a prompt has tokens left. ``budget_bytes``: what the
+        requests' ragged caches may hold together."""
         self.handle, self.scheduler = handle, scheduler
         self.requests, self.chunks, self.step, self.step_closed = {}, {}, [], False
+        self.admission = Admission(budget_bytes)
+        self.footprint = Footprint(handle.shape, self.dtype.itemsize, handle.page_size, handle.policy.scorer.channels)
+        # The engine reads no past token through its own indices (each request attends over its
+        # ragged cache): its scheduler then charges no read budget, and builds no read index.
+        self.read_cache_limit = 0
+
+    # --- admission ----------------------------------------------------------------------------
+    def request_bytes(self, state) -> int:
+        """What the request reserves (``Footprint.request_bytes``)."""
+        new_tokens = state.max_new_tokens if state.max_new_tokens is not None else 2**31 - 1
+        return self.footprint.request_bytes(self.handle.policy, len(state.initial_tokens), new_tokens,
+                                            self.max_batch_tokens)
+
+    def check_admissible(self, state) -> None:
+        """Raises ValueError for a request that could never be admitted, when it arrives."""
+        if state.num_children > 0:
+            raise ValueError(f"request {state.request_id}: num_return_sequences > 1 copies a request's cache "
+                             "at its fork, which kvcache_ext's serving does not do; send the request once "
+                             "per sequence")
+        need = self.request_bytes(state)
+        if need > self.admission.budget_bytes:
+            limit = ("max_new_tokens is not set and the policy's cache grows while decoding"
+                     if state.max_new_tokens is None else f"max_new_tokens {state.max_new_tokens}")
+            raise ValueError(f"request {state.request_id} {TOO_LARGE}: its KV cache needs {need} bytes at its "
+                             f"peak (prompt {len(state.initial_tokens)} tokens, {limit}, {self.handle.policy}) "
+                             f"but the whole KV budget is {self.admission.budget_bytes} bytes; shorten the "
+                             "prompt, lower max_new_tokens, or raise the budget (num_blocks)")
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """True when the request holds a reservation, or gets one now. A one-shot policy's
+        prompt that fits in a step waits for a step with room for all of it (split, it would be
+        held dense until its last chunk)."""
+        if state.request_id in self.admission.reserved:
+            return True
+        prompt = len(state.remaining_prefill_tokens)
+        if (self.handle.policy.schedule.prefill_block is None and request_len < prompt <= self.max_batch_tokens):
+            return False
+        need = self.request_bytes(state)
+        if dry_run:
+            return need <= self.admission.free_bytes
+        return self.admission.try_reserve(state.request_id, need)
+
+    def compute_free_capacity(self, relative: bool = True) -> int | float:
+        free = self.admission.free_bytes
+        return free / self.admission.budget_bytes if relative else free
+
+    def count_storable_requests(self, list_blocks_needed: list) -> int:
+        """The engine asks this only to bring back requests it moved to the CPU, which it never
+        does here (an admitted request never waits for memory)."""
+        return 0
 
     # --- what the engine calls ----------------------------------------------------------------
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
@@ -72,12 +131,15 @@ class RaggedPagedCache(PagedAttentionCache):
         done = state is None or not state.remaining_prefill_tokens
         self.step.append(StepRequest(request_id, past_length, first, query_length, done))
         if request_id not in self.requests:
-            self.requests[request_id] = self.handle.new_cache()
-        super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
+            # Told its longest sequence, a cache that grows while decoding takes its pages at once.
+            longest = None if state is None or state.max_new_tokens is None else \
+                len(state.initial_tokens) + state.max_new_tokens
+            self.requests[request_id] = self.handle.new_cache(max_cache_len=longest)
+        # The engine's write (and read) indices stay empty: nothing goes to its pages.
 
     def update(self, key_states, value_states, layer_idx, kwargs):
         """Stores nothing in the engine's pages: the attention function appends each request's
-        tokens to its own cache. (The engine's pages stay allocated and unused.)"""
+        tokens to its own cache."""
         if not getattr(hf_cache._forward, "depth", 0):
             raise RuntimeError(hf_cache.NOT_PATCHED)
         self.step_closed = True     # the next extend_* call starts the next step
@@ -86,6 +148,7 @@ class RaggedPagedCache(PagedAttentionCache):
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         self.requests.pop(request_id, None)
+        self.admission.release(request_id)
         for key in [key for key in self.chunks if key[0] == request_id]:   # a request cancelled mid-prompt
             del self.chunks[key]
         super().free_blocks(request_id, no_cache)
@@ -93,10 +156,13 @@ class RaggedPagedCache(PagedAttentionCache):
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         self.requests.clear()
         self.chunks.clear()
+        self.admission.clear()
         super().free_all_requests(clear_ledgers)
 
     # --- accounting ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes the requests' ragged caches hold."""
-        return sum(cache.nbytes for cache in self.requests.values())
+        """Bytes the requests' ragged caches hold (at most ``admission.reserved_bytes``), and
+        the prompts held dense while they arrive in chunks."""
+        chunks = sum(t.nbytes for held in self.chunks.values() for t in (*held.q, *held.k, *held.v))
+        return sum(cache.nbytes for cache in self.requests.values()) + chunks

@@ -1,0 +1,168 @@
+"""``kvcache-ext serve``: transformers' OpenAI-compatible server (``transformers serve
+--continuous-batching``) over a model patched with a policy.
+
+transformers' ``Serve`` builds its ``ModelManager`` by name inside its constructor and loads
+models through ``ModelManager._load_model``. While the server runs, this module puts a subclass
+there (``patching_model_manager``: every model it loads is patched with the policy), and wraps
+its ``build_server`` (``build_server_with_stats``); the server's continuous batching handler
+then calls the patched model's ``init_continuous_batching`` (``kvcache_ext.serving.manager``).
+Everything else (routes, protocol, streaming, cancellation, the engine's scheduler) is
+transformers' own. Added: ``GET /v1/kvcache`` (the KV budget, what the requests reserve and
+hold: ``kv_stats``), and the message of a failed request in its error response.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+from kvcache_ext.policies import Policy
+from kvcache_ext.serving.admission import TOO_LARGE
+
+SERVING_EXTRA = "pip install 'transformers[serving]'"
+STATS_ROUTE = "/v1/kvcache"
+
+
+def require_serving() -> None:
+    """Raises ImportError naming the install command when transformers' server cannot run here."""
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"kvcache-ext serve runs transformers' server, which needs {', '.join(missing)}: "
+                          f"{SERVING_EXTRA}")
+
+
+def patching_model_manager(policy: Policy | None, page_size: int = 16) -> type:
+    """transformers' ``ModelManager`` whose models are patched with ``policy`` as they load
+    (None: left as they are, HF's paged cache)."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    import kvcache_ext
+
+    class PatchingModelManager(ModelManager):
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            local_gguf = gguf_file is not None and os.path.isfile(os.path.join(model_id_and_revision, gguf_file))
+            if local_gguf:   # a GGUF file's config names no architecture, which transformers serve needs
+                model = load_local_gguf(os.path.join(model_id_and_revision, gguf_file), self.dtype, self.device)
+            else:
+                model = super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
+            if policy is not None:
+                kvcache_ext.patch(model, policy, page_size=page_size)   # the handle stays on the model
+            return model
+
+    return PatchingModelManager
+
+
+def load_local_gguf(path: str, dtype, device):
+    """A local GGUF file as kvcache_ext loads it (``kvcache_ext.hf.models.load_model``): dense
+    weights of ``dtype`` ("auto": float32), on ``device`` ("auto": the GPU when there is one)."""
+    import torch
+
+    from kvcache_ext.hf.models import load_model
+
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_model(path, dtype=dtype, device=device)[0]
+
+
+def build_server_with_stats(build_server):
+    """transformers' ``build_server``, and on its app: ``GET /v1/kvcache`` (``kv_stats``), and
+    the message of a failed request in the response. A non-streaming request that fails in the
+    engine raises RuntimeError in transformers' handler, which the app would answer with a bare
+    500: the JSON error carries the message, with status 413 for a request that exceeds the KV
+    budget (the client's to change) and 500 otherwise."""
+    from fastapi.responses import JSONResponse
+
+    def build(model_manager, *args, **kwargs):
+        app = build_server(model_manager, *args, **kwargs)
+        state = kwargs.get("generation_state")
+        app.add_api_route(STATS_ROUTE, lambda: JSONResponse(kv_stats(model_manager, state)), methods=["GET"])
+
+        async def failed(_request, error: RuntimeError):
+            too_large = TOO_LARGE in str(error)
+            body = {"error": {"message": str(error), "type": "invalid_request_error" if too_large else "server_error",
+                              "code": "kv_budget_exceeded" if too_large else None}}
+            return JSONResponse(body, status_code=413 if too_large else 500)
+        app.add_exception_handler(RuntimeError, failed)
+        return app
+
+    return build
+
+
+@contextlib.contextmanager
+def serve_hooks(policy: Policy | None, page_size: int = 16):
+    """While inside, ``transformers serve`` patches the models it loads (its model manager is
+    ``patching_model_manager``'s) and builds its app with ``build_server_with_stats``."""
+    from transformers.cli.serving import model_manager, server
+
+    originals = model_manager.ModelManager, server.build_server
+    model_manager.ModelManager = patching_model_manager(policy, page_size)
+    server.build_server = build_server_with_stats(server.build_server)
+    try:
+        yield
+    finally:
+        model_manager.ModelManager, server.build_server = originals
+
+
+def kv_stats(model_manager, generation_state) -> dict:
+    """What ``GET /v1/kvcache`` answers: per loaded model, its policy (None: HF's paged cache),
+    the KV budget in bytes, the bytes the requests reserve and hold, and how many run and wait.
+    A patched model's engine is the one its handle made last; an unpatched model's, the one
+    transformers' serving state holds (``_cb_manager``: it has no public accessor)."""
+    from kvcache_ext.hf.patching import handle_of
+
+    models = {}
+    for key, timed in list(model_manager.loaded_models.items()):
+        handle = handle_of(timed.model)
+        entry = {"policy": repr(handle.policy) if handle is not None else None}
+        if handle is not None:
+            engine = handle.last_batching
+        else:
+            engine = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
+        processor = getattr(engine, "batch_processor", None)
+        cache = getattr(processor, "cache", None)
+        if cache is not None:
+            scheduler = processor.scheduler
+            if hasattr(cache, "admission"):     # ours: what the requests reserve and hold
+                budget, reserved, held = cache.admission.budget_bytes, cache.admission.reserved_bytes, cache.nbytes
+            else:                                # HF's: its pages, allocated as the requests grow
+                budget = cache.num_sectors * cache.bytes_per_sector
+                reserved = held = budget - int(cache.compute_free_capacity(relative=False))
+            entry.update(budget_bytes=budget, reserved_bytes=reserved, held_bytes=held,
+                         running=len(scheduler.active_requests), waiting=len(scheduler.waiting_requests))
+        models[key] = entry
+    return {"models": models}
+
+
+def start(model: str, policy: Policy | None, *, page_size: int = 16, host: str = "localhost", port: int = 8000,
+          device: str = "auto", dtype: str = "auto", num_blocks: int | None = None,
+          max_batch_tokens: int | None = None, log_level: str = "warning", blocking: bool = True):
+    """Runs ``transformers serve --continuous-batching`` on ``model`` (an HF id, a folder, or
+    ``folder:file.gguf``), patched with ``policy`` (None: HF's paged cache); the KV budget is ``num_blocks`` of the
+    engine's blocks, or what the engine would give its paged cache. ``blocking=False`` returns
+    transformers' ``Serve`` object with the server running in a thread (``stop`` stops it)."""
+    require_serving()
+    from transformers.cli.serve import Serve
+
+    with serve_hooks(policy, page_size):
+        serve = Serve(force_model=model, continuous_batching=True, device=device, dtype=dtype,
+                      cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=host, port=port,
+                      log_level=log_level, non_blocking=True)
+    if not blocking:
+        return serve
+    try:
+        serve._thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop(serve)
+    return serve
+
+
+def stop(serve, timeout: float = 30.0) -> None:
+    """Stops a server that ``start`` runs: the engine, the models, then the HTTP server, without
+    waiting for clients that keep their connections open (uvicorn's forced exit)."""
+    serve.server.force_exit = True
+    serve.kill_server()
+    serve._thread.join(timeout)
