@@ -2,7 +2,7 @@
 --continuous-batching``) over a model patched with a policy.
 
 transformers' ``Serve`` builds its ``ModelManager`` by name inside its constructor and loads
-models through ``ModelManager._load_model``. While the server runs, this module puts a subclass
+models through ``ModelManager._load_model``. While ``Serve`` is built, this module puts a subclass
 there (``patching_model_manager``: every model it loads is patched with the policy), and wraps
 its ``build_server`` (``build_server_with_stats``); the server's continuous batching handler
 then calls the patched model's ``init_continuous_batching`` (``kvcache_ext.serving.manager``).
