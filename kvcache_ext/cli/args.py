@@ -66,6 +66,17 @@ def depth_list(text: str) -> list[float]:
     return _number_list(text, float, "depths in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
+def fraction(text: str) -> float:
+    """One fraction in (0, 1]: serve's --keep."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:      # NaN fails the range
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def fraction_list(text: str) -> list[float]:
     """Comma-separated fractions in (0, 1] (at least one): --keep."""
     return _number_list(text, float, "fractions in (0, 1]", lambda v: 0.0 < v <= 1.0)

@@ -2,24 +2,13 @@
 model patched with a named policy (``kvcache_ext.serving.server``)."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
 
-from kvcache_ext.cli.args import int_range, model_name, usage_error
+from kvcache_ext.cli.args import fraction, int_range, model_name, usage_error
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
 
 
 def add_arguments(p) -> None:

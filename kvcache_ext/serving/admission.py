@@ -10,8 +10,9 @@ policy keeps (plus what decoding adds), not its prompt.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+import torch
 
 from kvcache_ext.policies.policy import ModelShape, Policy
 
@@ -39,8 +40,7 @@ class Footprint:
     def tokens_per_head(self, policy: Policy, prompt: int, new_tokens: int) -> int:
         """The most tokens a KV head holds, on average over heads and layers, at any step of a
         request of ``prompt`` tokens that generates up to ``new_tokens``."""
-        budget = policy.budget if policy.budget is not None else max(math.ceil(prompt * policy.ratio),
-                                                                       policy.protection.size + 1)
+        budget = int(policy.budget_for(torch.tensor([prompt]))[0])
         schedule = policy.schedule
         kept = min(prompt, budget)
         during_prefill = kept if schedule.prefill_block is None else min(prompt, budget + schedule.prefill_block)
