@@ -283,7 +283,7 @@ stage_e2e() {
   "$PYTHON" bench/e2e.py --no-progress --device "$device" --out "$e2e_json" $e2e_args
 }
 
-TEST_FILES="tests/test_build.py tests/test_store.py tests/test_select.py tests/test_attention.py
+TEST_FILES="tests/test_build.py tests/test_store.py tests/test_store_fork.py tests/test_select.py tests/test_attention.py
   tests/test_ops.py tests/test_patch.py tests/test_cuda_metadata.py tests/test_host_syncs.py
   tests/test_cuda_model.py"
 export TEST_FILES

@@ -666,6 +666,7 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
                     " and recent = ", recent);
   const at::Tensor host_budget = check_budgets(budget, budget_host, B, H, device);
   const bool evicting = host_budget.defined();
+  if (by_mass || evicting) allocator.check_writable("append_attend_evict (its score update or eviction)");
   const bool by_recency = evicting && recent > 0;
   if (by_recency) {
     TORCH_CHECK_VALUE(last_pos.has_value() && last_pos->defined(), "recent > 0 needs last_pos, the "

@@ -122,13 +122,17 @@ def test_a_prompt_split_over_steps_is_compressed_whole(policy):
 
 
 @needs_engine
-def test_a_scorer_that_reruns_the_model_is_refused_before_anything_runs():
+def test_a_scorer_that_reruns_the_model_refuses_a_prompt_without_a_shared_prefix():
+    """KVzip's passes do not run in the engine: a request that does not continue a shared prefix
+    (tests/test_shared_prefix.py serves those) fails alone, with what to do instead."""
     from kvcache_ext.policies import KVzip
     model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
     with kvcache_ext.patch(model, Policy(KVzip(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None), budget=16)):
-        with pytest.raises(ValueError, match="reconstruction passes"):
-            model.generate_batch(prompts((20,)), generation_config=GREEDY,
-                                 continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))
+        out = model.generate_batch(prompts((20,)), generation_config=GREEDY,
+                                   continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))
+    (result,) = out.values()
+    assert result.error is not None and "reconstruction passes" in result.error
+    assert "handle.share_prefix" in result.error
 
 
 # --- admission by our pages -------------------------------------------------------------------

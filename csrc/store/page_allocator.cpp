@@ -80,7 +80,7 @@ int64_t PageAllocator::num_tokens() const {
 
 int64_t PageAllocator::nbytes() const {
   int64_t total = 0;
-  for (const auto& slab : slabs_) total += slab.nbytes();
+  for (size_t i = shared_slabs_; i < slabs_.size(); ++i) total += slabs_[i].nbytes();
   for (const auto* t : {&page_base_, &table_, &len_}) total += t->nbytes();
   return total;
 }
@@ -138,7 +138,59 @@ at::Tensor PageAllocator::gather_part(int part) const {
   return at::cat(pieces, 0);  // a copy even for one slab: callers cannot write the store
 }
 
+size_t PageAllocator::slab_of(int64_t page) const {
+  return std::upper_bound(slab_first_.begin(), slab_first_.end(), page) - slab_first_.begin() - 1;
+}
+
+void PageAllocator::check_writable(const char* what) const {
+  TORCH_CHECK_VALUE(!shares_pages_, what, " would write tokens that this store shares with "
+                    "another (a store forked from it, or the one it was forked from: a shared "
+                    "prefix), which are read-only; repack the store first to give it pages of its own");
+}
+
+PageAllocator PageAllocator::fork() {
+  PageAllocator child(*this);  // the slabs' tensors are shared, not copied
+  shares_pages_ = child.shares_pages_ = true;
+  child.shared_slabs_ = slabs_.size();
+  child.free_.clear();         // this store's free pages stay its own
+  child.len_ = len_.clone();   // the ops advance a store's device lengths in place
+  child.slot_rows_ = at::Tensor();
+  child.page_rows_h_.clear();
+  child.slab_allocations_ = child.repacks_ = 0;
+  const int64_t S = num_segments();
+  std::vector<int64_t> partial;  // segments whose last live page is partly filled
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t used = static_cast<int32_t>((len_h_[s] + page_size_ - 1) >> shift_);
+    for (int64_t j = used; j < pages_h_[s]; ++j) child.table_h_[s * width_ + j] = -1;
+    child.pages_h_[s] = used;
+    if (len_h_[s] & (page_size_ - 1)) partial.push_back(s);
+  }
+  if (!partial.empty()) {
+    const int32_t first = child.allocate_slab(static_cast<int64_t>(partial.size()));
+    std::vector<std::vector<int64_t>> from(slabs_.size()), to(slabs_.size());
+    for (size_t i = 0; i < partial.size(); ++i) {
+      const int64_t s = partial[i];
+      int32_t& entry = child.table_h_[s * width_ + child.pages_h_[s] - 1];
+      const size_t slab = slab_of(entry);
+      from[slab].push_back(entry - slab_first_[slab]);
+      to[slab].push_back(static_cast<int64_t>(i));
+      entry = first + static_cast<int32_t>(i);
+    }
+    at::Tensor& copies = child.slabs_.back();
+    for (size_t i = 0; i < slabs_.size(); ++i) {
+      if (from[i].empty()) continue;
+      copies.index_copy_(0, to_device(to[i], at::kLong, device()),
+                         slabs_[i].index_select(0, to_device(from[i], at::kLong, device())));
+    }
+    child.upload_page_base();
+  }
+  child.table_uploaded_.clear();  // the child's own table on the device
+  child.upload_table();
+  return child;
+}
+
 void PageAllocator::set_scores(const at::Tensor& scores) {
+  check_writable("set_scores");
   check_defined(scores, "scores");
   check_dtype(scores, at::kFloat, "scores");
   check_device(scores, device(), "scores");
@@ -151,6 +203,7 @@ void PageAllocator::set_scores(const at::Tensor& scores) {
 }
 
 void PageAllocator::add_to_scores(int64_t channel, const at::Tensor& values) {
+  check_writable("add_to_scores");
   TORCH_CHECK_VALUE(channel >= 0 && channel < score_channels_, "channel must be in [0, ",
                     score_channels_, ") (the store's score channels), got ", channel);
   check_defined(values, "values");
@@ -213,6 +266,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> PageAllocator::prepare_append(
 }
 
 void PageAllocator::finish_compact(const c10::optional<at::Tensor>& known) {
+  // The compaction op has run by now: the store's callers (RaggedKVStore.compact,
+  // append_attend_evict) check_writable before it.
+  check_writable("a compaction");
   const int64_t S = num_segments();
   if (known.has_value()) {
     const at::Tensor& given = *known;
@@ -381,8 +437,7 @@ void PageAllocator::repack(int64_t extra) {
     for (int64_t j = 0; j < new_pages[s]; ++j) {
       if (j < keep_pages[s]) {
         const int64_t old = table_h_[s * width_ + j];
-        const size_t slab = std::upper_bound(slab_first_.begin(), slab_first_.end(), old) -
-                            slab_first_.begin() - 1;
+        const size_t slab = slab_of(old);
         from[slab].push_back(old - slab_first_[slab]);
         to[slab].push_back(next);
       }
@@ -398,6 +453,8 @@ void PageAllocator::repack(int64_t extra) {
     slab.index_copy_(0, dst, slabs_[i].index_select(0, src));
   }
   slabs_.clear();
+  shares_pages_ = false;  // every live token now lies in the new slab, this store's alone
+  shared_slabs_ = 0;
   ++state_version_;
   slab_first_.clear();
   page_base_h_.clear();

@@ -48,6 +48,20 @@ class PageAllocator {
   // and gives back every other page: the only operation that moves every token.
   void repack(int64_t extra);
   void shrink_to_fit() { repack(0); }
+  // A store that continues this one's sequences (a shared prefix, DESIGN.md "Ragged store"):
+  // the same segments and tokens, reading this store's pages of live tokens in place (not
+  // copied), and putting the tokens appended to it in pages of its own. A segment whose last
+  // page is partly filled gets a copy of that page (its next token goes there: the one page
+  // copied on write); the pages this store held for tokens to come stay this store's. From
+  // then on both stores are read-only where they share: compaction, score writes and
+  // replacing tokens are refused on both (check_writable), appends (which write only pages
+  // a store owns alone) are not. A repack gives a store pages of its own again.
+  PageAllocator fork();
+  // Whether another store reads some of this store's pages, or this one another's (fork).
+  bool shares_pages() const { return shares_pages_; }
+  // Raises a ValueError naming `what` when shares_pages(): it would write tokens another
+  // store reads.
+  void check_writable(const char* what) const;
 
   // Copies in slot layout ([capacity, ...]); slots that hold no live token are undefined.
   at::Tensor k() const { return gather_part(store::kK); }
@@ -97,7 +111,9 @@ class PageAllocator {
   // of state() takes it again when this moved.
   int64_t state_version() const { return state_version_; }
   int64_t num_tokens() const;  // live tokens, summed over segments
-  int64_t nbytes() const;      // bytes held by every buffer of the store
+  // Bytes held by the buffers of the store, less the pages it reads from the store it was
+  // forked from (which that store counts).
+  int64_t nbytes() const;
   int64_t batch() const { return batch_; }
   int64_t heads() const { return heads_; }
   int64_t head_dim() const { return head_dim_; }
@@ -120,6 +136,8 @@ class PageAllocator {
   // (entries past a segment's pages are never read, so they may be stale there).
   void upload_table();
   at::Tensor gather_part(int part) const;
+  // The slab that holds page `page`.
+  size_t slab_of(int64_t page) const;
   // Part b of every page of a slab as a [pages, P, ...] view of the slab.
   at::Tensor part_of(const at::Tensor& slab, int part) const;
 
@@ -140,6 +158,8 @@ class PageAllocator {
   at::Tensor slot_rows_;                // slot_rows(), on the store's device
   at::Tensor page_base_, table_, len_;  // on the store's device: int64, int32, int32
   int64_t slab_allocations_ = 0, repacks_ = 0, state_version_ = 0;
+  bool shares_pages_ = false;           // fork: pages read by two stores
+  size_t shared_slabs_ = 0;             // leading slabs of the store this one was forked from
 };
 
 }  // namespace kvcache_ext

@@ -25,10 +25,19 @@ class RaggedLayerKV:
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, channels: int, page_size: int = 16):
-        self.store = RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device,
-                                   score_channels=channels, page_size=page_size)
+        self._hold(RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device, score_channels=channels,
+                                 page_size=page_size))
+
+    def _hold(self, store: RaggedKVStore) -> None:
+        self.store = store
         # The compiled decode step's per-head budgets, made from the row budgets they came from.
         self._budget_source, self._per_head_budget = None, None
+
+    def fork(self) -> "RaggedLayerKV":
+        """The same tokens on the same pages, later tokens in pages of its own (``RaggedKVStore.fork``)."""
+        other = object.__new__(type(self))
+        other._hold(self.store.fork())
+        return other
 
     # --- storage -------------------------------------------------------------------------
     def append(self, k, v, pos, keep) -> None:

@@ -52,6 +52,12 @@ class SharedByLayers:
         self.scorer_state.clear()
         self.step_validity.clear()
 
+    def fork(self) -> "SharedByLayers":
+        """What the layers of a fork of the cache share: the scorer's state as it is now."""
+        other = SharedByLayers()
+        other.scorer_state.update(self.scorer_state)
+        return other
+
 
 class LayerState:
     """One layer of an engine cache: its storage, the tokens it has seen, its budgets, and
@@ -106,6 +112,29 @@ class LayerState:
         self.scorer_state.clear()
         if self.layer_idx == 0:
             self.shared.clear()
+
+    def fork(self, shared: SharedByLayers, max_cache_len: int | None) -> "LayerState":
+        """A state that continues this layer's sequence on a fork of its storage (a shared
+        prefix, ``RaggedCache.fork``): the tokens seen, budgets and scorer state as they are
+        now, for a sequence whose longest length is ``max_cache_len``."""
+        if self.context is not None:
+            raise RuntimeError(f"layer {self.layer_idx} holds a prompt for reconstruction passes: score it "
+                               "(handle.score_prompt) before forking the cache")
+        other = LayerState(self.layer_idx, self.num_layers, self.policy, self.storage, model=self.model,
+                           max_cache_len=max_cache_len, shared=shared)
+        other._continue(self)
+        return other
+
+    def _continue(self, source: "LayerState") -> None:
+        """``fork``'s half on the new state: ``source``'s sequence, on a fork of its storage."""
+        clone = lambda t: None if t is None else t.clone()   # noqa: E731
+        self.kv = None if source.kv is None else source.kv.fork()
+        self.layout, self.tokens, self.seen = source.layout, source.tokens, source.seen
+        self.decode_steps = source.decode_steps
+        self.last_pos, self.budget, self.decode_budget = clone(source.last_pos), clone(source.budget), \
+            clone(source.decode_budget)
+        self.budget_host, self.decode_budget_host = clone(source.budget_host), clone(source.decode_budget_host)
+        self.scorer_state.update(source.scorer_state)
 
     @property
     def groups(self) -> int:

@@ -81,6 +81,10 @@ class LayerStorage(Protocol):
     def trim(self, extra: int) -> None:
         """Releases the free room but ``extra`` tokens per head."""
 
+    def fork(self) -> "LayerStorage":
+        """A storage holding the same tokens, to which later tokens are appended apart (a shared
+        prefix): the tokens held now are never written again, in either (see ``RaggedKVStore.fork``)."""
+
     @property
     def lens(self) -> torch.Tensor:
         """[B, H] int64 stored tokens per head (host side: no device sync)."""

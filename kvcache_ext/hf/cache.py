@@ -80,6 +80,12 @@ class RaggedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    def continue_from(self, layer: "RaggedLayer", shared: SharedByLayers, max_cache_len: int | None) -> None:
+        """Takes ``layer``'s sequence on a fork of its storage (``RaggedCache.fork``)."""
+        self.state = layer.state.fork(shared, max_cache_len)
+        if layer.is_initialized:
+            self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not getattr(_forward, "depth", 0):
             raise RuntimeError(NOT_PATCHED)
@@ -186,6 +192,28 @@ class RaggedCache(Cache):
         if self._checked_for != model:
             self.policy.check(model)
             self._checked_for = model
+
+    def fork(self, max_cache_len: int | None = None) -> "RaggedCache":
+        """A cache that continues this one's sequence without copying it: each layer reads the
+        tokens this cache holds where they lie and keeps the tokens that come next in pages of
+        its own (``RaggedKVStore.fork``; a head's partly filled last page is the one page
+        copied). How requests share a compressed prefix (``kvcache_ext.serving``): the prefix
+        compressed once, each request on a fork of it, as if it had its own copy.
+
+        The tokens held now become read-only in both caches, so the policy must never write
+        them again: a schedule that evicts over the cache (block-wise prefill, eviction while
+        decoding) is refused, and so is a cache still holding a prompt for reconstruction
+        passes. ``max_cache_len``: the longest sequence the fork will see (None: not known)."""
+        if self.policy.schedule.evicts_over_cache:
+            raise ValueError(f"RaggedCache.fork: the policy {self.policy} evicts over the cache (its schedule "
+                             f"{self.policy.schedule}), which would write the tokens the two caches share; a "
+                             "shared prefix needs a one-shot schedule (the prompt compressed once, then appended to)")
+        other = type(self)(self.policy, len(self.layers), page_size=self.page_size,
+                           model=self.layers[0].state.model, max_cache_len=max_cache_len)
+        shared = self.layers[0].state.shared.fork()
+        for layer, mine in zip(other.layers, self.layers):
+            layer.continue_from(mine, shared, max_cache_len)
+        return other
 
     def layer_kv(self, layer_idx: int):
         """The storage of one layer (``None`` before its first token)."""

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvcache_ext.kernels.attention import check_head_dim
 from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.hf.cache_argument import cache_argument
+from kvcache_ext.hf.shared_prefix import SharedPrefix, SharedPrefixes, compress_prefix, prefix_ids
 from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.eviction import layer_forward
 from kvcache_ext.engine.state import LayerState
@@ -94,6 +95,7 @@ class PatchHandle:
         self._last_cache = None
         self._last_batching = None
         self._hooks = []
+        self.prefixes = SharedPrefixes()         # share_prefix's: read by the serving engine
 
     def score_prompt(self, cache: RaggedCache, input_ids, attention_mask=None, scores=None):
         """Runs the reconstruction passes of a scorer that needs them (KVzip) on a cache that
@@ -103,6 +105,23 @@ class PatchHandle:
         after a prompt (``kvcache_ext.engine.reconstruction.score_prompt``)."""
         forward = getattr(self.model, "_kvcache_ext_forward", self.model.forward)
         return score_prompt(forward, cache, input_ids, attention_mask, self.tokens, scores)
+
+    def share_prefix(self, token_ids) -> SharedPrefix:
+        """Compresses ``token_ids`` (a list or 1-D tensor of token ids) once with this policy
+        and shares it: the serving engine (``generate_batch``, ``kvcache-ext serve``) serves
+        every later request whose prompt starts with these tokens and goes on past them over
+        this compressed prefix, read in place, as if the request had its own copy; for
+        ``generate``, pass ``prefix.fork()`` as ``past_key_values`` with the whole prompt
+        (``kvcache_ext.hf.shared_prefix``). The policy must have a one-shot schedule.
+        Returns the ``SharedPrefix``; ``unshare_prefix`` stops sharing it."""
+        self.prefixes.check_new(prefix_ids(token_ids))
+        prefix = compress_prefix(self, token_ids)
+        self.prefixes.add(prefix)
+        return prefix
+
+    def unshare_prefix(self, prefix: SharedPrefix) -> None:
+        """No later request is served over ``prefix``; requests reading it go on."""
+        self.prefixes.remove(prefix)
 
     @property
     def num_layers(self) -> int:

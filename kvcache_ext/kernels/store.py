@@ -77,13 +77,38 @@ class RaggedKVStore:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
         like = torch.empty(0, dtype=dtype, device=device)
-        self._allocator = _C.PageAllocator(batch, heads, head_dim, score_channels, like, page_size)
+        self._adopt(_C.PageAllocator(batch, heads, head_dim, score_channels, like, page_size))
+
+    def _adopt(self, allocator) -> None:
+        self._allocator = allocator
         # What every op call passes besides the state, fixed for the store's life: read here
         # once (from the allocator each would be a pybind call, which torch.compile cannot trace).
-        self._page_size, self._head_dim, self._channels = page_size, head_dim, score_channels
-        self._batch, self._heads = batch, heads
-        self._dtype, self._device = dtype, self._allocator.like.device
+        self._page_size, self._head_dim = allocator.page_size, allocator.head_dim
+        self._channels = allocator.score_channels
+        self._batch, self._heads = allocator.batch, allocator.heads
+        self._dtype, self._device = allocator.like.dtype, allocator.like.device
         self._take_state()
+
+    def fork(self) -> "RaggedKVStore":
+        """A store that continues this one's sequences: the same tokens, read from this store's
+        pages in place (not copied; a segment's partly filled last page is the one page copied,
+        where its next token goes), and new tokens appended in pages of its own. How a shared
+        prefix is served: the prefix compressed once, each request a fork of it.
+
+        From then on the tokens the two stores share are read-only in both: ``compact``,
+        ``replace`` and score writes raise a ValueError (``shares_pages``), appends do not;
+        ``repack`` gives a store pages of its own again. ``nbytes`` of the fork counts its own
+        pages only."""
+        store = object.__new__(type(self))
+        store._adopt(self._allocator.fork())
+        self._refresh()
+        return store
+
+    @property
+    def shares_pages(self) -> bool:
+        """Whether this store shares pages with one forked from it or the one it was forked from
+        (``fork``): the shared tokens are then read-only."""
+        return self._allocator.shares_pages
 
     # --- the state (see the module's docstring) ---------------------------------------------
     def _take_state(self) -> None:
@@ -190,6 +215,7 @@ class RaggedKVStore:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]
         at position pos [B]; its scores restart at zero. A slot given on the host (always, on a CPU
         store) is bounds-checked for free; ``check_bounds`` checks one on a CUDA device (a host sync)."""
+        self._allocator.check_writable("replace")
         ops.store_replace(*self._current(), checks.as_tensor(slot, "slot"),
                           checks.tensor(k, "k"), checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
                           self._page_size, self._head_dim, self._channels, self._dtype,
@@ -202,6 +228,7 @@ class RaggedKVStore:
         keeps ``min(len, k)``), are taken instead: no sync. A CPU store checks them against
         what was kept; a CUDA store trusts them (checking is the sync they save)."""
         keep = checks.tensor(keep, "keep")
+        self._allocator.check_writable("compact")
         if lens is not None:
             lens = checks.tensor(lens, "lens")
             if (lens.device.type != "cpu" or lens.shape != (self.batch, self.heads)
@@ -421,7 +448,8 @@ class RaggedKVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the store: its pages (K, V, pos, scores) and its page tables."""
+        """Bytes held by the store: its pages (K, V, pos, scores) and its page tables; a fork
+        does not count the pages it reads from the store it was forked from."""
         return self._allocator.nbytes
 
     @property

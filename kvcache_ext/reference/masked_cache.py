@@ -25,6 +25,16 @@ class MaskedLayerKV:
         self.alive = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
         self.channels = torch.zeros(B, H, 0, channels, dtype=torch.float32, device=device)
 
+    def fork(self) -> "MaskedLayerKV":
+        """A copy: the reference holds every token itself."""
+        other = object.__new__(type(self))
+        other._copy(self)
+        return other
+
+    def _copy(self, source: "MaskedLayerKV") -> None:
+        self.__dict__.update({name: value.clone() if isinstance(value, torch.Tensor) else value
+                              for name, value in source.__dict__.items()})
+
     def append(self, k, v, pos, keep) -> None:
         """keep [B, H, n] bool, or None: every token."""
         B, H, n, _ = k.shape
@@ -137,7 +147,6 @@ class MaskedLayerKV:
     def nbytes(self) -> int:
         """Bytes held: the full-size K and V (evicted tokens included) plus the masks."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.alive, self.channels))
-
 
 
 class MaskedCache(RaggedCache):

@@ -62,6 +62,17 @@ class Footprint:
         tables = L * H * (widest + 1) * TABLE_ENTRY_BYTES      # page table and length of every segment
         return pages * (self.page_size * self.token_bytes + PAGE_BASE_BYTES) + tables
 
+    def fork_bytes(self, prefix_pages: int, own_tokens: int, longest: int) -> int:
+        """Bytes of a request's fork of a shared prefix (``RaggedCache.fork``) at its peak: the
+        ``own_tokens`` it appends per head (the rest of its prompt, then what it generates; the
+        policy compresses only the prefix) in pages of its own, one more page per head for the
+        copy of a partly filled last page, the addresses of the ``prefix_pages`` pages it reads,
+        and page tables for its ``longest`` tokens."""
+        L, H, size = self.shape.num_layers, self.shape.kv_heads, self.page_size
+        own_pages = L * H * (-(-own_tokens // size) + 1)
+        tables = L * H * (-(-longest // size) + 1) * TABLE_ENTRY_BYTES
+        return own_pages * (size * self.token_bytes + PAGE_BASE_BYTES) + prefix_pages * PAGE_BASE_BYTES + tables
+
     def chunk_bytes(self, prompt: int) -> int:
         """Bytes of a prompt held dense until its last chunk (a one-shot policy whose prompt is
         longer than a step): every layer's queries, keys and values."""

@@ -14,6 +14,13 @@ Admission is by our pages (``kvcache_ext.serving.admission``): the engine's sche
 what it holds at its peak fits in the KV budget beside the other requests' reservations, and
 its reservation is given back when the engine frees it. The engine's own pages are not used
 (the manager builds them as small as the engine allows).
+
+Shared prefixes (``handle.share_prefix``, ``kvcache_ext.hf.shared_prefix``) come through the
+engine's own prefix-sharing hook: its scheduler asks ``search_prefix_match`` for a waiting
+request's prompt, and skips the tokens matched. Here a request whose prompt starts with a
+shared prefix reserves only what it appends (the rest of its prompt and its new tokens) and
+runs on a fork of the prefix's cache; the prefix is reserved once in the budget, from the first
+request that reads it while the engine runs.
 """
 from __future__ import annotations
 
@@ -55,6 +62,10 @@ class RaggedPagedCache(PagedAttentionCache):
     step_closed = False             # the step's forward has begun: the next request starts a new step
     admission: Admission            # the KV budget and each admitted request's reservation
     footprint: Footprint            # what a request holds, from the model's shape
+    prefixes = None                 # the handle's SharedPrefixes
+    arrived_on: dict                # request id -> the SharedPrefix its prompt matched when it arrived
+    on_prefix: dict                 # request id -> the SharedPrefix it reads (reserved, forked)
+    waiting_for_room: set           # requests matching a shared prefix, waiting for the room they need
 
     @classmethod
     def adopt(cls, cache: PagedAttentionCache, handle, scheduler, budget_bytes: int) -> "RaggedPagedCache":
@@ -76,21 +87,43 @@ class RaggedPagedCache(PagedAttentionCache):
         # The engine reads no past token through its own indices (each request attends over its
         # ragged cache): its scheduler then charges no read budget, and builds no read index.
         self.read_cache_limit = 0
+        self.prefixes, self.arrived_on, self.on_prefix, self.waiting_for_room = handle.prefixes, {}, {}, set()
+        # The scheduler asks search_prefix_match of waiting requests only when this is set.
+        self.use_prefix_sharing = True
 
     # --- admission ----------------------------------------------------------------------------
-    def request_bytes(self, state) -> int:
-        """What the request reserves (``Footprint.request_bytes``)."""
+    def request_bytes(self, state, prefix=None) -> int:
+        """What the request reserves (``Footprint.request_bytes``), or over the shared ``prefix``
+        its prompt starts with, what its fork appends (``Footprint.fork_bytes``)."""
         new_tokens = state.max_new_tokens if state.max_new_tokens is not None else 2**31 - 1
-        return self.footprint.request_bytes(self.handle.policy, len(state.initial_tokens), new_tokens,
-                                            self.max_batch_tokens)
+        prompt = len(state.initial_tokens)
+        if prefix is not None:
+            return self.footprint.fork_bytes(prefix.pages, prompt - len(prefix) + new_tokens, prompt + new_tokens)
+        return self.footprint.request_bytes(self.handle.policy, prompt, new_tokens, self.max_batch_tokens)
+
+    @staticmethod
+    def prefix_key(prefix) -> str:
+        """A shared prefix's reservation, beside the requests'."""
+        return f"shared prefix {id(prefix)}"
 
     def check_admissible(self, state) -> None:
-        """Raises ValueError for a request that could never be admitted, when it arrives."""
+        """Raises ValueError for a request that could never be admitted, when it arrives; else
+        notes the shared prefix its prompt starts with, if any (what it is served over, even
+        if the prefix is unshared while it waits)."""
         if state.num_children > 0:
             raise ValueError(f"request {state.request_id}: num_return_sequences > 1 copies a request's cache "
                              "at its fork, which kvcache_ext's serving does not do; send the request once "
                              "per sequence")
-        need = self.request_bytes(state)
+        prefix = self.prefixes.match(state.initial_tokens)
+        if prefix is None and self.handle.policy.scorer.reconstructs:
+            raise ValueError(f"request {state.request_id}: {type(self.handle.policy.scorer).__name__} scores a "
+                             "prompt by re-running the model over it (reconstruction passes), which the continuous "
+                             "batching engine does not run: share the context first (handle.share_prefix(ids), "
+                             "compressed once with its passes) and send prompts that start with it and go on "
+                             "past it; or serve this prompt with generate")
+        need = self.request_bytes(state, prefix)
+        if prefix is not None and self.prefix_key(prefix) not in self.admission.reserved:
+            need += prefix.nbytes
         if need > self.admission.budget_bytes:
             limit = ("max_new_tokens is not set and the policy's cache grows while decoding"
                      if state.max_new_tokens is None else f"max_new_tokens {state.max_new_tokens}")
@@ -98,6 +131,8 @@ class RaggedPagedCache(PagedAttentionCache):
                              f"peak (prompt {len(state.initial_tokens)} tokens, {limit}, {self.handle.policy}) "
                              f"but the whole KV budget is {self.admission.budget_bytes} bytes; shorten the "
                              "prompt, lower max_new_tokens, or raise the budget (num_blocks)")
+        if prefix is not None:
+            self.arrived_on[state.request_id] = prefix
 
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
         """True when the request holds a reservation, or gets one now. A one-shot policy's
@@ -105,6 +140,8 @@ class RaggedPagedCache(PagedAttentionCache):
         held dense until its last chunk)."""
         if state.request_id in self.admission.reserved:
             return True
+        if state.request_id in self.waiting_for_room:    # its shared prefix matched: it waits for room
+            return False
         prompt = len(state.remaining_prefill_tokens)
         if (self.handle.policy.schedule.prefill_block is None and request_len < prompt <= self.max_batch_tokens):
             return False
@@ -112,6 +149,33 @@ class RaggedPagedCache(PagedAttentionCache):
         if dry_run:
             return need <= self.admission.free_bytes
         return self.admission.try_reserve(state.request_id, need)
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list) -> int:
+        """The engine's prefix-sharing hook, asked of each waiting request as it is scheduled:
+        the length of the shared prefix its prompt starts with (the engine then runs only the
+        rest), once the request's own part, and the prefix itself if no request reads it yet,
+        are reserved; 0 when no prefix matches. A request that matches but finds no room waits
+        (``can_store_request_tokens`` says no until it does)."""
+        self.waiting_for_room.discard(request_id)
+        prefix = self.arrived_on.get(request_id)
+        state = self.scheduler.waiting_requests.get(request_id)
+        if prefix is None or state is None:
+            return 0
+        key = self.prefix_key(prefix)
+        prefix_needed = key not in self.admission.reserved
+        need = self.request_bytes(state, prefix)
+        if need + (prefix.nbytes if prefix_needed else 0) > self.admission.free_bytes:
+            self.waiting_for_room.add(request_id)
+            return 0
+        if prefix_needed:
+            self.admission.try_reserve(key, prefix.nbytes)
+        self.admission.try_reserve(request_id, need)
+        self.on_prefix[request_id] = prefix
+        return len(prefix)
+
+    def count_new_complete_blocks(self, state, request_len: int) -> dict:
+        """No block of the engine's is ever completed: nothing is stored in its pages."""
+        return {}
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         free = self.admission.free_bytes
@@ -134,7 +198,9 @@ class RaggedPagedCache(PagedAttentionCache):
             # Told its longest sequence, a cache that grows while decoding takes its pages at once.
             longest = None if state is None or state.max_new_tokens is None else \
                 len(state.initial_tokens) + state.max_new_tokens
-            self.requests[request_id] = self.handle.new_cache(max_cache_len=longest)
+            prefix = self.on_prefix.get(request_id)
+            self.requests[request_id] = (self.handle.new_cache(max_cache_len=longest) if prefix is None
+                                         else prefix.fork(max_cache_len=longest))
         # The engine's write (and read) indices stay empty: nothing goes to its pages.
 
     def update(self, key_states, value_states, layer_idx, kwargs):
@@ -149,6 +215,12 @@ class RaggedPagedCache(PagedAttentionCache):
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         self.requests.pop(request_id, None)
         self.admission.release(request_id)
+        self.waiting_for_room.discard(request_id)
+        self.arrived_on.pop(request_id, None)
+        prefix = self.on_prefix.pop(request_id, None)
+        if prefix is not None and prefix not in list(self.prefixes) and prefix not in self.on_prefix.values() \
+                and prefix not in self.arrived_on.values():
+            self.admission.release(self.prefix_key(prefix))    # unshared, and its last reader is gone
         for key in [key for key in self.chunks if key[0] == request_id]:   # a request cancelled mid-prompt
             del self.chunks[key]
         super().free_blocks(request_id, no_cache)
@@ -157,12 +229,21 @@ class RaggedPagedCache(PagedAttentionCache):
         self.requests.clear()
         self.chunks.clear()
         self.admission.clear()
+        self.arrived_on.clear()
+        self.on_prefix.clear()
+        self.waiting_for_room.clear()
         super().free_all_requests(clear_ledgers)
 
     # --- accounting ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes the requests' ragged caches hold (at most ``admission.reserved_bytes``), and
-        the prompts held dense while they arrive in chunks."""
+        """Bytes the requests' ragged caches hold (at most ``admission.reserved_bytes``; a fork
+        of a shared prefix counts its own pages), and the prompts held dense while they arrive
+        in chunks. The shared prefixes are apart: ``prefix_bytes``."""
         chunks = sum(t.nbytes for held in self.chunks.values() for t in (*held.q, *held.k, *held.v))
         return sum(cache.nbytes for cache in self.requests.values()) + chunks
+
+    @property
+    def prefix_bytes(self) -> int:
+        """Bytes of the shared prefixes (held once, however many requests read them)."""
+        return sum(prefix.nbytes for prefix in self.prefixes)

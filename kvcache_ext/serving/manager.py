@@ -12,7 +12,8 @@ handler of ``transformers serve``, given a patched model): it builds this manage
 - its scheduler refusing, when it arrives, a request that could never be admitted (its peak
   above the whole budget; a fork), with a clear error for that request only;
 - what reads or writes the engine's pages directly turned off: CUDA graphs, the decode fast
-  path (the flash kernel reads the pages itself), asynchronous batching and prefix sharing; and
+  path (the flash kernel reads the pages itself), asynchronous batching and its block sharing
+  (shared prefixes come through its prefix hook instead: ``kvcache_ext.serving.cache``); and
   the scheduler's safety margin (0 unless given: an admitted request reserves its peak, so it
   never waits for memory).
 """
@@ -105,10 +106,6 @@ def init_continuous_batching(model, handle, generation_config=None, continuous_b
                              workload_hints=None) -> RaggedBatchingManager:
     """``model.init_continuous_batching`` of a patched model (see the module's docstring): the
     stock method's defaults, and a ``RaggedBatchingManager``."""
-    if handle.policy.scorer.reconstructs:
-        raise ValueError(f"{type(handle.policy.scorer).__name__} scores a prompt by re-running the model over it "
-                         "(reconstruction passes), which the continuous batching engine does not run: serve it "
-                         "with generate, one request at a time")
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, RaggedBatchingManager) and cached.handle is handle:
         return cached

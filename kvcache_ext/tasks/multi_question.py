@@ -10,6 +10,8 @@ long document does), so a later question is asked over the earlier turns too.
     p.context            # [n] token ids: chat prefix, instruction, filler with the keys
     p.turns[i]           # [m] token ids of question i: (the end of the previous answer,) the
                          # question, and the opening of its answer
+    p.questions[i]       # question i as the first turn after the context: a request of its own
+                         # (context + questions[i]), as many requests share one context
     p.answers[i]         # the word question i asks for; p.depths[i] where its fact is
 
 Three pass keys of one form ("the pass key of the blue door is ...") were tried first: the
@@ -34,6 +36,7 @@ INSTRUCTION = ("Read the long text below carefully. A few sentences in it state 
 class MultiQuestionPrompt:
     context: torch.Tensor          # [n] token ids compressed before the questions
     turns: list[torch.Tensor]      # per question, [m] token ids fed after the previous answer
+    questions: list[torch.Tensor]  # per question, [m] token ids of it asked first, right after the context
     answers: list[str]
     depths: list[float]
     length: int                    # tokens of the context
@@ -92,11 +95,12 @@ def make_multi_question_prompt(tokenizer, n_tokens: int, seed: int = 0) -> Multi
         context_text = render(chosen)
     order = list(range(len(facts)))
     rng.shuffle(order)
-    turns = []
+    ids = lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])   # noqa: E731
+    turns, questions = [], []
     for i, q in enumerate(order):
-        before = "\n\n" if i == 0 else after_answer
-        text = before + facts[q].question + to_answer + facts[q].answer_prefix
-        turns.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        asked = facts[q].question + to_answer + facts[q].answer_prefix
+        turns.append(ids(("\n\n" if i == 0 else after_answer) + asked))
+        questions.append(ids("\n\n" + asked))
     context = torch.tensor(tokenizer(context_text, add_special_tokens=False)["input_ids"])
-    return MultiQuestionPrompt(context=context, turns=turns, answers=[facts[q].answer for q in order],
+    return MultiQuestionPrompt(context=context, turns=turns, questions=questions, answers=[facts[q].answer for q in order],
                                depths=[DEPTHS[q] for q in order], length=context.numel(), seed=seed)
