@@ -117,9 +117,17 @@ def test_eval_bad_arguments_say_what_is_wrong(default_model, monkeypatch, capsys
     (["--policy", "snapkv2"], "unknown policy 'snapkv2'; known: full,"),
     (["--keep", "1.5"], "argument --keep: expected a fraction in (0, 1], got '1.5'"),
     (["--policy", "snapkv", "--budget", "8"], "leaves no room beyond the 32 protected tokens"),
-    (["--policy", "kvzip", "--budget", "64"], "re-runs the model over each prompt"),
+    (["--policy", "kvzip", "--budget", "64"], "re-runs the model over each prompt (reconstruction), which the "
+                                              "continuous batching engine does not run: give --shared-system FILE"),
     (["--port", "0"], "argument --port"),
+    (["--policy", "full", "--shared-system", "{system}"], "--shared-system needs a policy to compress it"),
+    (["--policy", "h2o", "--decode-every", "4", "--shared-system", "{system}"], "would write the shared system"),
+    (["--shared-system", "{empty}"], "is empty"),
+    (["--shared-system", "{missing}"], "cannot read it as UTF-8 text"),
 ])
-def test_serve_bad_arguments_say_what_is_wrong_before_loading_anything(argv, says, capsys):
-    assert cli.main(["serve", *argv]) == 2
+def test_serve_bad_arguments_say_what_is_wrong_before_loading_anything(argv, says, capsys, tmp_path):
+    (tmp_path / "system.txt").write_text("You are terse.")
+    (tmp_path / "empty.txt").write_text("  \n")
+    files = {"system": tmp_path / "system.txt", "empty": tmp_path / "empty.txt", "missing": tmp_path / "nowhere.txt"}
+    assert cli.main(["serve", *[a.format(**files) for a in argv]]) == 2
     assert says in capsys.readouterr().err

@@ -36,17 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base URL, model name, process): ``kvcache-ext serve`` running; stopped by Ctrl-C at the end."""
+def start_server(arguments: list[str], folder):
+    """``kvcache-ext serve`` with ``arguments`` (the port added), started as a user starts it,
+    once ``/health`` answers: (base URL, model name, process, its output lines so far)."""
     import httpx
     port = free_port()
     # The kvcache_ext this process imports, from a folder where no source tree shadows it.
     env = {**child_env(), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvcache_ext", "serve", "--policy", "snapkv", "--budget", "64", "--num-blocks", "2",
-         "--max-batch-tokens", "256", "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-        cwd=tmp_path_factory.mktemp("serve"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "kvcache_ext", "serve", *arguments, "--port", str(port)],
+                               cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []      # its output, read as it comes (a full pipe would stop the server)
     threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
     base = f"http://localhost:{port}"
@@ -62,13 +60,26 @@ def server(tmp_path_factory):
         time.sleep(0.5)
     first = lines[0]      # what the CLI prints first: where the API is, and the model's name
     assert f"http://localhost:{port}/v1" in first, first
-    model = first.split("(model name: ")[1].split(")")[0]
-    yield base, model, process
+    return base, first.split("(model name: ")[1].split(")")[0], process, lines
+
+
+def stop_server(process, lines) -> None:
+    """Ctrl-C, as a user stops it: it must exit with status 0."""
     process.send_signal(signal.SIGINT)
     try:
         assert process.wait(timeout=60) == 0, "".join(lines[-40:])
     finally:
         process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, model name, process): ``kvcache-ext serve`` running; stopped by Ctrl-C at the end."""
+    base, model, process, lines = start_server(
+        ["--policy", "snapkv", "--budget", "64", "--num-blocks", "2", "--max-batch-tokens", "256", "--device", "cpu",
+         "--dtype", "float32"], tmp_path_factory.mktemp("serve"))
+    yield base, model, process
+    stop_server(process, lines)
 
 
 def test_the_openai_client_gets_an_answer(server):

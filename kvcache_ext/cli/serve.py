@@ -32,6 +32,10 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int_range(1, 65535), default=8000)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the weights' (float32 for a .gguf)")
+    p.add_argument("--shared-system", default=None, metavar="FILE",
+                   help="a text file: the system message compressed once by the policy when the model loads, and "
+                        "read in place by every request that opens with it (a shared prefix; KVzip serves only such "
+                        "requests)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -53,10 +57,31 @@ def policy_of(args):
         keep = 0.125 if args.keep is None else args.keep
         policy = make_policy(args.policy, max(2, round(keep * 1024)), schedule)
         policy = dataclasses.replace(policy, budget=None, ratio=keep)
-    if policy.scorer.reconstructs:
+    if policy.scorer.reconstructs and args.shared_system is None:
         raise ValueError(f"--policy {args.policy} re-runs the model over each prompt (reconstruction), "
-                         "which the continuous batching engine does not run; serve it with generate")
+                         "which the continuous batching engine does not run: give --shared-system FILE (that "
+                         "system message compressed once, with its passes, for every request that opens with "
+                         "it), or serve it with generate")
+    if policy.schedule.evicts_over_cache and args.shared_system is not None:
+        raise ValueError(f"--shared-system: --decode-every {args.decode_every} evicts while decoding, which would "
+                         "write the shared system message's tokens; a shared prefix needs a one-shot policy")
     return policy
+
+
+def shared_system_of(args) -> str | None:
+    """The text of --shared-system (None when not given); ValueError naming what is wrong."""
+    if args.shared_system is None:
+        return None
+    if args.policy.strip().lower() == "full":
+        raise ValueError("--shared-system needs a policy to compress it; --policy full is HF's paged cache")
+    try:
+        with open(args.shared_system, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--shared-system {args.shared_system}: cannot read it as UTF-8 text ({err})") from None
+    if not text.strip():
+        raise ValueError(f"--shared-system {args.shared_system} is empty")
+    return text
 
 
 def served_name(model: str | None) -> str:
@@ -74,6 +99,7 @@ def main(args) -> int:
     prog = "kvcache-ext serve"
     try:
         policy = policy_of(args)
+        shared_system = shared_system_of(args)
     except ValueError as err:
         return usage_error(prog, str(err))
     try:
@@ -87,7 +113,7 @@ def main(args) -> int:
           f"(model name: {name}), the KV memory at http://{args.host}:{args.port}/v1/kvcache", flush=True)
     start(name, policy, page_size=args.page_size, host=args.host, port=args.port, device=args.device,
           dtype=args.dtype, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-          log_level=args.log_level)
+          log_level=args.log_level, shared_system=shared_system)
     # Stopped (Ctrl-C): the engine, the model and the HTTP server are down. transformers' server
     # thread leaves an AnyIO worker thread waiting for work forever, which would keep the
     # interpreter from exiting: leave without waiting for it.

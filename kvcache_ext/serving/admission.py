@@ -21,6 +21,7 @@ CHANNEL_BYTES = 4         # one float32 score channel
 TABLE_ENTRY_BYTES = 4     # one int32 page-table entry
 PAGE_BASE_BYTES = 8       # the int64 address the store keeps per page
 TOO_LARGE = "exceeds the KV budget"    # in the error of a request that could never be admitted
+NEEDS_SHARED_PREFIX = "does not continue a shared prefix"   # in the error of a KVzip request that cannot run
 
 
 @dataclass(frozen=True)

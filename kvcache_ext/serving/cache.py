@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from kvcache_ext.hf import cache as hf_cache
-from kvcache_ext.serving.admission import TOO_LARGE, Admission, Footprint
+from kvcache_ext.serving.admission import NEEDS_SHARED_PREFIX, TOO_LARGE, Admission, Footprint
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class RaggedPagedCache(PagedAttentionCache):
     arrived_on: dict                # request id -> the SharedPrefix its prompt matched when it arrived
     on_prefix: dict                 # request id -> the SharedPrefix it reads (reserved, forked)
     waiting_for_room: set           # requests matching a shared prefix, waiting for the room they need
+    served_over: dict               # prefix_key -> requests served over that prefix so far
 
     @classmethod
     def adopt(cls, cache: PagedAttentionCache, handle, scheduler, budget_bytes: int) -> "RaggedPagedCache":
@@ -88,6 +89,7 @@ class RaggedPagedCache(PagedAttentionCache):
         # ragged cache): its scheduler then charges no read budget, and builds no read index.
         self.read_cache_limit = 0
         self.prefixes, self.arrived_on, self.on_prefix, self.waiting_for_room = handle.prefixes, {}, {}, set()
+        self.served_over = {}
         # The scheduler asks search_prefix_match of waiting requests only when this is set.
         self.use_prefix_sharing = True
 
@@ -116,11 +118,12 @@ class RaggedPagedCache(PagedAttentionCache):
                              "per sequence")
         prefix = self.prefixes.match(state.initial_tokens)
         if prefix is None and self.handle.policy.scorer.reconstructs:
-            raise ValueError(f"request {state.request_id}: {type(self.handle.policy.scorer).__name__} scores a "
-                             "prompt by re-running the model over it (reconstruction passes), which the continuous "
-                             "batching engine does not run: share the context first (handle.share_prefix(ids), "
-                             "compressed once with its passes) and send prompts that start with it and go on "
-                             "past it; or serve this prompt with generate")
+            raise ValueError(f"request {state.request_id} {NEEDS_SHARED_PREFIX}: "
+                             f"{type(self.handle.policy.scorer).__name__} scores a prompt by re-running the model "
+                             "over it (reconstruction passes), which the continuous batching engine does not run: "
+                             "share the context first (handle.share_prefix(ids), or kvcache-ext serve "
+                             "--shared-system), compressed once with its passes, and send prompts that start with "
+                             "it and go on past it; or serve this prompt with generate")
         need = self.request_bytes(state, prefix)
         if prefix is not None and self.prefix_key(prefix) not in self.admission.reserved:
             need += prefix.nbytes
@@ -171,6 +174,7 @@ class RaggedPagedCache(PagedAttentionCache):
             self.admission.try_reserve(key, prefix.nbytes)
         self.admission.try_reserve(request_id, need)
         self.on_prefix[request_id] = prefix
+        self.served_over[key] = self.served_over.get(key, 0) + 1
         return len(prefix)
 
     def count_new_complete_blocks(self, state, request_len: int) -> dict:

@@ -8,7 +8,9 @@ its ``build_server`` (``build_server_with_stats``); the server's continuous batc
 then calls the patched model's ``init_continuous_batching`` (``kvcache_ext.serving.manager``).
 Everything else (routes, protocol, streaming, cancellation, the engine's scheduler) is
 transformers' own. Added: ``GET /v1/kvcache`` (the KV budget, what the requests reserve and
-hold: ``kv_stats``), and the message of a failed request in its error response.
+hold, the shared prefixes: ``kv_stats``), the message of a failed request in its error
+response, and a shared system prompt (``shared_system``: compressed once when the model loads,
+read by every request that starts with it).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import importlib.util
 import os
 
 from kvcache_ext.policies import Policy
-from kvcache_ext.serving.admission import TOO_LARGE
+from kvcache_ext.serving.admission import NEEDS_SHARED_PREFIX, TOO_LARGE
 
 SERVING_EXTRA = "pip install 'transformers[serving]'"
 STATS_ROUTE = "/v1/kvcache"
@@ -31,9 +33,12 @@ def require_serving() -> None:
                           f"{SERVING_EXTRA}")
 
 
-def patching_model_manager(policy: Policy | None, page_size: int = 16) -> type:
+def patching_model_manager(policy: Policy | None, page_size: int = 16, shared_system: str | None = None) -> type:
     """transformers' ``ModelManager`` whose models are patched with ``policy`` as they load
-    (None: left as they are, HF's paged cache)."""
+    (None: left as they are, HF's paged cache), with the model's tokenizer (a scorer that
+    prompts the model, KVzip, needs it). ``shared_system``: a system message whose tokens, as
+    the model's chat template renders it, are compressed once then and shared
+    (``shared_system_ids``, ``handle.share_prefix``)."""
     from transformers.cli.serving.model_manager import ModelManager
 
     import kvcache_ext
@@ -42,14 +47,26 @@ def patching_model_manager(policy: Policy | None, page_size: int = 16) -> type:
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             local_gguf = gguf_file is not None and os.path.isfile(os.path.join(model_id_and_revision, gguf_file))
             if local_gguf:   # a GGUF file's config names no architecture, which transformers serve needs
-                model = load_local_gguf(os.path.join(model_id_and_revision, gguf_file), self.dtype, self.device)
-            else:
-                model = super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
-            if policy is not None:
-                kvcache_ext.patch(model, policy, page_size=page_size)   # the handle stays on the model
-            return model
+                return load_local_gguf(os.path.join(model_id_and_revision, gguf_file), self.dtype, self.device)
+            return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
+
+        def load_model_and_processor(self, *args, **kwargs):
+            model, processor = super().load_model_and_processor(*args, **kwargs)
+            if policy is not None and not kvcache_ext.is_patched(model):   # loaded now (else: as it was)
+                handle = kvcache_ext.patch(model, policy, page_size=page_size, tokenizer=processor)
+                if shared_system is not None:
+                    handle.share_prefix(shared_system_ids(processor, shared_system))
+            return model, processor
 
     return PatchingModelManager
+
+
+def shared_system_ids(tokenizer, text: str) -> list[int]:
+    """The token ids that open every chat whose first message is the system message ``text``:
+    the chat template's rendering of that message alone, without a generation prompt."""
+    ids = tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True,
+                                        add_generation_prompt=False, return_dict=False)
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
 
 def load_local_gguf(path: str, dtype, device):
@@ -80,10 +97,12 @@ def build_server_with_stats(build_server):
         app.add_api_route(STATS_ROUTE, lambda: JSONResponse(kv_stats(model_manager, state)), methods=["GET"])
 
         async def failed(_request, error: RuntimeError):
-            too_large = TOO_LARGE in str(error)
-            body = {"error": {"message": str(error), "type": "invalid_request_error" if too_large else "server_error",
-                              "code": "kv_budget_exceeded" if too_large else None}}
-            return JSONResponse(body, status_code=413 if too_large else 500)
+            message = str(error)
+            status, code = (413, "kv_budget_exceeded") if TOO_LARGE in message else \
+                (400, "needs_shared_prefix") if NEEDS_SHARED_PREFIX in message else (500, None)
+            body = {"error": {"message": message, "type": "server_error" if status == 500 else "invalid_request_error",
+                              "code": code}}
+            return JSONResponse(body, status_code=status)
         app.add_exception_handler(RuntimeError, failed)
         return app
 
@@ -91,13 +110,13 @@ def build_server_with_stats(build_server):
 
 
 @contextlib.contextmanager
-def serve_hooks(policy: Policy | None, page_size: int = 16):
+def serve_hooks(policy: Policy | None, page_size: int = 16, shared_system: str | None = None):
     """While inside, ``transformers serve`` patches the models it loads (its model manager is
     ``patching_model_manager``'s) and builds its app with ``build_server_with_stats``."""
     from transformers.cli.serving import model_manager, server
 
     originals = model_manager.ModelManager, server.build_server
-    model_manager.ModelManager = patching_model_manager(policy, page_size)
+    model_manager.ModelManager = patching_model_manager(policy, page_size, shared_system)
     server.build_server = build_server_with_stats(server.build_server)
     try:
         yield
@@ -131,21 +150,31 @@ def kv_stats(model_manager, generation_state) -> dict:
                 reserved = held = budget - int(cache.compute_free_capacity(relative=False))
             entry.update(budget_bytes=budget, reserved_bytes=reserved, held_bytes=held,
                          running=len(scheduler.active_requests), waiting=len(scheduler.waiting_requests))
+        if handle is not None:   # each shared prefix: its tokens, bytes, and the requests served over it so far
+            served = getattr(cache, "served_over", None)
+            entry["shared_prefixes"] = [{"tokens": len(p), "nbytes": p.nbytes,
+                                         "requests": served.get(cache.prefix_key(p), 0) if served is not None else 0}
+                                        for p in handle.prefixes]
         models[key] = entry
     return {"models": models}
 
 
 def start(model: str, policy: Policy | None, *, page_size: int = 16, host: str = "localhost", port: int = 8000,
           device: str = "auto", dtype: str = "auto", num_blocks: int | None = None,
-          max_batch_tokens: int | None = None, log_level: str = "warning", blocking: bool = True):
+          max_batch_tokens: int | None = None, log_level: str = "warning", shared_system: str | None = None,
+          blocking: bool = True):
     """Runs ``transformers serve --continuous-batching`` on ``model`` (an HF id, a folder, or
     ``folder:file.gguf``), patched with ``policy`` (None: HF's paged cache); the KV budget is ``num_blocks`` of the
-    engine's blocks, or what the engine would give its paged cache. ``blocking=False`` returns
-    transformers' ``Serve`` object with the server running in a thread (``stop`` stops it)."""
+    engine's blocks, or what the engine would give its paged cache. ``shared_system``: a system
+    message compressed once and shared by the requests that open with it (needs a policy).
+    ``blocking=False`` returns transformers' ``Serve`` object with the server running in a
+    thread (``stop`` stops it)."""
     require_serving()
     from transformers.cli.serve import Serve
 
-    with serve_hooks(policy, page_size):
+    if shared_system is not None and policy is None:
+        raise ValueError("a shared system message is compressed by a policy: HF's paged cache (no policy) has none")
+    with serve_hooks(policy, page_size, shared_system):
         serve = Serve(force_model=model, continuous_batching=True, device=device, dtype=dtype,
                       cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=host, port=port,
                       log_level=log_level, non_blocking=True)
