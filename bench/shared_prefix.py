@@ -136,10 +136,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, required=True, help="the KV budget, in the engine's blocks")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: the longest prompt + 64")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, ...")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     prompts = [make_multi_question_prompt(tokenizer, args.length, seed=s) for s in range(args.contexts)]
     rows = []
     with torch.inference_mode():

@@ -200,3 +200,27 @@ def test_kvzip_serves_requests_over_a_context_it_compressed_once():
                                    continuous_batching_config=ContinuousBatchingConfig(**SMALL_ENGINE))
     assert all(r.error is None for r in out.values()), [r.error for r in out.values()]
     assert [r.generated_tokens for r in out.values()] == expected
+
+
+@needs_engine
+@pytest.mark.parametrize("policy", POLICIES, ids=["snapkv", "expected-attention-adakv", "streamingllm"])
+@pytest.mark.parametrize("question,new_tokens", [(5, 6), (40, 30), (1, 1)])
+def test_a_fork_holds_at_most_what_its_request_reserves(policy, question, new_tokens):
+    """Footprint.fork_bytes bounds the bytes a request's fork holds at every step, made as the
+    serving cache makes it (told its longest sequence: its pages taken at once)."""
+    from kvcache_ext.serving.admission import Footprint
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
+    prefix, rest = tokens(90, question, seed=question)
+    with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
+        shared = handle.share_prefix(prefix)
+        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.channels)
+        longest = len(prefix) + question + new_tokens
+        reserved = footprint.fork_bytes(shared.pages, question + new_tokens, longest)
+        cache = shared.fork(max_cache_len=longest)
+        grows = cache.nbytes
+        out = model(torch.tensor([rest]), **with_cache(model, cache), use_cache=True)
+        peak = cache.nbytes
+        for _ in range(new_tokens - 1):
+            out = model(out.logits[:, -1:].argmax(-1), **with_cache(model, cache), use_cache=True)
+            peak = max(peak, cache.nbytes)
+    assert 0 < grows == peak <= reserved          # every page taken when forked: decoding allocates nothing

@@ -22,6 +22,7 @@ using kvcache_ext::PageAllocator;
 class OpStore : public PageAllocator {
  public:
   using PageAllocator::PageAllocator;
+  explicit OpStore(PageAllocator&& allocator) : PageAllocator(std::move(allocator)) {}  // a fork
   using Attention = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
   // RaggedKVStore.append: the allocator's prepare_append, then the store_append op.

@@ -1343,6 +1343,73 @@ void every_page_size(const at::Device& d) {
   }
 }
 
+// PageAllocator::fork: the fork's tokens are the store's (their pages shared: only a segment's
+// partly filled last page is copied), tokens appended to either go to pages of its own, and
+// the shared tokens are read-only in both until a repack.
+void fork_shares_pages(const at::Device& d) {
+  std::mt19937 rng(11);
+  const int64_t B = 2, H = 2, D = 8, P = 4;
+  const auto like = at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(d));
+  OpStore parent(B, H, D, 1, like, P);
+  const std::vector<int64_t> lens = {0, 1, 2 * P, 2 * P + 3};  // empty, one token, whole pages, a partial page
+  const int64_t L = 2 * P + 3;
+  std::vector<bool> valid;
+  for (const int64_t n : lens)
+    for (int64_t i = 0; i < L; ++i) valid.push_back(i < n);
+  const at::Tensor k = kvtest::random_normal({B, H, L, D}, at::kFloat, rng);
+  parent.append(k.to(d), k.to(d), at::arange(L, at::kLong).to(d),
+                kvtest::from_bools(valid).view({B, H, L}).to(d));
+  const at::Tensor parent_keys = kvtest::host(parent.k()).clone();
+  const auto parent_slots = kvtest::live_slots(parent);
+
+  OpStore child(parent.fork());
+  EXPECT_TRUE(parent.shares_pages() && child.shares_pages());
+  EXPECT_EQ(child.len_host(), parent.len_host());
+  EXPECT_EQ(child.pool()[0].data_ptr(), parent.pool()[0].data_ptr());  // the same slab, not a copy
+  EXPECT_EQ(child.num_slabs(), parent.num_slabs() + 1);                // plus the copied partial pages
+  EXPECT_EQ(child.pool().back().size(0), 2);                           // segments 1 and 3
+  const auto pages = kvtest::segment_pages(child);
+  const auto parent_pages = kvtest::segment_pages(parent);
+  // Whole pages of live tokens: read in place (a page the parent holds ahead stays the parent's).
+  EXPECT_EQ(pages[2], std::vector<int32_t>(parent_pages[2].begin(), parent_pages[2].begin() + 2));
+  EXPECT_EQ(pages[3][0], parent_pages[3][0]);
+  EXPECT_NE(pages[3][2], parent_pages[3][2]);                          // the partial page: copied
+
+  const at::Tensor more = kvtest::random_normal({B, H, 5, D}, at::kFloat, rng);
+  child.append(more.to(d), more.to(d), at::arange(L, L + 5, at::kLong).to(d));
+  const at::Tensor keys = kvtest::host(child.k());
+  const auto slots = kvtest::live_slots(child);
+  const at::Tensor flat = k.reshape({B * H, L, D}), added = more.reshape({B * H, 5, D});
+  for (int64_t s = 0; s < B * H; ++s) {
+    ASSERT_EQ(static_cast<int64_t>(slots[s].size()), lens[s] + 5) << "segment " << s;
+    for (int64_t i = 0; i < lens[s] + 5; ++i) {
+      const at::Tensor want = i < lens[s] ? flat[s][i] : added[s][i - lens[s]];
+      EXPECT_TRUE(kvtest::BytesEqual(keys[slots[s][i]], want)) << "segment " << s << " token " << i;
+    }
+  }
+  // The parent's tokens did not move or change.
+  EXPECT_EQ(kvtest::live_slots(parent), parent_slots);
+  EXPECT_TRUE(kvtest::BytesEqual(kvtest::host(parent.k()), parent_keys));
+
+  for (OpStore* st : {&parent, &child}) {
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st->set_scores(at::zeros({st->capacity(), 1}, like.options())); },
+                                        "set_scores would write tokens that this store shares"));
+    EXPECT_TRUE(Throws<c10::ValueError>([&] { st->finish_compact(); }, "a compaction would write"));
+  }
+  child.repack(0);
+  EXPECT_FALSE(child.shares_pages());
+  EXPECT_TRUE(kvtest::PagingConsistent(child));
+  child.set_scores(at::zeros({child.capacity(), 1}, like.options()));
+}
+
+TEST(StoreFork, SharesPagesAndAppendsApart) { fork_shares_pages(at::kCPU); }
+#ifdef KVCACHE_EXT_WITH_CUDA
+TEST(StoreFork, SharesPagesAndAppendsApartCuda) {
+  KVTEST_REQUIRE_CUDA();
+  fork_shares_pages(at::Device(at::kCUDA, 0));
+}
+#endif
+
 TEST(StoreConstruction, RejectsBadArguments) { constructor_errors(at::kCPU); }
 TEST(StoreConstruction, TakesEveryPageSize) { every_page_size(at::kCPU); }
 TEST(StoreConstruction, HugeExtraIsRejected) {

@@ -150,10 +150,12 @@ class RaggedLayerKV:
 
     def trim(self, extra: int) -> None:
         """Holds pages for ``extra`` more tokens per segment and no more: a repack (every
-        token moves once) when pages would be released, else new pages where missing."""
+        token moves once) when pages would be released, else new pages where missing. A store
+        that shares pages (``RaggedKVStore.fork``) is never repacked (that would copy what it
+        shares): it only adds pages."""
         size = self.store.page_size
         needed = (self.store.lens + extra + size - 1) // size
-        if self.store.free_pages or bool((self.store.caps // size > needed).any()):
+        if not self.store.shares_pages and (self.store.free_pages or bool((self.store.caps // size > needed).any())):
             self.store.repack(extra)
         else:
             self.store.reserve(extra)

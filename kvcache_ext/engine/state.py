@@ -123,6 +123,8 @@ class LayerState:
         other = LayerState(self.layer_idx, self.num_layers, self.policy, self.storage, model=self.model,
                            max_cache_len=max_cache_len, shared=shared)
         other._continue(self)
+        if other.kv is not None and max_cache_len:   # as after a prompt: pages for every token to come
+            other.kv.trim(max(0, max_cache_len - other.seen))
         return other
 
     def _continue(self, source: "LayerState") -> None:
