@@ -224,3 +224,31 @@ def test_a_fork_holds_at_most_what_its_request_reserves(policy, question, new_to
             out = model(out.logits[:, -1:].argmax(-1), **with_cache(model, cache), use_cache=True)
             peak = max(peak, cache.nbytes)
     assert 0 < grows == peak <= reserved          # every page taken when forked: decoding allocates nothing
+
+
+@needs_engine
+def test_an_unshared_prefix_gives_its_room_back_once_nobody_reads_it():
+    """Reserved once from its first reader, a prefix stays reserved while shared; unshared, its
+    room is given back when the next request arrives (nobody reads it any more)."""
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    prefix, question, other = tokens(70, 5, 30)
+    config = ContinuousBatchingConfig(**SMALL_ENGINE)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16)) as handle, torch.no_grad():
+        shared = handle.share_prefix(prefix)
+        manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=config)
+        manager.start()
+        try:
+            def serve(ids):
+                (request_id,) = manager.add_requests(inputs=[ids], max_new_tokens=NEW_TOKENS)
+                result = manager.get_result(request_id=request_id, timeout=120)
+                while result is not None and not result.is_finished():
+                    result = manager.get_result(request_id=request_id, timeout=120)
+                assert result is not None and result.error is None
+            serve(prefix + question)
+            cache = manager.batch_processor.cache
+            assert list(cache.admission.reserved) == [cache.prefix_key(shared)]
+            handle.unshare_prefix(shared)
+            serve(other)
+            assert cache.admission.reserved == {} and cache.reserved_prefixes == {}
+        finally:
+            manager.stop(block=True)

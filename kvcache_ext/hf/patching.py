@@ -111,8 +111,8 @@ class PatchHandle:
         and shares it: the serving engine (``generate_batch``, ``kvcache-ext serve``) serves
         every later request whose prompt starts with these tokens and goes on past them over
         this compressed prefix, read in place, as if the request had its own copy; for
-        ``generate``, pass ``prefix.fork()`` as ``past_key_values`` with the whole prompt
-        (``kvcache_ext.hf.shared_prefix``). The policy must have a one-shot schedule.
+        ``generate``, pass ``prefix.fork()`` as its cache (``kvcache_ext.with_cache``) with the
+        whole prompt (``kvcache_ext.hf.shared_prefix``). The policy must have a one-shot schedule.
         Returns the ``SharedPrefix``; ``unshare_prefix`` stops sharing it."""
         self.prefixes.check_new(prefix_ids(token_ids))
         prefix = compress_prefix(self, token_ids)

@@ -6,8 +6,8 @@ compressed cache; a sequence that starts with those tokens continues a fork of i
 (``RaggedCache.fork``): the prefix's pages are read where they lie, never copied or written (a
 head's partly filled last page is the one page each fork copies), and the sequence's own
 tokens go into pages of its own. The serving engine (``kvcache_ext.serving``) matches every
-request's prompt against ``handle.prefixes``; ``generate`` takes a fork as its
-``past_key_values``.
+request's prompt against ``handle.prefixes``; ``generate`` takes a fork as its cache
+(``kvcache_ext.with_cache(model, prefix.fork())``).
 
 The prefix is compressed before any question about it exists: what it keeps cannot depend on
 what follows it, which is the natural use of query-agnostic scorers (ExpectedAttention, KVzip,

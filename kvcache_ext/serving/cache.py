@@ -67,6 +67,7 @@ class RaggedPagedCache(PagedAttentionCache):
     on_prefix: dict                 # request id -> the SharedPrefix it reads (reserved, forked)
     waiting_for_room: set           # requests matching a shared prefix, waiting for the room they need
     served_over: dict               # prefix_key -> requests served over that prefix so far
+    reserved_prefixes: dict         # prefix_key -> the SharedPrefix reserved under it
 
     @classmethod
     def adopt(cls, cache: PagedAttentionCache, handle, scheduler, budget_bytes: int) -> "RaggedPagedCache":
@@ -89,7 +90,7 @@ class RaggedPagedCache(PagedAttentionCache):
         # ragged cache): its scheduler then charges no read budget, and builds no read index.
         self.read_cache_limit = 0
         self.prefixes, self.arrived_on, self.on_prefix, self.waiting_for_room = handle.prefixes, {}, {}, set()
-        self.served_over = {}
+        self.served_over, self.reserved_prefixes = {}, {}
         # The scheduler asks search_prefix_match of waiting requests only when this is set.
         self.use_prefix_sharing = True
 
@@ -102,6 +103,14 @@ class RaggedPagedCache(PagedAttentionCache):
         if prefix is not None:
             return self.footprint.fork_bytes(prefix.pages, prompt - len(prefix) + new_tokens, prompt + new_tokens)
         return self.footprint.request_bytes(self.handle.policy, prompt, new_tokens, self.max_batch_tokens)
+
+    def bytes_to_admit(self, state, prefix=None) -> int:
+        """What admitting the request takes from the budget: its reservation, and over a shared
+        prefix that no request holds reserved yet, the prefix too."""
+        need = self.request_bytes(state, prefix)
+        if prefix is not None and self.prefix_key(prefix) not in self.admission.reserved:
+            need += prefix.nbytes
+        return need
 
     @staticmethod
     def prefix_key(prefix) -> str:
@@ -116,6 +125,7 @@ class RaggedPagedCache(PagedAttentionCache):
             raise ValueError(f"request {state.request_id}: num_return_sequences > 1 copies a request's cache "
                              "at its fork, which kvcache_ext's serving does not do; send the request once "
                              "per sequence")
+        self.release_unread()      # a prefix unshared since: its room is free again
         prefix = self.prefixes.match(state.initial_tokens)
         if prefix is None and self.handle.policy.scorer.reconstructs:
             raise ValueError(f"request {state.request_id} {NEEDS_SHARED_PREFIX}: "
@@ -124,9 +134,7 @@ class RaggedPagedCache(PagedAttentionCache):
                              "share the context first (handle.share_prefix(ids), or kvcache-ext serve "
                              "--shared-system), compressed once with its passes, and send prompts that start with "
                              "it and go on past it; or serve this prompt with generate")
-        need = self.request_bytes(state, prefix)
-        if prefix is not None and self.prefix_key(prefix) not in self.admission.reserved:
-            need += prefix.nbytes
+        need = self.bytes_to_admit(state, prefix)
         if need > self.admission.budget_bytes:
             limit = ("max_new_tokens is not set and the policy's cache grows while decoding"
                      if state.max_new_tokens is None else f"max_new_tokens {state.max_new_tokens}")
@@ -164,15 +172,13 @@ class RaggedPagedCache(PagedAttentionCache):
         state = self.scheduler.waiting_requests.get(request_id)
         if prefix is None or state is None:
             return 0
-        key = self.prefix_key(prefix)
-        prefix_needed = key not in self.admission.reserved
-        need = self.request_bytes(state, prefix)
-        if need + (prefix.nbytes if prefix_needed else 0) > self.admission.free_bytes:
+        if self.bytes_to_admit(state, prefix) > self.admission.free_bytes:
             self.waiting_for_room.add(request_id)
             return 0
-        if prefix_needed:
-            self.admission.try_reserve(key, prefix.nbytes)
-        self.admission.try_reserve(request_id, need)
+        key = self.prefix_key(prefix)
+        self.admission.try_reserve(key, prefix.nbytes)     # held already by another reader: nothing changes
+        self.reserved_prefixes[key] = prefix
+        self.admission.try_reserve(request_id, self.request_bytes(state, prefix))
         self.on_prefix[request_id] = prefix
         self.served_over[key] = self.served_over.get(key, 0) + 1
         return len(prefix)
@@ -221,13 +227,21 @@ class RaggedPagedCache(PagedAttentionCache):
         self.admission.release(request_id)
         self.waiting_for_room.discard(request_id)
         self.arrived_on.pop(request_id, None)
-        prefix = self.on_prefix.pop(request_id, None)
-        if prefix is not None and prefix not in list(self.prefixes) and prefix not in self.on_prefix.values() \
-                and prefix not in self.arrived_on.values():
-            self.admission.release(self.prefix_key(prefix))    # unshared, and its last reader is gone
+        self.on_prefix.pop(request_id, None)
+        self.release_unread()
         for key in [key for key in self.chunks if key[0] == request_id]:   # a request cancelled mid-prompt
             del self.chunks[key]
         super().free_blocks(request_id, no_cache)
+
+    def release_unread(self) -> None:
+        """Gives back the reservation of every prefix no longer shared that no request reads or
+        waits to read (a request that ended or was cancelled before it ran is gone)."""
+        shared = list(self.prefixes)
+        for key, prefix in list(self.reserved_prefixes.items()):
+            if prefix not in shared and prefix not in self.on_prefix.values() \
+                    and prefix not in self.arrived_on.values():
+                self.admission.release(key)
+                del self.reserved_prefixes[key]
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         self.requests.clear()
@@ -236,6 +250,7 @@ class RaggedPagedCache(PagedAttentionCache):
         self.arrived_on.clear()
         self.on_prefix.clear()
         self.waiting_for_room.clear()
+        self.reserved_prefixes.clear()
         super().free_all_requests(clear_ledgers)
 
     # --- accounting ---------------------------------------------------------------------------
