@@ -474,16 +474,6 @@ def test_errors_are_clear():
             model.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
 
 
-def test_sliding_window_beyond_the_window_is_refused():
-    model = tiny_model("mistral", sliding_window=24)
-    ids, mask = inputs(length=20)
-    with kvcache_ext.patch(model, Policy(H2O(), budget=8)) as handle:
-        cache = handle.new_cache()
-        teacher_forced(model, cache, ids, mask, steps=3)      # within the window: fine
-        with pytest.raises(NotImplementedError, match="sliding-window"):
-            teacher_forced(model, handle.new_cache(), *inputs(length=30))
-
-
 def test_attention_takes_dropout_by_position_as_sdpa_does():
     """Libraries that wrap every registered attention function (kvpress) pass dropout by
     position, in SDPA's order (module, q, k, v, mask, dropout, scaling=...)."""

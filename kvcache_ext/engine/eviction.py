@@ -24,10 +24,12 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     if state.context is not None:   # a reconstruction pass over a held prompt
         return attend_context(state, q, k, v, new_positions(position_ids, state.seen, n, B, q.device))
     window = kwargs.get("sliding_window")
-    if window is not None and state.seen + n > window:
-        raise NotImplementedError(
-            f"layer {state.layer_idx} uses sliding-window attention (window {window}) and the "
-            f"sequence is now longer than the window; kvcache_ext does not evict by window yet")
+    if window is not None:
+        state.note_window(window)
+        if state.seen + n > window:
+            check_window_call(state, n)
+            if state.kv is not None:   # a decode step: what its query no longer sees goes first
+                drop_outside_window(state, new_positions(position_ids, state.seen, 1, B, q.device)[:, 0])
     if appends_only(state, n, attention_mask):
         return decode_append_only(state, q, k, v, position_ids, scale)
     if fuses_decode_step(state, n, attention_mask):
@@ -55,6 +57,33 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     if fresh:
         release_prefill_slack(state)
     return out.transpose(1, 2)
+
+
+def check_window_call(state: LayerState, n: int) -> None:
+    """A sliding-window layer whose sequence passes its window: the calls whose attention the
+    engine windows exactly are a decode step (one token: the tokens it no longer sees are
+    dropped first) and the one-shot dense prefill of a fresh prompt (the model's own attention
+    with HF's sliding mask; the prompt's tokens outside the next token's window are not kept).
+    Several tokens over a cache (a block-wise prefill, a second prompt) would need a window per
+    query, which the store's attention does not take: refused."""
+    if n == 1:
+        return
+    what = None
+    if state.seen or state.policy.schedule.prefill_block is not None:
+        what = (f"a call of {n} tokens over a cache that has seen {state.seen} (a block-wise prefill "
+                "or a later prompt past the window)")
+    elif state.policy.scorer.reconstructs:
+        what = f"{type(state.policy.scorer).__name__}'s reconstruction passes over a prompt of {n} tokens"
+    if what is not None:
+        raise NotImplementedError(
+            f"layer {state.layer_idx} uses sliding-window attention (window {state.window}); kvcache_ext "
+            f"windows a one-shot prefill of a fresh prompt and one-token decode steps, not {what}")
+
+
+def drop_outside_window(state: LayerState, newest: torch.Tensor) -> None:
+    """Drops from a sliding-window layer the tokens that a query at ``newest`` [B] does not see:
+    every later query is newer, so none will see them again."""
+    state.kv.drop_before(state.window_start(newest))
 
 
 def appends_only(state: LayerState, n: int, attention_mask) -> bool:

@@ -35,6 +35,10 @@ def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels) -> None:
     allocation applied), with the scorer's ``channels`` when the schedule evicts again."""
     p, kv = state.policy, state.kv
     B, H, n, _ = k.shape
+    if state.window is not None:
+        # A sliding-window layer: the tokens the next token will not see are gone first; the
+        # budget applies among the rest.
+        valid = valid & (pos >= state.window_start(state.last_pos + 1)[:, None])
     held = valid[:, None, :].expand(B, H, n)
     scores, protected = p.protection.apply(scores, pos[:, None, :].expand(B, H, n), state.last_pos, held)
     counts = lambda s, m, total: kv.prompt_grouped_counts(s, pos, valid, total)
@@ -52,10 +56,14 @@ def release_prefill_slack(state: LayerState) -> None:
     budget also keeps pages for the tokens that arrive between two evictions, so that
     decoding allocates nothing. A cache that grows while decoding takes a page when one fills
     up, unless its length to come is known (``max_cache_len``, which generate gives): then it
-    keeps pages for every token still to come, and decoding allocates nothing either."""
+    keeps pages for every token still to come, and decoding allocates nothing either. A
+    sliding-window layer keeps pages for its window, no more."""
     every = state.policy.schedule.decode_every
     if every is not None:
-        state.kv.trim(every)
+        extra = every
     else:
-        state.kv.trim(max(0, state.max_cache_len - state.seen) if state.max_cache_len else 0)
+        extra = max(0, state.max_cache_len - state.seen) if state.max_cache_len else 0
+    if state.window is not None:   # a sliding-window layer never holds more than its window
+        extra = min(extra, max(0, state.window - int(state.kv.lens.min())))
+    state.kv.trim(extra)
 

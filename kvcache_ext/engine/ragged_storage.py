@@ -148,6 +148,14 @@ class RaggedLayerKV:
         _, counts = grouped_topk(flat, pos32, start, lens, scores.shape[1], k.to(torch.int64))
         return counts.view(scores.shape[:2]).long()
 
+    def drop_before(self, first: torch.Tensor) -> None:
+        """first [B]: keeps the tokens at positions >= first[b] of every head of row b. A
+        compaction: the rest move to the front of their pages and emptied pages are freed
+        (reused by the next appends), so a sliding-window layer holds its window in whole pages."""
+        store = self.store
+        keep = store.pos >= first.to(store.device)[store.slot_rows()]
+        store.compact(keep)
+
     def trim(self, extra: int) -> None:
         """Holds pages for ``extra`` more tokens per segment and no more: a repack (every
         token moves once) when pages would be released, else new pages where missing. A store

@@ -73,6 +73,7 @@ class LayerState:
         # fixed at construction
         "layer_idx", "num_layers", "policy", "storage", "model", "max_cache_len", "shared",
         # one sequence's, cleared by reset()
+        "window",               # the layer's sliding window (HF's sliding_window; None: none)
         "kv",                   # the storage, made at the first call
         "layout",               # (KV heads, head dim, query heads per KV head) of the tokens it holds
         "tokens",               # (batch, dtype, device) of the tokens it holds
@@ -102,6 +103,7 @@ class LayerState:
         """Forgets the sequence: the next call starts a fresh one (the layer 0 of a cache also
         empties what the layers share)."""
         self.kv = None
+        self.window = None
         self.layout = self.tokens = None
         self.seen = 0
         self.last_pos = None
@@ -122,6 +124,7 @@ class LayerState:
                                "(handle.score_prompt) before forking the cache")
         other = LayerState(self.layer_idx, self.num_layers, self.policy, self.storage, model=self.model,
                            max_cache_len=max_cache_len, shared=shared)
+        other.note_window(self.window)
         other._continue(self)
         if other.kv is not None and max_cache_len:   # as after a prompt: pages for every token to come
             other.kv.trim(max(0, max_cache_len - other.seen))
@@ -142,6 +145,26 @@ class LayerState:
     def groups(self) -> int:
         """Query heads per KV head (G) of the tokens held."""
         return self.layout[2]
+
+    # --- the sliding window ---------------------------------------------------------------
+    def note_window(self, window) -> None:
+        """The layer's sliding window as the model gives it at every call (HF's
+        ``sliding_window``; None: the layer attends to every earlier token). A layer's window is
+        its model's: fixed once noted."""
+        if window is None or window == self.window:
+            return
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"layer {self.layer_idx}: sliding_window must be a positive integer or None, "
+                             f"got {window!r}")
+        if self.window is not None:
+            raise ValueError(f"layer {self.layer_idx}: sliding_window is {window}, but this cache's layer "
+                             f"has a window of {self.window}: a cache serves one model; use a fresh one")
+        self.window = window
+
+    def window_start(self, newest: torch.Tensor) -> torch.Tensor:
+        """[B] the oldest position that a query at position ``newest`` [B] sees in this layer:
+        HF's sliding mask lets it see the keys at ``newest - window < position <= newest``."""
+        return newest - self.window + 1
 
     # --- tokens ---------------------------------------------------------------------------
     def ensure_storage(self, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -78,6 +78,10 @@ class LayerStorage(Protocol):
     def prompt_grouped_counts(scores, pos, valid, k) -> torch.Tensor:
         """``grouped_counts`` on a dense prompt."""
 
+    def drop_before(self, first: torch.Tensor) -> None:
+        """Drops the tokens of row b at positions before ``first[b]`` ([B]): a sliding window's
+        tokens that no query will see again."""
+
     def trim(self, extra: int) -> None:
         """Releases the free room but ``extra`` tokens per head."""
 

@@ -29,7 +29,7 @@ from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.policies.views import ModelParts
 from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
 
-SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 # The model's own dense attention runs the prefill; each gets its own registered name so that
 # HF builds the mask that attention expects (bool for SDPA, additive float for eager).
 DENSE = ("sdpa", "eager")
@@ -60,7 +60,8 @@ def _make_attention(dense_name: str):
             scaling = query.shape[-1] ** -0.5
         if not isinstance(state, LayerState):   # a continuous-batching step: every request's tokens
             from kvcache_ext.serving.attention import attend_packed
-            return attend_packed(state, dense, module, query, key, value, scaling), None
+            return attend_packed(state, dense, module, query, key, value, scaling,
+                                 kwargs.get("sliding_window")), None
         position_ids = kwargs.pop("position_ids", None)
         out = layer_forward(state, dense, module, query, key, value, attention_mask, scaling,
                             position_ids, **kwargs)
@@ -169,7 +170,8 @@ class PatchHandle:
 
 def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
           reserve_new_tokens: bool = True) -> PatchHandle:
-    """Makes ``model`` (an HF Llama, Mistral, Qwen2 or Qwen3 causal LM) evict with ``policy``.
+    """Makes ``model`` (an HF Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma 3 causal LM) evict
+    with ``policy``.
 
     ``model.generate`` then runs with a fresh ``RaggedCache`` per call; ``model(...)`` does
     too when given ``past_key_values=handle.new_cache()``. Without such a cache the model
@@ -199,6 +201,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise TypeError(f"kvcache_ext.patch needs an HF causal LM with generate (such as LlamaForCausalLM), "
                         f"got {type(model).__name__}")
     _check_cuda_head_dim(model)
+    _check_architecture(model, policy)
     # Everything the engine would refuse later is refused now, before the model changes.
     policy.check(ModelShape.of(model))
     if getattr(model, _HANDLE_ATTR, None) is not None:
@@ -278,6 +281,28 @@ def _check_cuda_head_dim(model) -> None:
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     check_head_dim(head_dim, param.device)
+
+
+def _check_architecture(model, policy: Policy) -> None:
+    """What a supported model type may configure that the engine does not run: refused by name."""
+    config = model.config
+    text = config.get_text_config()
+    if text.model_type == "gemma3_text" and config.model_type != "gemma3_text":
+        raise ValueError(f"kvcache_ext.patch supports Gemma 3 as a text model (Gemma3ForCausalLM), got "
+                         f"{type(model).__name__} (model_type {config.model_type!r}), whose image tokens "
+                         "attend to each other both ways")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"kvcache_ext.patch needs causal attention; this {text.model_type} model's config "
+                         "has use_bidirectional_attention=True")
+    from kvcache_ext.policies.expected_attention import ExpectedAttention
+    rope = getattr(text, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor") or getattr(text, "partial_rotary_factor", None) or 1.0
+    if isinstance(policy.scorer, ExpectedAttention) and (text.model_type == "gemma3_text" or partial != 1.0):
+        # Its scorer rotates whole heads with model.model.rotary_emb(x, positions); Gemma 3's
+        # RoPE differs by layer type, and a partial rotary turns part of each head only.
+        raise ValueError(f"ExpectedAttention needs one RoPE over the whole head for every layer; this "
+                         f"{text.model_type} model's has a RoPE per layer type or a partial rotary factor: "
+                         "use another scorer")
 
 
 def _hook_forwards(handle: PatchHandle) -> None:

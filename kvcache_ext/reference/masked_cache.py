@@ -136,6 +136,10 @@ class MaskedLayerKV:
         _, counts = grouped_topk(flat, fpos, lens.cpu(), H, k.cpu())
         return counts.view(B, H).long().to(scores.device)
 
+    def drop_before(self, first) -> None:
+        """Masks the tokens of row b at positions before first[b] [B]."""
+        self.alive &= self.pos >= first.to(self.pos.device)[:, None, None]
+
     def trim(self, extra: int) -> None:
         """Nothing to release: a masked cache keeps every token."""
 

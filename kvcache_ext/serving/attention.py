@@ -44,12 +44,19 @@ def chunk_attention(q, k, v, past: int, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def attend_packed(packed, dense, module, query, key, value, scaling):
+def attend_packed(packed, dense, module, query, key, value, scaling, window=None):
     """query [1, Hq, T, D], key/value [1, H, T, D]: the step's T tokens, request after request
-    (``packed.cache.step``). Returns [1, T, Hq, D] like HF's attention functions."""
+    (``packed.cache.step``). Returns [1, T, Hq, D] like HF's attention functions. ``window``:
+    the layer's sliding window (None: none), which the engine's steps here do not apply: a
+    request whose sequence passes it is refused."""
     cache, layer_idx = packed.cache, packed.layer_idx
     outs = []
     for request in cache.step:
+        if window is not None and request.past_length + request.count > window:
+            raise NotImplementedError(
+                f"layer {layer_idx} uses sliding-window attention (window {window}) and request "
+                f"{request.request_id} is {request.past_length + request.count} tokens long: continuous "
+                "batching does not apply sliding windows yet (generate does)")
         part = slice(request.first, request.first + request.count)
         q, k, v = query[:, :, part], key[:, :, part], value[:, :, part]
         state = cache.requests[request.request_id].layers[layer_idx].state
