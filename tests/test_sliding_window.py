@@ -1,5 +1,5 @@
-"""Sliding-window layers (Mistral, Qwen2 with use_sliding_window, Phi-3, Gemma 3's sliding
-layers) past their window, on tiny random-weight models built from their configs.
+"""Sliding-window layers (Mistral, Qwen2 and Qwen3 with use_sliding_window, Phi-3, Gemma 3's
+sliding layers) past their window, on tiny random-weight models built from their configs.
 
 - budget >= sequence: the patched model gives the unpatched model's logits, prompt and decode
   steps past the window, padded or not, GQA or not;
@@ -27,6 +27,7 @@ WINDOW = 12
 WINDOWED = {
     "mistral": (dict(sliding_window=WINDOW), [0, 1]),
     "qwen2": (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), [1]),
+    "qwen3": (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), [1]),
     "phi3": (dict(sliding_window=WINDOW), [0, 1]),
     "gemma3_text": (dict(sliding_window=WINDOW), [0]),   # layer_types: sliding, full
 }

@@ -29,7 +29,10 @@ from kvcache_ext.policies.policy import ModelShape, Policy
 from kvcache_ext.policies.views import ModelParts
 from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
 
-SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text",
+                    # attention as one of the above (tests/test_more_models.py)
+                    "gemma", "granite", "ministral", "mixtral", "olmo", "olmo2", "qwen2_moe", "qwen3_moe",
+                    "starcoder2")
 # The model's own dense attention runs the prefill; each gets its own registered name so that
 # HF builds the mask that attention expects (bool for SDPA, additive float for eager).
 DENSE = ("sdpa", "eager")
@@ -170,8 +173,8 @@ class PatchHandle:
 
 def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
           reserve_new_tokens: bool = True) -> PatchHandle:
-    """Makes ``model`` (an HF Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma 3 causal LM) evict
-    with ``policy``.
+    """Makes ``model`` (an HF causal LM of a type in ``SUPPORTED_MODELS``: Llama, Mistral, Qwen2,
+    Qwen3, Phi-3, Gemma 3, ...) evict with ``policy``.
 
     ``model.generate`` then runs with a fresh ``RaggedCache`` per call; ``model(...)`` does
     too when given ``past_key_values=handle.new_cache()``. Without such a cache the model
@@ -294,6 +297,12 @@ def _check_architecture(model, policy: Policy) -> None:
     if getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"kvcache_ext.patch needs causal attention; this {text.model_type} model's config "
                          "has use_bidirectional_attention=True")
+    if text.model_type == "qwen2_moe" and "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        # Its sliding layers mask by window but do not tell the attention function their
+        # window, which the engine needs to drop what falls out of it.
+        raise ValueError("kvcache_ext.patch: this qwen2_moe model has sliding-window layers "
+                         "(use_sliding_window=True), whose window its attention does not pass on; "
+                         "supported with use_sliding_window=False")
     from kvcache_ext.policies.expected_attention import ExpectedAttention
     rope = getattr(text, "rope_parameters", None) or {}
     partial = rope.get("partial_rotary_factor") or getattr(text, "partial_rotary_factor", None) or 1.0
