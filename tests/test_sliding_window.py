@@ -201,6 +201,25 @@ def test_a_sliding_layer_holds_its_window_however_long_the_sequence(policy):
     assert full.lens.tolist() == [[70] * H] * B and full_bytes[-1] > 2 * sliding_bytes[-1]
 
 
+def test_a_fork_of_a_shared_prefix_slides_past_the_window():
+    """A sequence on a fork of a shared prefix (whose pages are read-only) decodes past the
+    window as over its own copy of the compressed prefix; the prefix is not written."""
+    model = windowed("mistral", heads=4, kv_heads=2)
+    prefix, question = inputs(length=10)[0][0].tolist(), [7]
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=100)) as handle:
+        shared = handle.share_prefix(prefix)
+        kept = [layer.state.kv.store.to_dense().pos.clone() for layer in shared.cache.layers]
+        own = handle.new_cache()
+        with torch.no_grad():
+            model(torch.tensor([prefix]), **with_cache(model, own), use_cache=True)
+        ids = torch.tensor([prefix + question])
+        outs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               **with_cache(model, cache)) for cache in (own, shared.fork())]
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape[1] == 19
+    assert all(torch.equal(layer.state.kv.store.to_dense().pos, before)
+               for layer, before in zip(shared.cache.layers, kept))
+
+
 def test_several_tokens_over_a_cache_past_the_window_are_refused():
     """A block-wise prefill past the window, or a later prompt that passes it, would need a
     window per query: refused by name before anything is stored."""
@@ -217,6 +236,19 @@ def test_several_tokens_over_a_cache_past_the_window_are_refused():
             with pytest.raises(NotImplementedError, match="a call of 6 tokens over a cache that has seen 8"):
                 model(first[:, :6], **with_cache(model, cache), use_cache=True)
         assert cache.get_seq_length() == 8
+
+
+def test_continuous_batching_refuses_a_request_past_the_window():
+    """The serving engine's steps do not window: a request longer than a layer's window is
+    refused by name (one within it runs as before)."""
+    from types import SimpleNamespace
+
+    from kvcache_ext.serving.attention import attend_packed
+    request = SimpleNamespace(request_id="r7", past_length=10, count=3, first=0)
+    packed = SimpleNamespace(cache=SimpleNamespace(step=[request]), layer_idx=1)
+    with pytest.raises(NotImplementedError, match="layer 1 uses sliding-window attention \\(window 12\\) and "
+                                                  "request r7 is 13 tokens long"):
+        attend_packed(packed, None, None, None, None, None, 0.25, window=WINDOW)
 
 
 def test_bad_windows_and_models_are_refused_by_name():

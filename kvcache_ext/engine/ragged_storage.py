@@ -153,6 +153,8 @@ class RaggedLayerKV:
         compaction: the rest move to the front of their pages and emptied pages are freed
         (reused by the next appends), so a sliding-window layer holds its window in whole pages."""
         store = self.store
+        if store.shares_pages:   # a fork of a shared prefix: the window leaves the prefix, whose
+            store.repack(1)      # pages are read-only; its window moves to pages of its own once
         keep = store.pos >= first.to(store.device)[store.slot_rows()]
         store.compact(keep)
 
