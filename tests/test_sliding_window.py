@@ -220,6 +220,25 @@ def test_a_fork_of_a_shared_prefix_slides_past_the_window():
                for layer, before in zip(shared.cache.layers, kept))
 
 
+def test_the_evaluations_shared_prefill_keeps_what_the_patched_prefill_keeps():
+    """The evaluation harness builds a policy's cache from one recorded dense prefill: a sliding
+    layer keeps its window of the prompt there too."""
+    from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+    model = windowed("gemma3_text", heads=4, kv_heads=2)
+    ids, mask = inputs(batch=2, length=30, pad=(0, 4))
+    recorded = record_prefill(model, ids, mask)
+    for policy in [Policy(SnapKV(window=4), budget=100), Policy(SnapKV(window=4), budget=8, allocation=AdaKV())]:
+        with kvcache_ext.patch(model, policy) as handle:
+            patched = handle.new_cache()
+            with torch.no_grad():   # as record_prefill calls it
+                model(ids, attention_mask=mask, **with_cache(model, patched), use_cache=True)
+        shared = compressed_cache(policy, recorded)
+        for a, b in zip(patched.layers, shared.layers):
+            da, db = a.state.kv.store.to_dense(), b.state.kv.store.to_dense()
+            assert torch.equal(da.pos.masked_fill(~da.mask, -1), db.pos.masked_fill(~db.mask, -1))
+        assert int(shared.layer_kv(0).lens.max()) < WINDOW    # the sliding layer: its window only
+
+
 def test_several_tokens_over_a_cache_past_the_window_are_refused():
     """A block-wise prefill past the window, or a later prompt that passes it, would need a
     window per query: refused by name before anything is stored."""

@@ -48,6 +48,7 @@ class RecordedPrefill:
     # Scores of reconstruction passes (KVzip), per scorer: computed once per prompt and reused
     # at every budget, with the passes' wall time.
     reconstructed: dict = field(default_factory=dict)
+    windows: list = field(default_factory=list)   # per layer, its sliding window (None: none)
 
 
 @torch.no_grad()
@@ -57,11 +58,12 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         raise ValueError("record_prefill patches the model itself: unpatch it first")
     recorder = _Recorder()
     with kvcache_ext.patch(model, Policy(recorder, budget=input_ids.shape[1])) as handle:
+        cache = handle.new_cache()
         start = time.perf_counter()
-        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, handle.new_cache()),
-                    use_cache=True)
+        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), use_cache=True)
         seconds = time.perf_counter() - start
-    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, model=handle.model_parts)
+    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, model=handle.model_parts,
+                           windows=[layer.state.window for layer in cache.layers])
 
 
 def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
@@ -69,8 +71,10 @@ def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
     if policy.schedule.prefill_block is not None:
         raise ValueError("a block-wise prefill depends on the policy: it cannot share a recording")
     cache = RaggedCache(policy, len(recorded.views), model=recorded.model)
-    for layer, view in zip(cache.layers, recorded.views):
+    windows = recorded.windows or [None] * len(recorded.views)
+    for layer, view, window in zip(cache.layers, recorded.views, windows):
         layer.lazy_initialization(view.k, view.v)
+        layer.state.note_window(window)   # a sliding layer keeps its window of the prompt
         prefill_dense(layer.state, view.q, view.k, view.v, view.pos, view.valid, view.scale)
     return cache
 
