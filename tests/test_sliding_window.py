@@ -18,6 +18,7 @@ from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, ExpectedAttention,
                                   Policy, Random, SnapKV, StreamingLLM)
 from test_patch import fed_tokens, inputs, teacher_forced
+from test_serving import needs_engine
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -257,6 +258,7 @@ def test_several_tokens_over_a_cache_past_the_window_are_refused():
         assert cache.get_seq_length() == 8
 
 
+@needs_engine
 def test_continuous_batching_refuses_a_request_past_the_window():
     """The serving engine's steps do not window: a request longer than a layer's window is
     refused by name (one within it runs as before)."""
