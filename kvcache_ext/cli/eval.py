@@ -10,8 +10,9 @@ import torch
 
 DEFAULT_POLICIES = "full,streamingllm,h2o,tova,snapkv,ada-snapkv"
 DEFAULT_BUDGETS = (64, 128, 256, 512)   # --budget when neither it nor --keep is given
-TASKS = ("passkey", "needle", "multi", "ppl", "fidelity")
-FRACTION_TASKS = ("passkey", "needle", "multi")   # --keep, and KVzip's reconstruction passes
+TASKS = ("passkey", "needle", "multi", "ruler", "ppl", "fidelity")
+FRACTION_TASKS = ("passkey", "needle", "multi", "ruler")   # --keep, and KVzip's reconstruction passes
+MAX_NEW_TOKENS = 8   # passkey, needle, multi (RULER's tasks: their own, tasks.ruler)
 PROMPT_MODES = ("aware", "agnostic")   # retrieval.MODES (not imported here: the parser stays light)
 
 
@@ -25,20 +26,21 @@ def add_arguments(p) -> None:
     p.add_argument("--model", type=model_name, default=None,
                    help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
-                   help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES})")
+                   help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES}); kvpress's presses "
+                   "by name (kvpress-snapkv, kvpress-ada-snapkv, kvpress-kvzip, ...) when kvpress is installed")
     p.add_argument("--budget", type=int_list, default=None,
                    help=f"tokens per KV head, comma-separated (default {','.join(map(str, DEFAULT_BUDGETS))})")
     p.add_argument("--keep", type=fraction_list, default=None,
                    help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1] "
-                   "(passkey, needle, multi; in agnostic mode, of the context compressed)")
+                   "(passkey, needle, multi, ruler; in agnostic mode, of the context compressed)")
     p.add_argument("--lengths", type=int_list, default=[1024, 2048],
-                   help="prompt (passkey, needle), context (multi, fidelity) or text (ppl) lengths in tokens")
+                   help="prompt (passkey, needle, ruler), context (multi, fidelity) or text (ppl) lengths in tokens")
     p.add_argument("--depths", type=depth_list, default=[0.1, 0.5, 0.9],
                    help="needle depths in [0, 1] (passkey, needle)")
     p.add_argument("--seeds", type=int_range(1), default=1,
-                   help="prompts or texts per length (and depth), each with its own seed")
+                   help="prompts or texts per length (and depth; ruler: per task), each with its own seed")
     p.add_argument("--mode", type=choice_list(PROMPT_MODES), default=list(PROMPT_MODES),
-                   help="passkey/needle prompt modes: aware (the question is compressed with the "
+                   help="passkey/needle/ruler prompt modes: aware (the question is compressed with the "
                    "context), agnostic (the context is compressed before the question comes)")
     p.add_argument("--prefill-block", type=int_range(1, MAX_BLOCK), default=None,
                    help=f"block-wise prefill of this many tokens, 1 to {MAX_BLOCK} (ppl default 128; "
@@ -46,7 +48,12 @@ def add_arguments(p) -> None:
     p.add_argument("--decode-every", type=int_range(1), default=None,
                    help="evict every N decode steps (default: never while decoding)")
     p.add_argument("--continuation", type=int_range(1), default=128, help="fidelity: continuation tokens")
-    p.add_argument("--max-new-tokens", type=int_range(1), default=8, help="passkey/needle: tokens generated")
+    p.add_argument("--max-new-tokens", type=int_range(1), default=None,
+                   help=f"tokens generated (passkey, needle, multi: default {MAX_NEW_TOKENS}; ruler: RULER's per "
+                   "task, 128 for the needle tasks, 30 vt, 120 cwe, 50 fwe)")
+    p.add_argument("--ruler-tasks", type=_ruler_task_names, default=None,
+                   help="ruler: comma-separated RULER tasks, or all (default all: niah_single_1,2,3, "
+                   "niah_multikey_1,2,3, niah_multivalue, niah_multiquery, vt, cwe, fwe)")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--json", type=output_file, default=None,
@@ -64,6 +71,31 @@ def _policy_names(parse):
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
     return policy_names
+
+
+def _ruler_task_names(text: str) -> list[str]:
+    import argparse
+
+    from kvcache_ext.tasks.ruler import TASKS as RULER_TASKS
+    names = list(RULER_TASKS) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in RULER_TASKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown RULER task(s) {', '.join(unknown) or repr(text)}; "
+                                         f"accepted: {', '.join(RULER_TASKS)} or all")
+    return list(dict.fromkeys(names))
+
+
+def ruler_tasks_of(args) -> list[str]:
+    """--ruler-tasks, or every RULER task."""
+    from kvcache_ext.tasks.ruler import TASKS as RULER_TASKS
+    return list(args.ruler_tasks) if getattr(args, "ruler_tasks", None) else list(RULER_TASKS)
+
+
+def max_new_tokens_of(args) -> int | None:
+    """--max-new-tokens, or the task's default (None: each RULER prompt's own)."""
+    if getattr(args, "max_new_tokens", None) is not None:
+        return args.max_new_tokens
+    return None if args.task == "ruler" else MAX_NEW_TOKENS
 
 
 def _names(value) -> list[str]:
@@ -99,7 +131,20 @@ def check_arguments(args) -> str | None:
                 "give one of them (tokens per KV head, or fractions of each prompt)")
     if getattr(args, "keep", None) is not None and args.task not in FRACTION_TASKS:
         return f"--keep applies to {', '.join(FRACTION_TASKS)}; for {args.task} give --budget"
-    for name in _names(args.policy):
+    if getattr(args, "ruler_tasks", None) and args.task != "ruler":
+        return f"--ruler-tasks applies to --task ruler, not {args.task}"
+    from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, kvpress_missing
+    presses = [name for name in _names(args.policy) if name in KVPRESS_POLICIES]
+    if presses:
+        if args.task not in ("passkey", "needle", "ruler"):
+            return f"--policy {presses[0]}: kvpress's presses run on passkey, needle and ruler, not {args.task}"
+        if args.prefill_block is not None or args.decode_every is not None:
+            return (f"--policy {presses[0]}: kvpress's presses compress once after a one-shot prefill; "
+                    "drop --prefill-block and --decode-every")
+        why = kvpress_missing()
+        if why:
+            return f"--policy {presses[0]}: {why}"
+    for name in [name for name in _names(args.policy) if name not in KVPRESS_POLICIES]:
         for budget in budgets_of(args):
             tokens = budget if isinstance(budget, int) else max(1, round(budget * 1024))
             flag = "--budget" if isinstance(budget, int) else "--keep"
@@ -123,9 +168,13 @@ def check_lengths(args, model, tokenizer) -> str | None:
     config = model.config.get_text_config()
     context = getattr(config, "max_position_embeddings", None)
     extra_name = {"passkey": "--max-new-tokens", "needle": "--max-new-tokens", "multi": "--max-new-tokens",
-                  "fidelity": "--continuation"}
+                  "ruler": "--max-new-tokens", "fidelity": "--continuation"}
     name = extra_name.get(args.task)
-    extra = getattr(args, name[2:].replace("-", "_")) if name else 0
+    extra = 0
+    if args.task == "fidelity":
+        extra = args.continuation
+    elif name:
+        extra = max_new_tokens_of(args) or 128   # RULER's longest answer (the needle tasks)
     for n in args.lengths:
         total = n + extra
         if context is not None and total > context:
@@ -146,6 +195,14 @@ def check_lengths(args, model, tokenizer) -> str | None:
             MAKERS[args.task](tokenizer, shortest, args.depths[0], seed=0)
         except ValueError as err:
             return f"--lengths {shortest}: {err}"
+    if args.task == "ruler":
+        from kvcache_ext.tasks.ruler import make_ruler_prompt
+        for task in ruler_tasks_of(args):
+            for n in (shortest, max(args.lengths)):
+                try:
+                    make_ruler_prompt(tokenizer, task, n, seed=0)
+                except ValueError as err:
+                    return f"--lengths {n}: {task}: {err}"
     return None
 
 
@@ -186,9 +243,10 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
         if on_record is not None:
             on_record(records[-1])
 
-    if args.task in ("passkey", "needle"):
+    if args.task in ("passkey", "needle", "ruler"):
         run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, list(args.depths),
-                      list(args.mode), args.seeds, schedule, args.max_new_tokens, progress, on_record=done)
+                      list(args.mode), args.seeds, schedule, max_new_tokens_of(args), progress, on_record=done,
+                      ruler_tasks=ruler_tasks_of(args) if args.task == "ruler" else ())
     elif args.task == "multi":
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
         bar = tqdm(total=len(lengths) * args.seeds * per_text, desc="eval multi", unit="run", disable=not progress)
@@ -199,7 +257,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
             bar.update(1)
 
         run_multi_question(model, tokenizer, policies, budgets, lengths, args.seeds, schedule,
-                           args.max_new_tokens, on_run=run_done)
+                           max_new_tokens_of(args), on_run=run_done)
         bar.close()
     else:
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)

@@ -156,16 +156,19 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
 
 
 def parse_policies(text: str) -> list[str]:
-    """A comma-separated list of names; "all" is every name."""
+    """A comma-separated list of names; "all" is every name of ours (kvpress's presses,
+    ``kvpress-*``, are named one by one)."""
+    from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     known = policy_names()
     if not names:
         raise ValueError(f"no policy named in {text!r}; known: {', '.join(known)} (or all)")
     if names == ["all"]:
         return list(known)
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known + KVPRESS_POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)} (or all)")
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)} (or all), and kvpress's "
+                         f"{', '.join(KVPRESS_POLICIES)}")
     return names
 
 

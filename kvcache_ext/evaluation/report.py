@@ -4,12 +4,16 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from kvcache_ext.tasks.ruler import TASKS as RULER_TASKS
+
 METRICS = {   # task -> (metric of a row, its label, higher is better)
     "passkey": ("accuracy", "accuracy", True),
     "needle": ("accuracy", "accuracy", True),
     "multi": ("accuracy", "accuracy over the questions", True),
     "ppl": ("ppl", "perplexity", False),
     "fidelity": ("kl", "KL(full || policy), nats/token", False),
+    **{task: ("score", "RULER score (share of the answers found, 0-100)", True) for task in RULER_TASKS},
+    "ruler": ("score", "RULER score, mean over its tasks (0-100)", True),
 }
 
 
@@ -34,10 +38,30 @@ def summarize(records: list[dict]) -> list[dict]:
             tokens = sum(r["tokens"] for r in rs)
             row["kl"] = sum(r["kl"] * r["tokens"] for r in rs) / tokens
             row["top1"] = sum(r["top1"] * r["tokens"] for r in rs) / tokens
+        elif task in RULER_TASKS:
+            row["correct"] = sum(r["correct"] for r in rs)
+            row["score"] = 100 * sum(r["score"] for r in rs) / len(rs)
         rows.append(row)
+    rows += _ruler_means(rows)
     modes = ("aware", "agnostic", "blockwise", "teacher-forced")
-    order = lambda r: (r["task"], modes.index(r["mode"]), r["policy"] != "full", r["budget"] or 0)
+    tasks = list(METRICS)
+    order = lambda r: (tasks.index(r["task"]), modes.index(r["mode"]), r["policy"] != "full", r["budget"] or 0)
     return sorted(rows, key=order)   # stable: policies stay in the order they ran
+
+
+def _ruler_means(rows: list[dict]) -> list[dict]:
+    """Rows of task "ruler": per (mode, policy, budget), the mean of the RULER tasks' scores
+    (RULER's average), when more than one RULER task ran."""
+    groups = defaultdict(list)
+    for row in rows:
+        if row["task"] in RULER_TASKS:
+            groups[(row["mode"], row["policy"], row["budget"])].append(row)
+    if len({row["task"] for rs in groups.values() for row in rs}) < 2:
+        return []
+    return [{"task": "ruler", "mode": mode, "policy": policy, "budget": budget, "n": sum(r["n"] for r in rs),
+             "tasks": len(rs), "kv_fraction": sum(r["kv_fraction"] for r in rs) / len(rs),
+             "score": sum(r["score"] for r in rs) / len(rs)}
+            for (mode, policy, budget), rs in groups.items()]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -73,6 +97,8 @@ def _cell(task: str, row: dict) -> str:
         return f"{row['correct']}/{row['n']}" + kv
     if task == "ppl":
         return f"{row['ppl']:.2f}" + kv
+    if METRICS[task][0] == "score":
+        return f"{row['score']:.1f}" + kv
     return f"{row['kl']:.3f}, top-1 {row['top1']:.2f}" + kv
 
 

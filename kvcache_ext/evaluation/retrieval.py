@@ -24,9 +24,11 @@ from kvcache_ext.evaluation.decoding import (
     full_cache_from,
     greedy_continue,
 )
+from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, run_press
 from kvcache_ext.evaluation.named_policies import policy_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
-from kvcache_ext.tasks import check_answer, make_needle_prompt, make_passkey_prompt
+from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt
+from kvcache_ext.tasks.ruler import make_ruler_prompt
 
 MODES = ("aware", "agnostic")
 MAKERS = {"passkey": make_passkey_prompt, "needle": make_needle_prompt}
@@ -49,6 +51,7 @@ class RetrievalRecord:
     decode_s_per_token: float
     budget_tokens: int | None = None   # tokens per KV head this run kept (= budget unless a fraction)
     prefill_s: float | None = None     # the prompt's prefill, reconstruction passes included
+    score: float | None = None         # share of the expected answers in the output (RULER's metric; 0 or 1 else)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,10 +83,12 @@ def prompt_runs(policies, budgets, length: int, schedule=None) -> list:
 
 
 def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list,
-               schedule=None, max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
+               schedule=None, max_new_tokens: int | None = 8, on_run=None) -> list[RetrievalRecord]:
     """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
     ends, with its record. A float budget keeps that fraction of the part compressed (the context
-    in agnostic mode)."""
+    in agnostic mode). ``max_new_tokens=None``: the prompt's own (a RULER task's)."""
+    if max_new_tokens is None:
+        max_new_tokens = prompt.max_new_tokens
     device = next(model.parameters()).device
     context, question = split_prompt(prompt, mode)
     context = context.to(device)
@@ -99,13 +104,15 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
 
     def record(name, budget, new, decode_s, held, tokens=None, prefill_s=None):
         text = tokenizer.decode(new, skip_special_tokens=True)
+        score = prompt.score(text)
         return RetrievalRecord(task, mode, name, budget, prompt.length, prompt.depth, prompt.seed,
-                               prompt.answer, text, check_answer(text, prompt.answer), held, full_bytes,
-                               decode_s, tokens, prefill_s)
+                               prompt.answer, text, score == 1.0, held, full_bytes,
+                               decode_s, tokens, prefill_s, score)
 
     # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
     out = []
-    for label, name, budget, policy in prompt_runs(policies, budgets, context.shape[1], schedule):
+    ours = [name for name in policies if name not in KVPRESS_POLICIES]
+    for label, name, budget, policy in prompt_runs(ours, budgets, context.shape[1], schedule):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
         if policy is None:
@@ -133,13 +140,24 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                 new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
                 out.append(record(name, label, new, decode_s, cache_bytes(cache), budget, prefill_s))
             on_run and on_run(out[-1])
+    for name in [name for name in policies if name in KVPRESS_POLICIES]:
+        for label in budgets:
+            new, decode_s, held, prefill_s = run_press(model, tokenizer, name, label, context, question,
+                                                       max_new_tokens)
+            out.append(record(name, label, new, decode_s, held, budget_tokens(label, context.shape[1]), prefill_s))
+            on_run and on_run(out[-1])
     return out
 
 
-def make_prompts(tokenizer, task: str, lengths, depths, seeds: int):
-    """The task's prompts: every length x depth, ``seeds`` of each (distinct seeds throughout)."""
-    make = MAKERS[task]
+def make_prompts(tokenizer, task: str, lengths, depths, seeds: int, ruler_tasks=()):
+    """The task's prompts: every length x depth, ``seeds`` of each (distinct seeds throughout);
+    for ``task="ruler"``, every RULER task of ``ruler_tasks`` x length, ``seeds`` of each (the
+    tasks place their needles themselves: ``depths`` is not used)."""
     prompts, seed = [], 0
+    if task == "ruler":
+        return [make_ruler_prompt(tokenizer, name, n, seed=s) for name in ruler_tasks for n in lengths
+                for s in range(seeds)]
+    make = MAKERS[task]
     for n in lengths:
         for depth in depths:
             for _ in range(seeds):
@@ -149,18 +167,20 @@ def make_prompts(tokenizer, task: str, lengths, depths, seeds: int):
 
 
 def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
-                  schedule=None, max_new_tokens: int = 8, progress: bool = True,
-                  on_record=None) -> list[RetrievalRecord]:
-    """Every prompt in every mode; ``on_record(record)`` as each run ends."""
+                  schedule=None, max_new_tokens: int | None = 8, progress: bool = True,
+                  on_record=None, ruler_tasks=()) -> list[RetrievalRecord]:
+    """Every prompt in every mode; ``on_record(record)`` as each run ends. ``task="ruler"``: the
+    prompts of ``ruler_tasks``, each record under its RULER task's name."""
     from tqdm.auto import tqdm
-    prompts = make_prompts(tokenizer, task, lengths, depths, seeds)
+    prompts = make_prompts(tokenizer, task, lengths, depths, seeds, ruler_tasks)
     per_prompt = ("full" in policies) + sum(len(budgets) for p in policies if p != "full")
     bar = tqdm(total=len(prompts) * len(modes) * per_prompt, desc=f"eval {task}", unit="run",
                disable=not progress)
     records = []
     for mode in modes:
         for prompt in prompts:
-            records += run_prompt(model, tokenizer, prompt, task, mode, policies, budgets, schedule,
-                                  max_new_tokens, on_run=lambda r: (bar.update(1), on_record and on_record(r)))
+            records += run_prompt(model, tokenizer, prompt, getattr(prompt, "task", task), mode, policies, budgets,
+                                  schedule, max_new_tokens,
+                                  on_run=lambda r: (bar.update(1), on_record and on_record(r)))
     bar.close()
     return records

@@ -60,6 +60,10 @@ class PasskeyPrompt:
     chat: bool
     extra: dict = field(default_factory=dict)
 
+    def score(self, text: str) -> float:
+        """1.0 when ``text`` holds the answer (``check_answer``), else 0.0."""
+        return float(check_answer(text, self.answer))
+
 
 @lru_cache(maxsize=1)
 def corpus_text() -> str:

@@ -1,0 +1,254 @@
+"""RULER-style tasks (kvcache_ext.tasks.ruler): the prompts, built with the default model's real
+tokenizer, against what each task promises; RULER's metric; ``kvcache-ext eval --task ruler``;
+kvpress's presses in the harness (with a stand-in kvpress, so that the plumbing is tested where
+kvpress is not installed)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+from collections import Counter
+
+import pytest
+import torch
+
+from kvcache_ext.tasks.ruler import TASKS, make_ruler_prompt, string_match_all
+from kvcache_ext.tasks.ruler.niah import VARIANTS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    return default_model[1]
+
+
+def _before_question(tokenizer, p) -> str:
+    return tokenizer.decode(p.input_ids[:p.haystack_end])
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("n_tokens", [700, 1500])
+def test_prompt_fits_the_length_and_holds_its_answers_before_the_question(tokenizer, task, n_tokens):
+    p = make_ruler_prompt(tokenizer, task, n_tokens, seed=3)
+    assert p.task == task and p.length == p.input_ids.numel() <= n_tokens
+    assert p.length >= n_tokens - 80   # filled up to the length (to one filler unit: a UUID needle is ~70 tokens)
+    assert p.input_ids.tolist() == tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+    before, after = _before_question(tokenizer, p), tokenizer.decode(p.input_ids[p.haystack_end:])
+    assert re.match(r"\s*(What|Question)", after), after[:80]
+    assert 0 < p.haystack_end < p.length
+    for answer in p.answers:   # every answer is in the context, none only in the question
+        assert answer in before
+    assert p.max_new_tokens == {"vt": 30, "cwe": 120, "fwe": 50}.get(task, 128)
+    again = make_ruler_prompt(tokenizer, task, n_tokens, seed=3)
+    assert torch.equal(again.input_ids, p.input_ids) and again.answers == p.answers
+    other = make_ruler_prompt(tokenizer, task, n_tokens, seed=4)
+    assert other.answers != p.answers
+
+
+@pytest.mark.parametrize("task", list(VARIANTS))
+def test_needle_variants_plant_what_their_configuration_says(tokenizer, task):
+    spec = VARIANTS[task]
+    p = make_ruler_prompt(tokenizer, task, 1200, seed=1)
+    kind = spec.value
+    needles = re.findall(rf"One of the special magic {kind} for (\S+) is: (\S+)\.", p.prompt)
+    by_key = {}
+    for key, value in needles:
+        by_key.setdefault(key, []).append(value)
+    question = re.search(rf"What are all the special magic {kind} for (.+) mentioned", p.prompt).group(1)
+    asked = re.split(r", and |, ", question)
+    assert len(asked) == spec.queries
+    assert sorted(p.answers) == sorted(v for k in asked for v in by_key[k])
+    assert all(len(by_key[k]) == spec.values for k in asked)
+    value_form = r"\d{7}" if spec.value == "numbers" else r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    key_form = r"[a-z]+-[a-z]+" if spec.key == "words" else value_form
+    assert all(re.fullmatch(value_form, v) for v in p.answers)
+    assert all(re.fullmatch(key_form, k) for k in by_key)
+    if spec.haystack == "needle":   # a haystack of needles: many keys, one asked
+        assert len(by_key) > 10
+    else:
+        assert len(by_key) == spec.keys
+    if spec.haystack == "noise":
+        assert p.prompt.count("The grass is green.") > 5
+    assert p.prompt.count(" " + p.answers[0]) == 1
+
+
+def test_variable_tracking_chain_in_order(tokenizer):
+    p = make_ruler_prompt(tokenizer, "vt", 900, seed=2)
+    value = re.search(r"assigned the value (\d+) in the text", p.prompt).group(1)
+    links = re.findall(r"VAR ([A-Z]{5}) = (VAR ([A-Z]{5})|\d+)\.", p.prompt)
+    assert len(links) == 5 and links[0][1] == value
+    for (name, _, _), (_, _, source) in zip(links, links[1:]):
+        assert source == name   # each link assigns the previous variable
+    assert p.answers == [name for name, _, _ in links]
+
+
+def test_common_words_answer_is_the_ten_most_common_list_entries(tokenizer):
+    for n in (800, 3000):
+        p = make_ruler_prompt(tokenizer, "cwe", n, seed=5)
+        body = _before_question(tokenizer, p)
+        counts = Counter(re.findall(r"^\d+\. ([a-z]+)$", body, flags=re.M))
+        ten = counts.most_common(11)
+        assert sorted(p.answers) == sorted(w for w, _ in ten[:10])
+        assert ten[9][1] > ten[10][1]   # the common ones stand above every other word
+
+
+def test_frequent_words_answer_is_the_three_most_frequent_coded_words(tokenizer):
+    p = make_ruler_prompt(tokenizer, "fwe", 1500, seed=6)
+    body = _before_question(tokenizer, p).split("coded words.")[-1]
+    counts = Counter(w for w in body.split() if re.fullmatch(r"[a-z]{6}", w)).most_common(4)
+    assert p.answers == [w for w, _ in counts[:3]] and counts[2][1] > counts[3][1]
+    assert body.count("....") > counts[0][1]   # the dots are the most frequent "word"
+
+
+def test_string_match_all_is_the_share_of_answers_found():
+    assert string_match_all("The numbers are 1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
+    assert string_match_all("only 1234567", ["1234567", "7654321"]) == 0.5
+    assert string_match_all("Answer: FOO, bar", ["foo", "BAR", "baz", "qux"]) == 0.5
+    assert string_match_all("33.", ["3336625"]) == 0.0
+
+
+def test_bad_requests_are_refused(tokenizer):
+    with pytest.raises(ValueError, match="task must be one of niah_single_1"):
+        make_ruler_prompt(tokenizer, "qa_1", 1000)
+    with pytest.raises(ValueError, match="n_tokens must be a positive integer; got 0"):
+        make_ruler_prompt(tokenizer, "vt", 0)
+    with pytest.raises(ValueError, match=r"n_tokens=60 is shorter than the niah_single_1 prompt without filler"):
+        make_ruler_prompt(tokenizer, "niah_single_1", 60)
+
+
+def _use_session_model(monkeypatch, default_model):
+    from kvcache_ext.hf import models
+    monkeypatch.setattr(models, "load_model", lambda name=None, **kwargs: default_model)
+
+
+def test_eval_ruler_smoke(default_model, monkeypatch, tmp_path, capsys):
+    """Two RULER tasks, both prompt modes: per-task rows, RULER's mean, scores from the outputs."""
+    from kvcache_ext import cli
+    _use_session_model(monkeypatch, default_model)
+    out = tmp_path / "ruler.json"
+    assert cli.main(["eval", "--task", "ruler", "--ruler-tasks", "niah_single_1,niah_multivalue",
+                     "--policy", "full,snapkv", "--keep", "0.5", "--lengths", "500", "--max-new-tokens", "24",
+                     "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "niah_single_1 (aware): RULER score" in printed and "ruler (agnostic): RULER score, mean" in printed
+    doc = json.loads(out.read_text())
+    records = doc["records"]
+    assert len(records) == 2 * 2 * 2   # tasks x modes x policies
+    for r in records:
+        answers = r["answer"].split(", ")
+        assert r["score"] == string_match_all(r["output"], answers) and r["correct"] == (r["score"] == 1.0)
+    rows = {(r["task"], r["mode"], r["policy"]): r for r in doc["rows"]}
+    for mode in ("aware", "agnostic"):
+        for policy in ("full", "snapkv"):
+            tasks = [rows[(t, mode, policy)]["score"] for t in ("niah_single_1", "niah_multivalue")]
+            assert rows[("ruler", mode, policy)]["score"] == pytest.approx(sum(tasks) / 2)
+    assert rows[("niah_single_1", "aware", "full")]["score"] == 100.0   # the full cache finds it at 500 tokens
+    assert rows[("niah_single_1", "aware", "snapkv")]["kv_fraction"] < 0.6
+
+
+def test_eval_ruler_bad_arguments(default_model, monkeypatch, capsys):
+    from kvcache_ext import cli
+    _use_session_model(monkeypatch, default_model)
+    assert cli.main(["eval", "--task", "ruler", "--ruler-tasks", "qa_1", "--no-progress"]) == 2
+    assert "unknown RULER task(s) qa_1; accepted: niah_single_1" in capsys.readouterr().err
+    assert cli.main(["eval", "--task", "passkey", "--ruler-tasks", "vt", "--no-progress"]) == 2
+    assert "--ruler-tasks applies to --task ruler, not passkey" in capsys.readouterr().err
+    assert cli.main(["eval", "--task", "ruler", "--lengths", "60", "--budget", "16", "--policy", "full",
+                     "--no-progress"]) == 2
+    assert "--lengths 60: niah_single_1: n_tokens=60 is shorter" in capsys.readouterr().err
+    assert cli.main(["eval", "--task", "ppl", "--policy", "kvpress-snapkv", "--budget", "64", "--no-progress"]) == 2
+    assert "kvpress's presses run on passkey, needle and ruler, not ppl" in capsys.readouterr().err
+
+
+# --- kvpress in the harness, with a stand-in ---------------------------------------------------
+class _KeepLast:
+    """A stand-in press: after the prefill, each layer's cache keeps its last tokens (a pruned
+    cache, as kvpress's scorer presses leave it)."""
+
+    def __init__(self, compression_ratio):
+        self.compression_ratio = compression_ratio
+
+    def __call__(self, model):
+        import contextlib
+        press = self
+
+        @contextlib.contextmanager
+        def pressing():
+            forward, had_own = model.forward, "forward" in vars(model)
+
+            def pruning(*args, **kwargs):
+                out = forward(*args, **kwargs)
+                cache = kwargs.get("past_key_values", kwargs.get("cache"))   # the name with_cache gives
+                for layer in cache.layers:
+                    n = layer.keys.shape[2]
+                    keep = int(n * (1 - press.compression_ratio))
+                    layer.keys, layer.values = layer.keys[:, :, n - keep:], layer.values[:, :, n - keep:]
+                return out
+            model.forward = pruning
+            try:
+                yield
+            finally:
+                if had_own:
+                    model.forward = forward
+                else:
+                    del model.forward
+        return pressing()
+
+
+@pytest.fixture
+def stand_in_kvpress(monkeypatch):
+    module = types.ModuleType("kvpress")
+    for name in ("SnapKVPress", "ExpectedAttentionPress", "KVzipPress", "TOVAPress", "StreamingLLMPress",
+                 "KnormPress"):
+        setattr(module, name, _KeepLast)
+    module.AdaKVPress = lambda press: press
+    monkeypatch.setitem(sys.modules, "kvpress", module)
+    return module
+
+
+def test_press_runs_keep_the_budget_and_number_the_tokens_after_the_pruned_ones(default_model, stand_in_kvpress):
+    from transformers import DynamicCache
+
+    from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue
+    from kvcache_ext.evaluation.kvpress_runs import compression_ratio, run_press
+    from kvcache_ext.hf.cache_argument import with_cache
+    model, tokenizer = default_model
+    p = make_ruler_prompt(tokenizer, "niah_single_2", 400, seed=0)
+    context, question = p.input_ids[None, :p.haystack_end], p.input_ids[None, p.haystack_end:]
+    # Keeping everything: the tokens of the full cache, and its bytes.
+    new, _, held, prefill_s = run_press(model, tokenizer, "kvpress-snapkv", 1.0, context, question, 6)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(context, **with_cache(model, cache), use_cache=True)
+        logits = model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
+    expected, _ = greedy_continue(model, cache, logits, 6, tokenizer.eos_token_id)
+    assert new == expected and held == cache_bytes(cache) and prefill_s > 0
+    # Keeping the last 100 tokens: the question and the new tokens are numbered after the whole context.
+    seen = []
+    forward = model.forward
+    model.forward = lambda *a, **k: (seen.append(k.get("position_ids")), forward(*a, **k))[1]
+    try:
+        new, _, held, _ = run_press(model, tokenizer, "kvpress-ada-snapkv", 100, context, question, 3)
+    finally:
+        del model.forward
+    n, m = context.shape[1], question.shape[1]
+    assert seen[0] is None and seen[1].tolist() == [list(range(n, n + m))]
+    assert [int(s) for s in seen[2:]] == list(range(n + m, n + m + len(new) - 1))
+    assert int(n * (1 - compression_ratio(100, n))) == 100
+    per_token = cache_bytes(cache) / cache.layers[0].keys.shape[2]
+    assert held == per_token * (100 + m + len(new) - 1)
+
+
+def test_eval_runs_kvpress_names_beside_ours(default_model, monkeypatch, stand_in_kvpress, tmp_path):
+    from kvcache_ext import cli
+    _use_session_model(monkeypatch, default_model)
+    out = tmp_path / "ruler.json"
+    assert cli.main(["eval", "--task", "ruler", "--ruler-tasks", "niah_single_1", "--policy",
+                     "snapkv,kvpress-snapkv", "--keep", "0.5", "--lengths", "400", "--mode", "agnostic",
+                     "--max-new-tokens", "4", "--json", str(out), "--no-progress"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["policy"] for r in records] == ["snapkv", "kvpress-snapkv"]
+    press = records[1]
+    assert press["budget"] == 0.5 and press["kv_bytes"] < 0.6 * press["full_bytes"] and press["prefill_s"] > 0
