@@ -23,7 +23,7 @@ from kvcache_ext.hf.cache_argument import with_cache
 from kvcache_ext.checks import INT32_MAX, INT64_MAX
 from kvcache_ext.policies import (CAOTE, H2O, KVEC, TOVA, AdaKV, AhaKV, BlockwisePrefill, EveryNSteps,
                                   EveryStep, OneShot, Policy, Pooled, Pooling, Protection, Pyramid, Random,
-                                  RoCo, Schedule, ScissorHands, SnapKV, StreamingLLM, Uniform)
+                                  RoCo, Schedule, ScissorHands, SnapKV, Spanned, Spans, StreamingLLM, Uniform)
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,6 +124,9 @@ PARAMS = [
     (lambda **kw: Policy(H2O(), budget=8, **kw), "schedule", lambda v: False),
     (lambda **kw: Policy(H2O(), budget=8, **kw), "protection", lambda v: v is None),
     (lambda **kw: Pooled(H2O(), **kw), "pooling", lambda v: False),
+    (Spans, "unit", one_of("number", "word", "sentence")), (Spans, "reduce", one_of("max", "mean")),
+    (lambda **kw: Spanned(H2O(), **kw), "spans", lambda v: False),
+    (lambda **kw: Spanned(**kw), "base", lambda v: False),
     (lambda **kw: CAOTE(**kw), "base", lambda v: False),
 ]
 

@@ -272,11 +272,12 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
             for seed in range(args.seeds):
                 if args.task == "ppl":
                     ids = prose_ids(tokenizer, n, seed)[None].to(device)
-                    perplexity.run_text(model, ids, seed, policies, budgets, schedule, on_run=one)
+                    perplexity.run_text(model, ids, seed, policies, budgets, schedule, on_run=one,
+                                        tokenizer=tokenizer)
                 else:
                     ids = prose_ids(tokenizer, n + args.continuation, seed)[None].to(device)
                     fidelity.run_text(model, ids[:, :n], ids[:, n:], seed, policies, budgets, schedule,
-                                      on_run=one)
+                                      on_run=one, tokenizer=tokenizer)
         bar.close()
     return records, summarize(records)
 

@@ -278,7 +278,7 @@ def cache_view(state: LayerState, stats: dict, stat_queries: int, target: torch.
                      groups=state.groups, stats=parts["stats"], stat_queries=stat_queries,
                      k=parts.get("k"), v=parts.get("v"), budget=target, q=q, q_pos=q_pos, scale=scale,
                      model=state.model, layer_state=state.scorer_state,
-                     cache_state=state.shared.scorer_state)
+                     cache_state=state.shared.scorer_state, token_ids=state.shared.token_ids)
 
 
 def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, stats: dict, stat_queries: int,

@@ -14,7 +14,7 @@ def prompt_view(state: LayerState, q, k, v, pos, valid, scale) -> PromptView:
     return PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
                       layer_idx=state.layer_idx, num_layers=state.num_layers, budget=state.budget,
                       model=state.model, layer_state=state.scorer_state,
-                      cache_state=state.shared.scorer_state)
+                      cache_state=state.shared.scorer_state, token_ids=state.shared.token_ids)
 
 
 def compress_prompt(state: LayerState, q, k, v, pos, valid, scale) -> None:

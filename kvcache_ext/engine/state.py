@@ -12,6 +12,7 @@ import torch
 
 from kvcache_ext.hf.cache_argument import EITHER_NAME
 from kvcache_ext.policies.policy import Policy
+from kvcache_ext.policies.token_ids import TokenIds
 from kvcache_ext.policies.views import ModelParts
 
 
@@ -42,19 +43,23 @@ class StepValidity:
 class SharedByLayers:
     """What the layers of one cache share; the cache makes one and hands it to every layer."""
 
-    __slots__ = ("scorer_state", "step_validity")
+    __slots__ = ("scorer_state", "step_validity", "token_ids")
 
-    def __init__(self):
+    def __init__(self, token_ids: TokenIds | None = None):
         self.scorer_state: dict = {}               # the scorer's cross-layer state (views' cache_state)
         self.step_validity = StepValidity()        # the engine's per-step memo
+        # the rows' token ids by position, noted by the patched model (a scorer's needs_token_ids)
+        self.token_ids = TokenIds() if token_ids is None else token_ids
 
     def clear(self) -> None:
         self.scorer_state.clear()
         self.step_validity.clear()
+        self.token_ids.clear()
 
     def fork(self) -> "SharedByLayers":
-        """What the layers of a fork of the cache share: the scorer's state as it is now."""
-        other = SharedByLayers()
+        """What the layers of a fork of the cache share: the scorer's state and the token ids
+        as they are now."""
+        other = SharedByLayers(self.token_ids.copy())
         other.scorer_state.update(self.scorer_state)
         return other
 

@@ -58,7 +58,7 @@ def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int 
                     full_bytes = cache_bytes(cache)
                 else:
                     with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
-                        cache = compressed_cache(policy, recorded)
+                        cache = compressed_cache(policy, recorded, handle.model_parts)
                         prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
                         answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
                 if name == "full" and "full" not in policies:

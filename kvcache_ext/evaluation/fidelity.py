@@ -47,9 +47,10 @@ def _feed(model, cache, tokens: torch.Tensor, one_call: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int, policies, budgets,
-             schedule=None, on_run=None):
+             schedule=None, on_run=None, tokenizer=None):
     """Every (policy, budget) on one context [1, n] and its continuation [1, C].
-    ``on_run(record)`` is called as each run ends."""
+    ``on_run(record)`` is called as each run ends. ``tokenizer``: the model's (what ``patch``
+    needs for a policy with spans)."""
     recorded = record_prefill(model, context)
     full = full_cache_from(model, recorded)
     full_bytes = cache_bytes(full)
@@ -63,9 +64,9 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
         on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
         sched = policy.schedule
-        with kvcache_ext.patch(model, policy) as handle:
+        with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
             if sched.prefill_block is None:
-                cache = compressed_cache(policy, recorded)
+                cache = compressed_cache(policy, recorded, handle.model_parts)
             else:
                 cache = handle.new_cache()
                 model(context, **with_cache(model, cache), use_cache=True)

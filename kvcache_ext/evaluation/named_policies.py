@@ -37,6 +37,7 @@ from kvcache_ext.policies import (
     Schedule,
     ScissorHands,
     SnapKV,
+    Spanned,
     StreamingLLM,
 )
 
@@ -95,6 +96,11 @@ BUILT_IN = {
     "h2o-pool": (lambda b: Pooled(_h2o(b)), None),
     "tova-pool": (lambda b: Pooled(TOVA()), None),
     "roco-pool": (lambda b: Pooled(RoCo()), None),
+    # Whole spans (Spans: words and numbers, by the max): a number kept whole or dropped whole.
+    # Needs the model's tokenizer (kvcache-ext eval passes it).
+    "snapkv-spans": (lambda b: Spanned(SnapKV()), None),
+    "ada-snapkv-spans": (lambda b: Spanned(SnapKV()), lambda: AdaKV()),
+    "ahakv-spans": (lambda b: Spanned(AhaKV()), None),
 }
 
 RESERVED = ("full", "all")   # HF's full cache; every name (parse_policies)

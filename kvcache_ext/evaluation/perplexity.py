@@ -40,8 +40,9 @@ def _mean_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, on_run=None):
-    """Every (policy, budget) on one text ``ids`` [1, n]. ``on_run(record)`` as each run ends."""
+def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, on_run=None, tokenizer=None):
+    """Every (policy, budget) on one text ``ids`` [1, n]. ``on_run(record)`` as each run ends.
+    ``tokenizer``: the model's (what ``patch`` needs for a policy with spans)."""
     from transformers import DynamicCache
     if schedule is None or schedule.prefill_block is None:
         raise ValueError("ppl needs a block-wise prefill schedule (e.g. --prefill-block 128)")
@@ -56,7 +57,7 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
                                     full_bytes, full_bytes))
         on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
-        with kvcache_ext.patch(model, policy) as handle:
+        with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
             cache = handle.new_cache()
             nll = _mean_nll(model(ids, **with_cache(model, cache), use_cache=True).logits, ids)
         out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,

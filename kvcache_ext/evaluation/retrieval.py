@@ -127,7 +127,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
         else:
             with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
                 if policy.schedule.prefill_block is None:
-                    cache = compressed_cache(policy, recorded)
+                    cache = compressed_cache(policy, recorded, handle.model_parts)
                     prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
                     logits = last_logits(cache, recorded.logits)
                 else:

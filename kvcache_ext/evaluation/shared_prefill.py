@@ -49,6 +49,7 @@ class RecordedPrefill:
     # at every budget, with the passes' wall time.
     reconstructed: dict = field(default_factory=dict)
     windows: list = field(default_factory=list)   # per layer, its sliding window (None: none)
+    input_ids: torch.Tensor | None = None   # [B, n] the prompt's token ids (for a policy that reads them)
 
 
 @torch.no_grad()
@@ -63,14 +64,24 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), use_cache=True)
         seconds = time.perf_counter() - start
     return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, model=handle.model_parts,
-                           windows=[layer.state.window for layer in cache.layers])
+                           windows=[layer.state.window for layer in cache.layers], input_ids=input_ids)
 
 
-def compressed_cache(policy: Policy, recorded: RecordedPrefill) -> RaggedCache:
-    """The RaggedCache that a model patched with ``policy`` holds after the recorded prefill."""
+def compressed_cache(policy: Policy, recorded: RecordedPrefill, model: ModelParts | None = None) -> RaggedCache:
+    """The RaggedCache that a model patched with ``policy`` holds after the recorded prefill.
+    ``model``: the parts of the model that the patched model hands its scorers
+    (``handle.model_parts``; by default the recording's, which lack the tokenizer's token
+    kinds that a policy with spans reads). A policy that reads token ids gets the recorded
+    prompt's, noted as the patched model notes them."""
     if policy.schedule.prefill_block is not None:
         raise ValueError("a block-wise prefill depends on the policy: it cannot share a recording")
-    cache = RaggedCache(policy, len(recorded.views), model=recorded.model)
+    cache = RaggedCache(policy, len(recorded.views), model=recorded.model if model is None else model)
+    if policy.scorer.needs_token_ids and recorded.views:
+        if recorded.input_ids is None:
+            raise ValueError(f"compressed_cache: the policy's scorer {type(policy.scorer).__name__} reads the "
+                             "prompt's token ids, and this recording has none (record it with record_prefill)")
+        view = recorded.views[0]
+        cache.token_ids.note(recorded.input_ids, view.pos, view.valid, int(view.pos.max()))
     windows = recorded.windows or [None] * len(recorded.views)
     for layer, view, window in zip(cache.layers, recorded.views, windows):
         layer.lazy_initialization(view.k, view.v)

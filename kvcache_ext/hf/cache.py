@@ -14,7 +14,9 @@ from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.checks import check_page_size, integer
 from kvcache_ext.policies.policy import ModelShape, Policy
+from kvcache_ext.engine.eviction import new_positions, new_token_validity
 from kvcache_ext.engine.state import SharedByLayers
+from kvcache_ext.policies.token_ids import TokenIds
 from kvcache_ext.policies.views import ModelParts
 
 # The attention function finds its layer's state through the cache's update() that HF calls
@@ -223,6 +225,29 @@ class RaggedCache(Cache):
         """Per layer, [B, H] tokens held per (batch item, KV head)."""
         return [layer.state.kv.lens if layer.state.kv is not None else torch.zeros(0, dtype=torch.long)
                 for layer in self.layers]
+
+    @property
+    def token_ids(self) -> TokenIds:
+        """The token ids of this cache's rows by position (``TokenIds``), noted when its
+        policy reads them (``note_token_ids``); emptied by ``reset()``."""
+        return self.layers[0].state.shared.token_ids
+
+    def note_token_ids(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> None:
+        """Notes the ids of the tokens a call is about to add (``input_ids`` [B, n]) at the
+        positions the engine will give them: ``position_ids`` when given, else this cache's
+        length onwards; the tokens that ``attention_mask`` (2-D [B, seen + n], or HF's 4-D)
+        marks as padding are not noted. The patched model calls it before each call when its
+        policy reads token ids (``kvcache_ext.hf.call_token_ids``)."""
+        B, n = input_ids.shape
+        seen = self.get_seq_length()
+        pos = new_positions(position_ids, seen, n, B, input_ids.device)
+        last = seen + n - 1 if position_ids is None else int(pos.max()) if n else -1
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[-1] >= n:
+            valid = attention_mask[:, -n:].to(input_ids.device) != 0
+        else:
+            valid = new_token_validity(attention_mask, seen, n, B, input_ids.device)
+        if n:
+            self.token_ids.note(input_ids, pos, valid, last)
 
     @property
     def scorer_state(self) -> dict:

@@ -21,11 +21,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvcache_ext.kernels.attention import check_head_dim
 from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.hf.cache_argument import cache_argument
+from kvcache_ext.hf.call_token_ids import note_call_token_ids
 from kvcache_ext.hf.shared_prefix import SharedPrefix, SharedPrefixes, compress_prefix, prefix_ids
 from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.eviction import layer_forward
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.policies.policy import ModelShape, Policy
+from kvcache_ext.policies.token_kinds import TokenKinds
 from kvcache_ext.policies.views import ModelParts
 from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
 
@@ -80,9 +82,11 @@ def _register() -> None:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[dense])
 
 
-def model_parts(model) -> ModelParts:
-    """What a patched HF causal LM hands its scorers: its rotary embedding (``rotary_emb``)."""
-    return ModelParts(rotary=getattr(getattr(model, "model", None), "rotary_emb", None))
+def model_parts(model, tokenizer=None) -> ModelParts:
+    """What a patched HF causal LM hands its scorers: its rotary embedding (``rotary_emb``), and
+    its tokenizer's token kinds when given the tokenizer (for spans)."""
+    return ModelParts(rotary=getattr(getattr(model, "model", None), "rotary_emb", None),
+                      token_kinds=TokenKinds.of(tokenizer) if tokenizer is not None else None)
 
 
 class PatchHandle:
@@ -93,7 +97,8 @@ class PatchHandle:
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size, self.tokenizer = page_size, tokenizer
         self.reserve_new_tokens = reserve_new_tokens
-        self.model_parts = model_parts(model)   # what the caches hand the scorers
+        # what the caches hand the scorers (the token kinds only to a policy that reads token ids)
+        self.model_parts = model_parts(model, tokenizer if policy.scorer.needs_token_ids else None)
         self.tokens = PromptTokens(tokenizer)    # tokens(text): a ReconstructionScorer's instructions
         self.shape = ModelShape.of(model)
         self._last_cache = None
@@ -195,6 +200,10 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise TypeError(f"patch tokenizer must be the model's tokenizer (with an encode method), "
                         f"got {type(tokenizer).__name__}")
     check_tokenizer(policy.scorer, tokenizer)
+    if policy.scorer.needs_token_ids and tokenizer is None:
+        raise ValueError(f"patch tokenizer: None, but the policy's scorer {type(policy.scorer).__name__} keeps "
+                         "whole spans (words, numbers: Spans), found from the tokens' text; pass the model's "
+                         "tokenizer (patch(model, policy, tokenizer=...))")
     config = getattr(model, "config", None)
     model_type = getattr(config.get_text_config() if config is not None else None, "model_type", None)
     if model_type not in SUPPORTED_MODELS:
@@ -328,6 +337,8 @@ def _hook_forwards(handle: PatchHandle) -> None:
         for value in args:
             if isinstance(value, RaggedCache):
                 value.check_model(shape)
+        if handle.policy.scorer.needs_token_ids:   # the ids of the tokens to come, by position (Spanned)
+            note_call_token_ids(module, args, kwargs)
 
     def after(module, args, kwargs, output):
         exit_patched_forward()

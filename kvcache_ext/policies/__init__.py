@@ -28,6 +28,8 @@ from kvcache_ext.policies.schedule import BlockwisePrefill, EveryNSteps, EverySt
 from kvcache_ext.policies.scissorhands import ScissorHands
 from kvcache_ext.policies.scorer import ReconstructionScorer, Scorer
 from kvcache_ext.policies.snapkv import SnapKV
+from kvcache_ext.policies.spanned import Spanned
+from kvcache_ext.policies.spans import Spans
 from kvcache_ext.policies.streaming_llm import StreamingLLM
 from kvcache_ext.policies.tova import TOVA
 from kvcache_ext.policies.uniform import Uniform
@@ -36,6 +38,6 @@ from kvcache_ext.policies.views import CacheView, ModelParts, PromptView
 __all__ = ["Policy", "ModelShape", "Scorer", "ReconstructionScorer", "Allocation", "Schedule", "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "KVzip", "ExpectedAttention", "CAOTE", "FastCAOTE", "caote_policy",
-           "Pooling", "Pooled", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",
+           "Pooling", "Pooled", "Spans", "Spanned", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",
            "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
            "PromptView", "CacheView", "ModelParts"]

@@ -41,6 +41,7 @@ class Scorer:
     reconstructs: bool = False               # True for a ReconstructionScorer (below)
     scores_in_slots: bool = False            # ``slot_scores`` gives ``cache_scores`` (below)
     slot_rule: str | None = None             # the compiled decode step's form of the scorer (below)
+    needs_token_ids: bool = False            # views carry the rows' token ids (Spanned); patch then needs a tokenizer
 
     def default_protection(self) -> Protection:
         return Protection()

@@ -13,12 +13,16 @@ Besides the tokens, both views carry what the model hands its scorers (``model``
 ``ModelParts``) and the two places where a scorer keeps state between calls, both owned by the
 cache and emptied when it is reset: ``layer_state`` (this layer's) and ``cache_state`` (one
 dict that every layer of the cache shares). The engine keeps nothing of its own in them.
+``token_ids``, the rows' token ids by position (``TokenIds``), is the cache's too, read-only
+to a scorer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from kvcache_ext.policies.token_ids import TokenIds
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor | None, k_pos: torch.Tensor,
@@ -70,6 +74,7 @@ class ModelParts:
     a scorer that needs one more part of the model costs one field here and one line there."""
 
     rotary: object = None   # the model's rotary embedding (HF's ``rotary_emb``): ExpectedAttention
+    token_kinds: object = None   # the tokenizer's TokenKinds (policies.token_kinds): Spanned
 
 
 @dataclass
@@ -89,6 +94,7 @@ class PromptView:
     model: ModelParts = field(default_factory=ModelParts)   # parts of the model, when patched
     layer_state: dict = field(default_factory=dict)   # the scorer's own state of this layer
     cache_state: dict = field(default_factory=dict)   # the scorer's state shared by every layer
+    token_ids: TokenIds | None = None   # the rows' token ids by position (the cache's; needs_token_ids)
 
     @property
     def groups(self) -> int:
@@ -169,6 +175,7 @@ class CacheView:
     model: ModelParts = field(default_factory=ModelParts)   # parts of the model, when patched
     layer_state: dict = field(default_factory=dict)   # the scorer's own state of this layer
     cache_state: dict = field(default_factory=dict)   # the scorer's state shared by every layer
+    token_ids: TokenIds | None = None   # the rows' token ids by position (the cache's; needs_token_ids)
 
     def query_probs(self, q: torch.Tensor, q_pos: torch.Tensor | None, scale=None) -> torch.Tensor:
         """Softmax ``[B, Hq, r, L]`` of any queries ``q [B, Hq, r, D]`` at positions ``q_pos

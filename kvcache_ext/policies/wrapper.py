@@ -46,6 +46,10 @@ class Wrapper(Scorer):
     def updates_from_view(self) -> bool:
         return self.inner.updates_from_view
 
+    @property
+    def needs_token_ids(self) -> bool:
+        return self.inner.needs_token_ids
+
     def default_protection(self) -> Protection:
         return self.inner.default_protection()
 

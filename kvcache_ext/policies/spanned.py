@@ -1,0 +1,81 @@
+"""Spanned(base): any score-based scorer whose eviction scores are shared by whole spans (words,
+numbers, sentences: ``kvcache_ext.policies.spans``), so that its selection keeps or drops a
+span as a whole.
+
+It reads the token ids of the rows (``view.token_ids``) and the tokenizer's token kinds
+(``view.model.token_kinds``): ``patch`` refuses a policy with spans without a tokenizer, and
+the patched model notes the ids of every call. See docs/policies.md, "Spans".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache_ext.checks import Instance, check_fields
+from kvcache_ext.policies.protection import newest
+from kvcache_ext.policies.scorer import Scorer
+from kvcache_ext.policies.spans import Spans
+from kvcache_ext.policies.views import CacheView, PromptView
+from kvcache_ext.policies.wrapper import Wrapper
+
+
+@dataclass
+class Spanned(Wrapper):
+    """The scores of ``base`` shared by whole spans (``spans``, default ``Spans("word", "max")``)
+    before the top-k.
+
+    Blind to padding, to the base's protected recent window (``base.default_protection()``)
+    and to infinite scores, like ``Pooled``; a base that pools (SnapKV) pools first. The base's
+    state (channels, statistics, updates) is untouched: only the score the selection reads
+    changes. Everything else is the base's. A scorer that reconstructs the prompt (KVzip) has
+    no per-layer scores to share and is refused."""
+
+    base: Scorer
+    spans: Spans = field(default_factory=Spans)
+
+    needs_token_ids = True
+
+    def __post_init__(self):
+        check_fields(self, "Spanned", base=Instance(Scorer, "a kvcache_ext.policies scorer"),
+                     spans=Instance(Spans, "a kvcache_ext.policies.Spans"))
+        if self.base.reconstructs:
+            raise ValueError(f"Spanned base must score one layer at a time; got {type(self.base).__name__}, "
+                             "which scores by reconstructing the prompt (its scores are not read per layer)")
+
+    @property
+    def inner(self) -> Scorer:
+        return self.base
+
+    @property
+    def output_after_eviction(self) -> bool:
+        return self.base.output_after_eviction
+
+    # --- shared scores --------------------------------------------------------------------
+    def _share(self, scores, pos, real, last_pos, view) -> torch.Tensor:
+        kinds, token_ids = view.model.token_kinds, view.token_ids
+        if kinds is None:
+            raise RuntimeError("Spanned needs the tokenizer's token kinds (ModelParts.token_kinds): patch the "
+                               "model with its tokenizer (kvcache_ext.patch(model, policy, tokenizer=...)) and "
+                               "use the handle's caches (handle.new_cache(), generate)")
+        if token_ids is None or token_ids.ids is None:
+            raise RuntimeError("Spanned needs the token ids of the cached tokens, and none were noted: the "
+                               "patched model notes them when it is called with input_ids (generate, "
+                               "model(input_ids, past_key_values=cache)); a call with inputs_embeds only, or "
+                               "continuous batching, gives none")
+        recent = newest(pos, last_pos, self.base.default_protection().recent)
+        live = real & ~recent & torch.isfinite(scores)
+        span, known = self.spans.span_of(token_ids, kinds, pos)
+        if not bool((known | ~live).all()):
+            raise RuntimeError("Spanned: some cached tokens have no noted token id (a call gave "
+                               "inputs_embeds without input_ids?); spans need every token's id")
+        return self.spans(scores, span, live)
+
+    def prompt_scores(self, p: PromptView):
+        scores, channels = self.base.prompt_scores(p)
+        B, H, n = scores.shape
+        pos = p.pos[:, None, :].expand(B, H, n)
+        return self._share(scores.float(), pos, p.valid[:, None, :].expand(B, H, n), p.last_pos, p), channels
+
+    def cache_scores(self, view: CacheView) -> torch.Tensor:
+        return self._share(self.base.cache_scores(view).float(), view.pos, view.mask, view.last_pos, view)
