@@ -14,7 +14,9 @@ process (a no-op for a module without kvpress's mask).
 """
 from __future__ import annotations
 
+import contextlib
 import time
+import types
 
 import torch
 
@@ -33,7 +35,7 @@ def kvpress_missing() -> str | None:
     return None
 
 
-def make_press(name: str, ratio: float, tokenizer=None):
+def make_press(name: str, ratio: float):
     """kvpress's press ``name`` (one of ``KVPRESS_POLICIES``) at ``compression_ratio=ratio``."""
     import kvpress as kp
     presses = {
@@ -48,11 +50,23 @@ def make_press(name: str, ratio: float, tokenizer=None):
     }
     if name not in presses:
         raise ValueError(f"unknown kvpress policy {name!r}; known: {', '.join(KVPRESS_POLICIES)}")
-    if name == "kvpress-kvzip" and tokenizer is not None:
-        # KVzipPress loads the tokenizer from the model's name; the default model is a GGUF file.
-        from kvpress.presses import kvzip_press
-        kvzip_press.AutoTokenizer.from_pretrained = staticmethod(lambda *a, **k: tokenizer)
     return presses[name]()
+
+
+@contextlib.contextmanager
+def _kvzip_tokenizer(name: str, tokenizer):
+    """KVzipPress loads the tokenizer by the model's name, which a GGUF model does not have:
+    while the press runs, its module's ``AutoTokenizer`` hands it ``tokenizer`` instead."""
+    if name != "kvpress-kvzip":
+        yield
+        return
+    from kvpress.presses import kvzip_press
+    loader = kvzip_press.AutoTokenizer
+    kvzip_press.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda *args, **kwargs: tokenizer)
+    try:
+        yield
+    finally:
+        kvzip_press.AutoTokenizer = loader
 
 
 def compression_ratio(budget: int | float, length: int) -> float:
@@ -86,11 +100,11 @@ def run_press(model, tokenizer, name: str, budget: int | float, context: torch.T
     from kvcache_ext.evaluation.decoding import cache_bytes
     from kvcache_ext.hf.cache_argument import with_cache
     n = context.shape[1]
-    press = make_press(name, compression_ratio(budget, n), tokenizer)
+    press = make_press(name, compression_ratio(budget, n))
     cache = DynamicCache(config=model.config)
     try:
         start = time.perf_counter()
-        with press(model):
+        with _kvzip_tokenizer(name, tokenizer), press(model):
             logits = model(context, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         prefill_s = time.perf_counter() - start
         seen = n
