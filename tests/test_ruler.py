@@ -127,10 +127,11 @@ def test_eval_ruler_smoke(default_model, monkeypatch, tmp_path, capsys):
     """Two RULER tasks, both prompt modes: per-task rows, RULER's mean, scores from the outputs."""
     from kvcache_ext import cli
     _use_session_model(monkeypatch, default_model)
-    out = tmp_path / "ruler.json"
+    out, png = tmp_path / "ruler.json", tmp_path / "ruler.png"
     assert cli.main(["eval", "--task", "ruler", "--ruler-tasks", "niah_single_1,niah_multivalue",
                      "--policy", "full,snapkv", "--keep", "0.5", "--lengths", "500", "--max-new-tokens", "24",
-                     "--json", str(out), "--no-progress"]) == 0
+                     "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "niah_single_1 (aware): RULER score" in printed and "ruler (agnostic): RULER score, mean" in printed
     doc = json.loads(out.read_text())
