@@ -3,7 +3,7 @@
 Two ranks (``torch.multiprocessing.spawn``, gloo) load a tiny random-weight Llama of 4 KV
 heads with ``from_pretrained(..., tp_plan="auto")``: each rank's attention sees 2 of them,
 and its cache holds those 2. For each policy the tokens generated (greedy) equal one
-process's, the per-head token counts of the two ranks side by side equal one process's
+process's, the per-head token counts of the two ranks side by side equal one process's, in a batch of two rows, one left-padded
 (Ada-KV's exact split across ranks and KVzip's global top-k included), and each rank holds
 about half of one process's bytes. One spawn runs every policy, so the run pays the ranks'
 imports once.
@@ -39,8 +39,14 @@ def policies() -> dict:
     }
 
 
-def prompt() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+PAD = 17   # the second row is left-padded: rows are split independently on every rank
+
+
+def prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :PAD] = 0
+    return ids, mask
 
 
 def run_policies(model) -> dict:
@@ -48,10 +54,11 @@ def run_policies(model) -> dict:
     out = {}
     for name, policy in policies().items():
         with kvcache_ext.patch(model, policy) as handle:
-            gen = model.generate(prompt(), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
-                                 return_dict_in_generate=True)
+            ids, mask = prompt()
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                 min_new_tokens=NEW, return_dict_in_generate=True, pad_token_id=0)
             cache = gen.past_key_values
-            out[name] = (gen.sequences[0, PROMPT:].tolist(), [k.clone() for k in cache.kept_tokens()], cache.nbytes)
+            out[name] = (gen.sequences[:, PROMPT:].tolist(), [k.clone() for k in cache.kept_tokens()], cache.nbytes)
     return out
 
 
@@ -69,7 +76,7 @@ def _rank(rank: int, world: int, path: str, port: int, results: str) -> None:
         with kvcache_ext.patch(model, policies()["ada-snapkv"]) as handle:
             shape = handle.shape
             try:   # a cache made without the model's parts cannot split across ranks: refused
-                model(prompt(), past_key_values=RaggedCache(handle.policy, shape.num_layers))
+                model(prompt()[0], past_key_values=RaggedCache(handle.policy, shape.num_layers))
                 refused = None
             except ValueError as err:
                 refused = str(err)
@@ -133,7 +140,7 @@ def test_ada_per_rank_shares_each_ranks_budget(runs):
     share = 2 * (BUDGET + NEW - 1)   # the prompt's budget, then the decoded tokens appended
     for got in ranks:
         for held in got["runs"]["ada-snapkv-per-rank"][1]:
-            assert int(held.sum()) == share, held
+            assert held.sum(dim=1).tolist() == [share, share], held
     # The exact split moves budget between ranks somewhere (else this test could not tell them apart).
-    exact = [int(held.sum()) for got in ranks for held in got["runs"]["ada-snapkv"][1]]
+    exact = [total for got in ranks for held in got["runs"]["ada-snapkv"][1] for total in held.sum(dim=1).tolist()]
     assert any(total != share for total in exact), exact
