@@ -14,7 +14,9 @@ values of its K and V.
 Every rank must make the same calls in the same order (collectives); the engine's steps are
 the same on every rank, since each rank runs the same model call on the same tokens. The one
 decision a rank would otherwise make alone, whether a layer has a head over its budget at all,
-is taken together (``any_over_budget``).
+is taken together (``any_over_budget``), for these allocations and for a scorer whose score of
+a head reads every head (``Scorer.reads_every_head``: TOVA's mean over heads, which sums over
+the ranks itself).
 """
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ def crossing_heads(state: LayerState):
 
 def any_over_budget(state: LayerState, over: bool) -> bool:
     """Whether some head of the layer, on any rank, holds more than its budget (``over``: this
-    rank's answer): an exact split re-allocates every head of a row as soon as one is over."""
-    ranks = crossing_heads(state)
-    return over if ranks is None else ranks.any(over, state.tokens[2])
+    rank's answer), when the ranks must evict together: an exact split re-allocates every head
+    of a row as soon as one is over, and a scorer that reads every head (TOVA's mean) runs a
+    collective of its own. Otherwise each rank answers for its own heads."""
+    ranks = state.model.ranks
+    together = state.policy.allocation.heads_across_ranks or state.policy.scorer.reads_every_head
+    return ranks.any(over, state.tokens[2]) if ranks is not None and together else over
 
 
 def head_budgets(state: LayerState, budget: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,

@@ -7,7 +7,8 @@ torchrun) each rank holds a contiguous slice of every layer's heads: rank r the 
 rank's cache holds its own heads; what crosses ranks is only what an allocation over a row's
 heads (Ada-KV exact) or over every layer (KVzip's global top-k) needs: the scores.
 ``hf.tensor_parallel`` finds the ranks of a model; ``ModelParts.ranks`` carries them to the
-engine (``engine.across_ranks``).
+engine (``engine.across_ranks``) and to the scorers whose score of a head reads every head of
+the layer (TOVA's mean over heads: ``Scorer.reads_every_head``).
 """
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ class Ranks:
         """This rank's slice of a tensor over every rank's heads (dim 1)."""
         per = x.shape[1] // self.size
         return x[:, self.rank * per:(self.rank + 1) * per]
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x`` (the same shape on every rank; a collective)."""
+        import torch.distributed as dist
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def max(self, n: int, device) -> int:
+        """The largest ``n`` over ranks (a collective)."""
+        import torch.distributed as dist
+        t = torch.tensor([int(n)], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
 
     def any(self, flag: bool, device) -> bool:
         """Whether ``flag`` holds on some rank (a collective: every rank must call it; ``device``:
