@@ -18,7 +18,8 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.hf.cache import RaggedCache
-from kvcache_ext.policies import H2O, KVzip, AcrossLayers, AdaKV, EveryStep, Policy, SnapKV
+from kvcache_ext.policies import (H2O, KVEC, TOVA, AcrossLayers, AdaKV, EveryStep, KVzip, Policy, Random,
+                                  SnapKV)
 from tiny_models import VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,6 +37,10 @@ def policies() -> dict:
         "h2o-step": Policy(H2O(), budget=BUDGET, schedule=EveryStep()),
         "ada-h2o-step": Policy(H2O(), budget=BUDGET, schedule=EveryStep(), allocation=AdaKV()),
         "kvzip-global": Policy(KVzip(**KVZIP_IDS), budget=BUDGET, allocation=AdaKV(alpha=1.0, layers=AcrossLayers())),
+        # a score that reads every head of the layer (TOVA's mean), at the prompt and while decoding
+        "tova-step": Policy(TOVA(), budget=BUDGET, schedule=EveryStep()),
+        # a score by the model's head index (each rank's heads are the model's heads from rank * H on)
+        "random": Policy(Random(seed=3), budget=BUDGET),
     }
 
 
@@ -80,7 +85,12 @@ def _rank(rank: int, world: int, path: str, port: int, results: str) -> None:
                 refused = None
             except ValueError as err:
                 refused = str(err)
-        torch.save({"shape": shape, "refused": refused, "runs": run_policies(model)},
+        try:   # K-VEC reads every head of a layer in ways not split over ranks: refused at patch
+            kvcache_ext.patch(model, Policy(KVEC(), budget=BUDGET))
+            kvec = None
+        except ValueError as err:
+            kvec = str(err)
+        torch.save({"shape": shape, "refused": refused, "kvec": kvec, "runs": run_policies(model)},
                    os.path.join(results, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -117,6 +127,12 @@ def test_a_cache_without_the_models_ranks_is_refused(runs):
     _, ranks = runs
     for got in ranks:
         assert got["refused"] is not None and "handle.new_cache()" in got["refused"], got["refused"]
+
+
+def test_kvec_is_refused_under_tensor_parallelism(runs):
+    _, ranks = runs
+    for got in ranks:
+        assert got["kvec"] is not None and "tensor-parallel" in got["kvec"], got["kvec"]
 
 
 @pytest.mark.parametrize("name", [n for n in policies() if n != "ada-snapkv-per-rank"])
