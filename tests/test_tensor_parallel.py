@@ -85,12 +85,18 @@ def _rank(rank: int, world: int, path: str, port: int, results: str) -> None:
                 refused = None
             except ValueError as err:
                 refused = str(err)
+        try:   # continuous batching counts every head's pages in one process: refused
+            with kvcache_ext.patch(model, policies()["snapkv"]):
+                model.init_continuous_batching()
+            batching = None
+        except NotImplementedError as err:
+            batching = str(err)
         try:   # K-VEC reads every head of a layer in ways not split over ranks: refused at patch
             kvcache_ext.patch(model, Policy(KVEC(), budget=BUDGET))
             kvec = None
         except ValueError as err:
             kvec = str(err)
-        torch.save({"shape": shape, "refused": refused, "kvec": kvec, "runs": run_policies(model)},
+        torch.save({"shape": shape, "refused": refused, "kvec": kvec, "batching": batching, "runs": run_policies(model)},
                    os.path.join(results, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -129,10 +135,65 @@ def test_a_cache_without_the_models_ranks_is_refused(runs):
         assert got["refused"] is not None and "handle.new_cache()" in got["refused"], got["refused"]
 
 
-def test_kvec_is_refused_under_tensor_parallelism(runs):
+def test_kvec_and_continuous_batching_are_refused_under_tensor_parallelism(runs):
     _, ranks = runs
     for got in ranks:
         assert got["kvec"] is not None and "tensor-parallel" in got["kvec"], got["kvec"]
+        assert got["batching"] is not None and "tensor-parallel" in got["batching"], got["batching"]
+
+
+# ---------------------------------------------------------------- the shape, without processes
+class _Mesh:
+    def get_group(self):
+        return "group"
+
+    def get_local_rank(self):
+        return 1
+
+    def size(self):
+        return 2
+
+
+class _Sharded:
+    """A DTensor weight as the shape reads it: its mesh and its local rows."""
+
+    def __init__(self, rows):
+        self.device_mesh, self.rows = _Mesh(), rows
+
+    def to_local(self):
+        return torch.empty(self.rows, 1)
+
+
+def _fake_tp_model(heads=8, kv_heads=4, head_dim=16, style="colwise", local_rows=None):
+    """What model_shape reads of a tensor-parallel model: config, tp_size, tp_plan, the key
+    projection's sharded weight."""
+    from types import SimpleNamespace
+    from transformers import LlamaConfig
+    config = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         hidden_size=heads * head_dim, num_hidden_layers=2)
+    rows = kv_heads // 2 * head_dim if local_rows is None else local_rows
+    k_proj = SimpleNamespace(weight=_Sharded(rows))
+    return SimpleNamespace(config=config, tp_size=2, tp_plan={"model.layers.*.self_attn.k_proj": style},
+                           named_modules=lambda: iter([("model.layers.0.self_attn.k_proj", k_proj)]))
+
+
+def test_shape_is_each_ranks_share_of_the_heads():
+    from kvcache_ext.hf.tensor_parallel import model_shape, ranks_of
+    shape = model_shape(_fake_tp_model())
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.ranks) == (4, 2, 16, 2)
+    ranks = ranks_of(_fake_tp_model())
+    assert (ranks.rank, ranks.size) == (1, 2)
+    # a plan that gathers the projection's output leaves every head on every rank
+    gathered = model_shape(_fake_tp_model(style="colwise_gather_output"))
+    assert (gathered.heads, gathered.kv_heads, gathered.ranks) == (8, 4, 1)
+
+
+def test_shape_refuses_heads_a_rank_cannot_hold_whole():
+    from kvcache_ext.hf.tensor_parallel import model_shape
+    with pytest.raises(ValueError, match=r"tp_size 2 does not divide the model's num_key_value_heads \(3\)"):
+        model_shape(_fake_tp_model(heads=6, kv_heads=3))
+    with pytest.raises(ValueError, match="holds 8 output rows on rank 1, not 2 KV heads of 16"):
+        model_shape(_fake_tp_model(local_rows=8))
 
 
 @pytest.mark.parametrize("name", [n for n in policies() if n != "ada-snapkv-per-rank"])

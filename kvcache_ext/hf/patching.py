@@ -269,13 +269,13 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
 def _init_continuous_batching(model, handle, *args, **kwargs):
     """A patched model's ``init_continuous_batching`` (kvcache_ext.serving; imported when first
     used, since older transformers lack the engine's extension points)."""
-    from kvcache_ext.serving.manager import init_continuous_batching
     if handle.shape.ranks > 1:
         # The engine's admission counts the pages of every head, and its steps are one
         # process's: not yet across tensor-parallel ranks.
         raise NotImplementedError(f"kvcache_ext: continuous batching (generate_batch, serve) of a model whose "
                                   f"heads are split over {handle.shape.ranks} tensor-parallel ranks is not "
                                   "supported; use generate")
+    from kvcache_ext.serving.manager import init_continuous_batching
     manager = init_continuous_batching(model, handle, *args, **kwargs)
     handle.remember_batching(manager)
     return manager
