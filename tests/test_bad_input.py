@@ -112,6 +112,7 @@ PARAMS = [
     (CAOTE, "gqa", one_of("group_l2", "mean", "sum", "max", "shared")),
     (Pooling, "kernel", int_in(1, odd=True)), (Pooling, "mode", one_of("max", "avg")),
     (AdaKV, "alpha", real_in(0.0, 1.0)), (AdaKV, "layers", lambda v: False),
+    (AdaKV, "across_ranks", one_of("exact", "per_rank")),
     (Pyramid, "beta", int_in(1)),
     (Protection, "sinks", int_in(0, INT32_MAX - 1)), (Protection, "recent", int_in(0, INT32_MAX - 1)),
     (Schedule, "prefill_block", lambda v: v is None or int_in(1, 256)(v)),

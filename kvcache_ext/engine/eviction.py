@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache_ext.engine.across_ranks import any_over_budget, head_budgets
 from kvcache_ext.engine.prompt import compress_prompt, release_prefill_slack
 from kvcache_ext.engine.reconstruction import attend_context, hold_prompt
 from kvcache_ext.engine.state import LayerState
@@ -286,8 +287,8 @@ def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, st
     """Scores the cached tokens and keeps the allocation's budget of each head (of the
     ``active`` rows only, when given). Returns whether anything was scored."""
     p, kv = state.policy, state.kv
-    if bool((kv.lens <= target_host.view(-1, 1)).all()):   # host lengths: no device sync
-        return False   # every head is within its budget: nothing to score
+    if not any_over_budget(state, not bool((kv.lens <= target_host.view(-1, 1)).all())):   # host lengths
+        return False   # every head is within its budget (on every rank, when they split together)
     if active is None and evicts_in_slots(p, target_host):
         if kv.evict_in_slots(p.scorer, p.protection, stats, state.last_pos, target, target_host):
             return True
@@ -295,7 +296,7 @@ def evict(state: LayerState, target: torch.Tensor, target_host: torch.Tensor, st
     mask = view.mask
     lens = mask.sum(dim=-1)
     scores, protected = p.protection.apply(p.scorer.cache_scores(view), view.pos, state.last_pos, mask)
-    per_head = p.allocation.head_budgets(target.to(scores.device), scores, mask, protected, kv.grouped_counts)
+    per_head = head_budgets(state, target.to(scores.device), scores, mask, protected, kv.grouped_counts, view.pos)
     if active is not None:
         per_head = torch.where(active.to(per_head.device)[:, None], per_head, lens)
     kv.evict(scores, per_head)

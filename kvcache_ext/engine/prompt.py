@@ -5,6 +5,7 @@ are noted (``note_prompt``), each head keeps its budget of the tokens by their s
 """
 from __future__ import annotations
 
+from kvcache_ext.engine.across_ranks import head_budgets
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.policies.views import PromptView
 
@@ -42,7 +43,7 @@ def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels) -> None:
     held = valid[:, None, :].expand(B, H, n)
     scores, protected = p.protection.apply(scores, pos[:, None, :].expand(B, H, n), state.last_pos, held)
     counts = lambda s, m, total: kv.prompt_grouped_counts(s, pos, valid, total)
-    per_head = p.allocation.head_budgets(state.budget, scores, held, protected, counts)
+    per_head = head_budgets(state, state.budget, scores, held, protected, counts)
     keep = kv.prompt_keep(scores, pos, valid, per_head)
     kv.append(k, v, pos, keep)
     if channels is not None and p.schedule.evicts_over_cache:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.engine.across_ranks import layer_budgets
 from kvcache_ext.engine.prompt import keep_prompt, note_prompt, release_prefill_slack
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.hf.cache_argument import cache_argument
@@ -363,7 +364,7 @@ def finish(cache, scores: list[torch.Tensor]) -> None:
                                                          state.last_pos, held)
             ranked.append(protected_first.masked_fill(~held, float("-inf")))
         base = policy.budget_for(states[0].context.valid.sum(dim=1))
-        for state, budget in zip(states, policy.allocation.layer_budgets(base, ranked)):
+        for state, budget in zip(states, layer_budgets(states[0], base, ranked)):
             state.set_budget(budget)
     for state, layer_scores in zip(states, scores):
         ctx = state.release_context()

@@ -181,6 +181,14 @@ class RaggedCache(Cache):
             raise ValueError(f"{argument}: this {type(self).__name__} has {len(self.layers)} layers but "
                              f"the model has {model.num_layers}; make the cache for this model "
                              f"(handle.new_cache(), or {type(self).__name__}(policy, {model.num_layers}))")
+        allocation = self.policy.allocation
+        crosses = allocation.heads_across_ranks or allocation.layers_across_ranks
+        if model.ranks > 1 and crosses and self.layers[0].state.model.ranks is None:
+            # It would split each rank's budget over that rank's heads alone, silently.
+            raise ValueError(f"{argument}: this {type(self).__name__} was made without the model's parts, but the "
+                             f"model's heads are split over {model.ranks} tensor-parallel ranks and its allocation "
+                             f"{allocation} splits over every rank's heads, which the cache must know: make it with "
+                             "handle.new_cache()")
         want = (model.kv_heads, model.head_dim, model.groups)
         for layer in self.layers:
             state = layer.state

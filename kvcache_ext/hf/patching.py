@@ -22,11 +22,12 @@ from kvcache_ext.kernels.attention import check_head_dim
 from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.hf.cache_argument import cache_argument
 from kvcache_ext.hf.call_token_ids import note_call_token_ids
+from kvcache_ext.hf.tensor_parallel import model_shape, ranks_of
 from kvcache_ext.hf.shared_prefix import SharedPrefix, SharedPrefixes, compress_prefix, prefix_ids
 from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.eviction import layer_forward
 from kvcache_ext.engine.state import LayerState
-from kvcache_ext.policies.policy import ModelShape, Policy
+from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.token_kinds import TokenKinds
 from kvcache_ext.policies.views import ModelParts
 from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
@@ -83,10 +84,12 @@ def _register() -> None:
 
 
 def model_parts(model, tokenizer=None) -> ModelParts:
-    """What a patched HF causal LM hands its scorers: its rotary embedding (``rotary_emb``), and
-    its tokenizer's token kinds when given the tokenizer (for spans)."""
+    """What a patched HF causal LM hands its scorers: its rotary embedding (``rotary_emb``), its
+    tokenizer's token kinds when given the tokenizer (for spans), and the tensor-parallel ranks
+    its heads are split over (``hf.tensor_parallel``; None in one process)."""
     return ModelParts(rotary=getattr(getattr(model, "model", None), "rotary_emb", None),
-                      token_kinds=TokenKinds.of(tokenizer) if tokenizer is not None else None)
+                      token_kinds=TokenKinds.of(tokenizer) if tokenizer is not None else None,
+                      ranks=ranks_of(model))
 
 
 class PatchHandle:
@@ -100,7 +103,7 @@ class PatchHandle:
         # what the caches hand the scorers (the token kinds only to a policy that reads token ids)
         self.model_parts = model_parts(model, tokenizer if policy.scorer.needs_token_ids else None)
         self.tokens = PromptTokens(tokenizer)    # tokens(text): a ReconstructionScorer's instructions
-        self.shape = ModelShape.of(model)
+        self.shape = model_shape(model)   # this rank's heads under tensor parallelism
         self._last_cache = None
         self._last_batching = None
         self._hooks = []
@@ -215,7 +218,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     _check_cuda_head_dim(model)
     _check_architecture(model, policy)
     # Everything the engine would refuse later is refused now, before the model changes.
-    policy.check(ModelShape.of(model))
+    policy.check(model_shape(model))
     if getattr(model, _HANDLE_ATTR, None) is not None:
         unpatch(model)
     _register()
@@ -266,6 +269,12 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
 def _init_continuous_batching(model, handle, *args, **kwargs):
     """A patched model's ``init_continuous_batching`` (kvcache_ext.serving; imported when first
     used, since older transformers lack the engine's extension points)."""
+    if handle.shape.ranks > 1:
+        # The engine's admission counts the pages of every head, and its steps are one
+        # process's: not yet across tensor-parallel ranks.
+        raise NotImplementedError(f"kvcache_ext: continuous batching (generate_batch, serve) of a model whose "
+                                  f"heads are split over {handle.shape.ranks} tensor-parallel ranks is not "
+                                  "supported; use generate")
     from kvcache_ext.serving.manager import init_continuous_batching
     manager = init_continuous_batching(model, handle, *args, **kwargs)
     handle.remember_batching(manager)

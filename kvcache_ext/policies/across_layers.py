@@ -27,6 +27,12 @@ class AcrossLayers(Allocation):
 
     whole_model = True   # layer budgets from every layer's scores (reconstruction.finish)
 
+    @property
+    def layers_across_ranks(self) -> bool:
+        # Its top-k is over every head of the model: under tensor parallelism every rank's
+        # scores (``engine.across_ranks``), so that each layer's count is one process's.
+        return True
+
     def layer_budgets(self, budget: torch.Tensor, scores: list[torch.Tensor]) -> list[torch.Tensor]:
         """budget [B] tokens per head; scores per layer [B, H, n] (-inf: not held, +inf:
         protected) -> per layer [B] float64 tokens per head (the layer's count / H)."""

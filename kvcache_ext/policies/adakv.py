@@ -5,9 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache_ext.checks import Instance, Real, check_fields
+from kvcache_ext.checks import Choice, Instance, Real, check_fields
 from kvcache_ext.policies.allocation import Allocation, layer_total
 from kvcache_ext.policies.uniform import Uniform
+
+ACROSS_RANKS = ("exact", "per_rank")   # how a row's budget is split when its heads are on several ranks
 
 
 @dataclass
@@ -27,14 +29,25 @@ class AdaKV(Allocation):
     the largest remainders until the sum is exact; a head never gets more than it holds.
     ``layers``: the layer schedule, ``Uniform()`` (Ada-SnapKV), ``Pyramid()`` (Ada-Pyramid) or
     ``AcrossLayers()`` (by every layer's scores; KVzip).
+
+    ``across_ranks``: under tensor parallelism (a row's heads on several ranks), ``"exact"``
+    (the default) splits the row's budget over all of its heads as one process would, so the
+    tokens kept are one process's: each rank gathers the scores of every rank's heads
+    (``engine.across_ranks``; a score per held token, 1 / (2 * head_dim) of the keys' and
+    values' bytes, per eviction) and takes its own share; with ``layers=AcrossLayers()`` the
+    layers' budgets too. ``"per_rank"``: each rank shares its own part of the budget (its
+    heads' count times the per-head budget) among its own heads, with no communication. One
+    process: the two are the same.
     """
 
     alpha: float = 0.5
     layers: Allocation = field(default_factory=Uniform)
+    across_ranks: str = "exact"
 
     def __post_init__(self):
         layers = "a layer schedule, Uniform(), Pyramid() or AcrossLayers()"
-        check_fields(self, "AdaKV", alpha=Real(0.0, 1.0), layers=Instance(Allocation, layers))
+        check_fields(self, "AdaKV", alpha=Real(0.0, 1.0), layers=Instance(Allocation, layers),
+                     across_ranks=Choice(ACROSS_RANKS))
         if isinstance(self.layers, AdaKV):
             raise ValueError(f"AdaKV layers must be {layers}, got {self.layers!r}")
 
@@ -44,6 +57,15 @@ class AdaKV(Allocation):
     @property
     def whole_model(self) -> bool:
         return self.layers.whole_model
+
+    @property
+    def heads_across_ranks(self) -> bool:
+        return self.across_ranks == "exact"
+
+    @property
+    def layers_across_ranks(self) -> bool:
+        # one choice for both steps: an exact head split needs the same layer total on every rank
+        return self.across_ranks == "exact" and self.layers.layers_across_ranks
 
     def layer_budgets(self, budget, scores):
         return self.layers.layer_budgets(budget, scores)

@@ -10,9 +10,25 @@ class Allocation:
     ``head_budgets``: the split of a layer's budget over its KV heads at an eviction step.
     Budgets include the protected tokens (sinks, recent window).
     ``whole_model``: the layers' budgets come from every layer's scores at once
-    (``layer_budgets``, AcrossLayers), which only a reconstructing scorer gives."""
+    (``layer_budgets``, AcrossLayers), which only a reconstructing scorer gives.
+
+    Under tensor parallelism (a model's heads split over ranks, ``policies.ranks``) the engine
+    hands these methods one rank's heads, unless the allocation says it splits over every
+    rank's: ``heads_across_ranks`` (``head_budgets`` then gets every rank's heads of a row,
+    gathered, and each rank keeps its own share: Ada-KV exact) and ``layers_across_ranks``
+    (``layer_budgets`` gets every rank's heads of every layer: KVzip's global top-k)."""
 
     whole_model = False
+
+    @property
+    def heads_across_ranks(self) -> bool:
+        """``head_budgets`` splits a row's budget over every tensor-parallel rank's heads."""
+        return False
+
+    @property
+    def layers_across_ranks(self) -> bool:
+        """``layer_budgets`` ranks every tensor-parallel rank's heads."""
+        return False
 
     def check_model(self, model) -> None:
         """Raises ValueError for a model (its ``ModelShape``) this allocation cannot serve;

@@ -115,6 +115,15 @@ class KVEC(Scorer):
     def default_protection(self) -> Protection:
         return Protection(recent=self.keep_recent)
 
+    def check_model(self, model) -> None:
+        if model.ranks > 1:
+            # Its importance is a max over every head of the layer and its coverage counts run
+            # over the layers' kept tokens of every head: each rank would see only its own.
+            raise ValueError(f"K-VEC reads every head of a layer (Eq. 13's max over heads, the coverage "
+                             f"counts), but this model's heads are split over {model.ranks} tensor-parallel "
+                             "ranks, each holding its own: not supported under tensor parallelism; use another "
+                             "scorer (SnapKV, AhaKV, ...)")
+
     def check(self, schedule) -> None:
         if schedule.evicts_over_cache:
             raise ValueError(

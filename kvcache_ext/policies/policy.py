@@ -15,12 +15,15 @@ from kvcache_ext.policies.uniform import Uniform
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The layout of a model that a policy and a cache are checked against."""
+    """The layout of a model that a policy and a cache are checked against: what one process's
+    attention calls see. Under tensor parallelism (``ranks`` > 1) the heads are each rank's
+    own (``per_rank``), not the config's."""
 
     num_layers: int
-    heads: int          # query heads per layer
-    kv_heads: int       # KV heads per layer
+    heads: int          # query heads per layer (of this rank)
+    kv_heads: int       # KV heads per layer (of this rank)
     head_dim: int
+    ranks: int = 1      # tensor-parallel ranks the model's heads are split over
 
     @property
     def groups(self) -> int:
@@ -35,6 +38,11 @@ class ModelShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.num_hidden_layers, heads, kv_heads, head_dim)
+
+    def per_rank(self, ranks: int) -> "ModelShape":
+        """The shape each of ``ranks`` tensor-parallel ranks sees, when the model's heads are
+        split evenly over them (``hf.tensor_parallel`` checks that they are)."""
+        return ModelShape(self.num_layers, self.heads // ranks, self.kv_heads // ranks, self.head_dim, ranks)
 
 
 @dataclass

@@ -33,10 +33,16 @@ class Random(Scorer):
 
     def prompt_scores(self, p: PromptView):
         B, H, n, _ = p.k.shape
-        head = torch.arange(H, device=p.pos.device).view(1, H, 1)
+        head = _heads(H, p.model.ranks, p.pos.device)
         return position_hash(p.pos[:, None, :], head, p.layer_idx, self.seed).expand(B, H, n), None
 
     def cache_scores(self, view: CacheView):
-        H = view.pos.shape[1]
-        head = torch.arange(H, device=view.pos.device).view(1, H, 1)
+        head = _heads(view.pos.shape[1], view.model.ranks, view.pos.device)
         return position_hash(view.pos, head, view.layer_idx, self.seed)
+
+
+def _heads(H: int, ranks, device) -> torch.Tensor:
+    """[1, H, 1] the model's index of each KV head held: under tensor parallelism a rank holds
+    the heads from rank * H on, so that a token's score is one process's."""
+    first = 0 if ranks is None else ranks.rank * H
+    return torch.arange(first, first + H, device=device).view(1, H, 1)

@@ -42,6 +42,10 @@ class Scorer:
     scores_in_slots: bool = False            # ``slot_scores`` gives ``cache_scores`` (below)
     slot_rule: str | None = None             # the compiled decode step's form of the scorer (below)
     needs_token_ids: bool = False            # views carry the rows' token ids (Spanned); patch then needs a tokenizer
+    # A head's score reads every KV head of the layer (TOVA's mean over heads). Under tensor
+    # parallelism such a scorer combines the ranks' heads itself (``view.model.ranks``: a
+    # collective), so the engine has every rank evict at the same steps (``engine.across_ranks``).
+    reads_every_head: bool = False
 
     def default_protection(self) -> Protection:
         return Protection()

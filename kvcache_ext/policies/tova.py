@@ -25,13 +25,22 @@ class TOVA(Scorer):
     def __post_init__(self):
         check_fields(self, "TOVA", per_head=Bool())
 
+    @property
+    def reads_every_head(self) -> bool:
+        return not self.per_head
+
     def prompt_scores(self, p: PromptView):
         B, H, n, _ = p.k.shape
         (_, last), = p.probs(slice(n - 1, n))          # [B, Hq, 1, n]
         last = last[:, :, 0]
         if self.per_head:
             return last.unflatten(1, (H, p.groups)).mean(dim=2), None
-        return last.mean(dim=1, keepdim=True).expand(B, H, n).contiguous(), None
+        ranks = p.model.ranks
+        if ranks is None:
+            return last.mean(dim=1, keepdim=True).expand(B, H, n).contiguous(), None
+        # Under tensor parallelism the layer's heads are on every rank: the mean over all of them.
+        mean = ranks.sum(last.sum(dim=1, keepdim=True)) / (last.shape[1] * ranks.size)
+        return mean.expand(B, H, n).contiguous(), None
 
     def prompt_head_scores(self, p: PromptView):
         n = p.q.shape[2]
@@ -47,8 +56,15 @@ class TOVA(Scorer):
             return last.mean(dim=-1)
         # Heads may hold different tokens (head-wise budgets): average by position.
         B, H, L = view.pos.shape
-        per_pos = last.new_zeros(B, int(view.pos.max().item()) + 2 if view.pos.numel() else 1)
+        ranks = view.model.ranks
+        width = int(view.pos.max().item()) + 2 if view.pos.numel() else 1
+        if ranks is not None:   # every rank's heads: one width, the sums added over ranks
+            width = ranks.max(width, view.pos.device)
+        per_pos = last.new_zeros(B, width)
         idx = view.pos.masked_fill(~view.mask, per_pos.shape[1] - 1).view(B, H * L)
         per_pos.scatter_add_(1, idx, last.sum(dim=-1).masked_fill(~view.mask, 0).view(B, H * L))
-        per_pos /= H * view.groups
+        if ranks is not None:
+            per_pos = ranks.sum(per_pos) / (H * ranks.size * view.groups)
+        else:
+            per_pos /= H * view.groups
         return per_pos.gather(1, idx).view(B, H, L)

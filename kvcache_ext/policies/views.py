@@ -75,6 +75,9 @@ class ModelParts:
 
     rotary: object = None   # the model's rotary embedding (HF's ``rotary_emb``): ExpectedAttention
     token_kinds: object = None   # the tokenizer's TokenKinds (policies.token_kinds): Spanned
+    # the tensor-parallel ranks its heads are split over (policies.ranks.Ranks; None: one
+    # process): the engine's allocations that cross ranks (engine.across_ranks)
+    ranks: object = None
 
 
 @dataclass

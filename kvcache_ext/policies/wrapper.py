@@ -50,6 +50,10 @@ class Wrapper(Scorer):
     def needs_token_ids(self) -> bool:
         return self.inner.needs_token_ids
 
+    @property
+    def reads_every_head(self) -> bool:
+        return self.inner.reads_every_head
+
     def default_protection(self) -> Protection:
         return self.inner.default_protection()
 
