@@ -67,17 +67,27 @@ def run_policies(model) -> dict:
     return out
 
 
+def tp_plan_auto() -> dict:
+    """``from_pretrained``'s argument for the model's own plan: ``distributed_config`` since
+    transformers 5.3 or so (where ``tp_plan=`` is deprecated), ``tp_plan`` before (5.2)."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
 def _rank(rank: int, world: int, path: str, port: int, results: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, DistributedConfig
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
     logging.set_verbosity_error()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto")).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, **tp_plan_auto()).eval()
         with kvcache_ext.patch(model, policies()["ada-snapkv"]) as handle:
             shape = handle.shape
             try:   # a cache made without the model's parts cannot split across ranks: refused

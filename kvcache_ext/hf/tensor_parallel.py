@@ -50,8 +50,10 @@ def ranks_of(model) -> Ranks | None:
     if found is None or _style(model, found[0]) not in SPLITS_HEADS:
         return None
     weight = found[1].weight
-    mesh = getattr(weight, "device_mesh", None)
-    if mesh is None:   # not a DTensor: the plan was not applied to it
+    # transformers 5.24 shards the weight as a DTensor on the mesh; 5.2 keeps a plain local
+    # shard and the mesh on the model.
+    mesh = getattr(weight, "device_mesh", None) or getattr(model, "_device_mesh", None)
+    if mesh is None:   # the plan was not applied
         return None
     return Ranks(group=mesh.get_group(), rank=mesh.get_local_rank(), size=mesh.size())
 
@@ -70,7 +72,8 @@ def model_shape(model) -> ModelShape:
                              f"heads: a tp_size that divides {shape.kv_heads} (KV heads) and {shape.heads}")
     local = shape.per_rank(ranks.size)
     name, module = _key_projection(model)
-    rows = module.weight.to_local().shape[0]
+    weight = module.weight
+    rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
     if name.endswith("k_proj") and rows != local.kv_heads * local.head_dim:
         raise ValueError(f"kvcache_ext.patch: {name} holds {rows} output rows on rank {ranks.rank}, not "
                          f"{local.kv_heads} KV heads of {local.head_dim} ({shape.kv_heads} heads over "
