@@ -94,6 +94,9 @@ from common import device_name, git_commit, sync, write_results  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import compression_ratio, kvpress_missing  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import mask_bytes as kvpress_mask_bytes  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import unmask as kvpress_unmask  # noqa: E402
 from kvcache_ext.kernels.attention import CUDA_HEAD_DIMS  # noqa: E402
 from kvcache_ext.policies import CAOTE, H2O, AdaKV, Policy, Schedule, SnapKV  # noqa: E402
 
@@ -134,7 +137,6 @@ POLICIES = {       # name -> Policy at budget b
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")   # kvpress's presses, when it is installed
 METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES) + KVPRESS
 MASKED = "kvcache_bench_masked"   # the masked method's registered attention function
-INSTALL_KVPRESS = 'pip install ".[bench]" (kvpress 0.5.5, which needs transformers<5.3)'
 
 
 # --- the model and the prompt -----------------------------------------------------------------
@@ -232,36 +234,14 @@ def kept_masks(cache, prompt_len: int) -> list[torch.Tensor]:
 
 
 # --- kvpress ----------------------------------------------------------------------------------
-def kvpress_missing() -> str | None:
-    """Why kvpress's methods cannot run in this process, or None."""
-    try:
-        import kvpress  # noqa: F401   (wraps transformers' attention functions: see the docstring)
-    except Exception as e:   # not installed, or not importable with this transformers
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def kvpress_press(method: str, budget: int, context: int):
-    """kvpress's press keeping ``budget`` tokens per KV head of a ``context``-token prompt."""
+    """kvpress's press keeping ``budget`` tokens per KV head of a ``context``-token prompt, with
+    our SnapKV's window and kernel."""
     from kvpress import AdaKVPress, SnapKVPress
-    # kvpress keeps int(context * (1 - ratio)) tokens: int(B + 0.5) is B, where 1 - B / context
-    # would often give B - 1 by float error.
-    ratio = max(0.0, 1 - (budget + 0.5) / context)
     ours = SnapKV()
-    snap = SnapKVPress(compression_ratio=ratio, window_size=ours.window, kernel_size=ours.kernel)
+    snap = SnapKVPress(compression_ratio=compression_ratio(budget, context), window_size=ours.window,
+                       kernel_size=ours.kernel)
     return AdaKVPress(snap) if method == "kvpress-ada-snapkv" else snap
-
-
-def kvpress_mask_bytes(model) -> int:
-    """Bytes of AdaKVPress's masks: the (row, head, position) indices of the pruned keys, per layer."""
-    return sum(t.nbytes for layer in model.model.layers
-               for t in getattr(layer.self_attn, "masked_key_indices", None) or ())
-
-
-def kvpress_unmask(model) -> None:
-    """AdaKVPress leaves its mask on the attention modules; the next method must not see it."""
-    for layer in model.model.layers:
-        layer.self_attn.masked_key_indices = None
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -633,7 +613,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     if any(m in KVPRESS for m in args.methods) and (why := kvpress_missing()):
-        print(f"skipped {', '.join(KVPRESS)}: kvpress does not import ({why}); install: {INSTALL_KVPRESS}")
+        print(f"skipped {', '.join(KVPRESS)}: kvpress does not import: {why}")
         args.methods = [m for m in args.methods if m not in KVPRESS]
     args.model = args.model or ("llama8b" if cuda else "smollm2")
     quick = args.quick

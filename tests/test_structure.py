@@ -49,7 +49,7 @@ ALLOWED_FOREIGN_WRITES = {
     (f"{NAME}.evaluation.kvpress_runs", "_kvzip_tokenizer", "kvzip_press.AutoTokenizer"):
         "kvpress's KVzipPress loads its tokenizer by the model's name, which a GGUF model does not have: "
         "while it runs, its module's loader hands it the tokenizer the run has (restored after)",
-    (f"{NAME}.evaluation.kvpress_runs", "_unmask", "layer.self_attn.masked_key_indices"):
+    (f"{NAME}.evaluation.kvpress_runs", "unmask", "layer.self_attn.masked_key_indices"):
         "kvpress's Ada-KV presses leave their mask on the attention modules (kvpress's own state, which "
         "it never clears): the next run must not read it",
     (f"{NAME}.hf.cache", "enter_patched_forward", "_forward.depth"): THREAD_LOCAL,

@@ -78,14 +78,15 @@ def compression_ratio(budget: int | float, length: int) -> float:
     return max(0.0, 1.0 - (budget + 0.5) / length)
 
 
-def _unmask(model) -> None:
+def unmask(model) -> None:
     """AdaKVPress leaves its mask on the attention modules; the next run must not see it."""
     for layer in model.model.layers:
         if hasattr(layer.self_attn, "masked_key_indices"):
             layer.self_attn.masked_key_indices = None
 
 
-def _mask_bytes(model) -> int:
+def mask_bytes(model) -> int:
+    """Bytes of an Ada-KV press's masks: the (row, head, position) indices of the pruned keys."""
     return sum(t.nbytes for layer in model.model.layers
                for t in getattr(layer.self_attn, "masked_key_indices", None) or ())
 
@@ -125,7 +126,7 @@ def run_press(model, tokenizer, name: str, budget: int | float, context: torch.T
             seen += 1
             new.append(int(token))
         decode_s = (time.perf_counter() - start) / max(len(new) - 1, 1)
-        held = cache_bytes(cache) + _mask_bytes(model)
+        held = cache_bytes(cache) + mask_bytes(model)
     finally:
-        _unmask(model)
+        unmask(model)
     return new, decode_s, held, prefill_s

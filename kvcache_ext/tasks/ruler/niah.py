@@ -30,8 +30,7 @@ from kvcache_ext.tasks.ruler.haystack import (NOISE, distinct, essay_sentences, 
                                               uuid_text, word_key)
 from kvcache_ext.tasks.ruler.prompt import RulerPrompt, fit, render
 
-NOISE_SENTENCES = NOISE.split(". ")
-NOISE_SENTENCES = [s if s.endswith(".") else s + "." for s in NOISE_SENTENCES]
+NOISE_SENTENCES = [s.rstrip(".") + "." for s in NOISE.split(". ")]
 DEPTH_STEPS = 40          # RULER's needle depths: 40 evenly spaced places from 0 to 1
 MAX_NEW_TOKENS = 128      # RULER's tokens_to_generate for the needle tasks
 

@@ -41,13 +41,10 @@ def make_common_words_prompt(tokenizer, task: str, n_tokens: int, seed: int = 0,
                           chat, MAX_NEW_TOKENS[task])
         return make
 
-    for times in range(COMMON_TIMES, RARE_TIMES, -1):
-        try:
-            return fit(maker(times), n_tokens, most=len(rare))
-        except ValueError as err:
-            if times == RARE_TIMES + 1 or "longer" in str(err):
-                raise
-    raise AssertionError("unreachable")
+    # As often as fits: the most repeats of the common words whose list without rare words fits.
+    times = next((t for t in range(COMMON_TIMES, RARE_TIMES, -1) if maker(t)(0).length <= n_tokens),
+                 RARE_TIMES + 1)   # none fits: fit() says how long the shortest list is
+    return fit(maker(times), n_tokens, most=len(rare))
 
 
 def make_frequent_words_prompt(tokenizer, task: str, n_tokens: int, seed: int = 0, chat: bool = True) -> RulerPrompt:
