@@ -43,6 +43,7 @@ import kvcache_ext  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import kvpress_missing  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy, parse_policies  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, run_prompt  # noqa: E402
 from kvcache_ext.hf.models import load_model  # noqa: E402
@@ -181,11 +182,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     keeps, kvp_keeps = args.keep, args.kvpress_keep
     methods = parse_policies(args.methods)
-    try:
-        import kvpress  # noqa: F401
-    except ImportError:
-        if kvp_keeps:
-            print("kvpress is not importable here: kvpress-kvzip is skipped", file=sys.stderr)
+    if kvp_keeps and (why := kvpress_missing()):
+        print(f"kvpress-kvzip is skipped: {why}", file=sys.stderr)
         kvp_keeps = []
     if args.out:
         open(args.out, "a").close()   # an unwritable path fails now, not after an hour

@@ -31,7 +31,6 @@ prompts where our ``chat``/``global`` at kvpress's chunk (2048) gives kvpress's 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -44,6 +43,7 @@ import kvcache_ext  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import full_cache_from, greedy_continue  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import kvpress_missing  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, split_prompt  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
 from kvcache_ext.hf.models import load_model  # noqa: E402
@@ -177,8 +177,8 @@ def main(argv=None) -> int:
     kvpress_keeps = keeps if args.kvpress_keep is None else args.kvpress_keep
     if args.kvpress_plus and not args.kvpress:
         p.error("--kvpress-plus: runs kvpress's KVzip+ beside its plain press: give --kvpress too")
-    if args.kvpress and importlib.util.find_spec("kvpress") is None:
-        p.error('--kvpress: kvpress does not import in this python (pip install ".[bench]")')
+    if args.kvpress and (why := kvpress_missing()):
+        p.error(f"--kvpress: {why}")
     if args.out:
         open(args.out, "a").close()   # an unwritable path fails now, not after an hour
     torch.set_grad_enabled(False)

@@ -26,6 +26,7 @@ import kvcache_ext  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import kvpress_missing  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
 from kvcache_ext.hf.models import load_model  # noqa: E402
 from agnostic import KVPRESS_CHUNK  # noqa: E402
@@ -90,6 +91,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.keep < 1:
         p.error(f"--keep must be in (0, 1), got {args.keep}")
+    if why := kvpress_missing():
+        p.error(why)
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     prompt = MAKERS[args.task](tokenizer, args.length, args.depth, seed=args.seed)

@@ -9,7 +9,6 @@ refused must be invalid, and an invalid one must be refused.
 """
 import math
 import numbers
-import os
 
 import numpy as np
 import pytest

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_bench_e2e import LAYERS, child_env   # noqa: E402
+from child import child_env   # noqa: E402
+from test_bench_e2e import LAYERS   # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "decode_calls.py")

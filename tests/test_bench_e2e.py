@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from child import child_env
 
 pytest.importorskip("transformers")
 
@@ -25,13 +26,6 @@ DECODED = WARMUP + STEPS         # tokens decoded per run (the warmup's are in t
 METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step")
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16                                  # bench/e2e.py's TINY
-
-
-def child_env():
-    """The environment of a child python that imports the kvcache_ext this process imports."""
-    import kvcache_ext
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
 
 
 def usage_error(script: str, argv: list[str]) -> str:

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from test_bench_e2e import child_env
+from child import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "kvzip_blocks.py")

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from test_bench_e2e import child_env, usage_error
+from child import child_env
+from test_bench_e2e import usage_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "kvzip_prefill.py")

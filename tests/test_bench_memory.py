@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from child import child_env
 
 pytest.importorskip("transformers")
 
@@ -17,13 +18,9 @@ DECODE_STEPS = 3
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "memory.json"
-    # The script must import the kvcache_ext this test runs with (installed, or built in place).
-    import kvcache_ext
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, SCRIPT, "--tiny", "--quick", "--batch", "2",
                            "--decode-steps", str(DECODE_STEPS), "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "| prompt | B/head |" in proc.stdout   # the table is printed
     with open(out) as f:

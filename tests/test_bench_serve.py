@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from test_bench_e2e import child_env
+from child import child_env
 from test_serve_load import NEEDS_A_SERVER
 
 pytestmark = NEEDS_A_SERVER

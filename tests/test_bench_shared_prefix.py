@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from test_bench_e2e import child_env
+from child import child_env
 from test_serving import needs_engine
 
 pytestmark = needs_engine

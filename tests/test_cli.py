@@ -1,6 +1,5 @@
 """The kvcache-ext command: `demo` and `eval` on the default model (loaded once for the session)."""
 import json
-import os
 import subprocess
 import sys
 
@@ -12,6 +11,8 @@ import kvcache_ext.hf.models as models
 from kvcache_ext import cli
 from kvcache_ext.cli import demo
 from kvcache_ext.tasks import make_passkey_prompt
+
+from child import child_env
 
 
 def test_demo_runs_end_to_end(default_model, monkeypatch, tmp_path, capsys):
@@ -46,9 +47,7 @@ def test_demo_without_the_model_package_says_how_to_install(monkeypatch, capsys)
 
 def test_python_dash_m_help(tmp_path):
     # Run where the kvcache_ext under test is the one found (not a source folder in the cwd).
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvcache_ext.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "kvcache_ext", "demo", "--help"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "kvcache_ext", "demo", "--help"], cwd=tmp_path, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--budget" in proc.stdout
 

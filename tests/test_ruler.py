@@ -209,6 +209,35 @@ def stand_in_kvpress(monkeypatch):
     return module
 
 
+@pytest.mark.parametrize("installed, refused", [("5.24.0", True), ("5.2.0", False)])
+def test_kvpress_is_refused_outside_the_transformers_it_declares(stand_in_kvpress, monkeypatch, installed, refused):
+    # kvpress 0.5.5 imports with transformers 5.24, then fails in its hook on the first forward.
+    from importlib import metadata
+
+    from kvcache_ext.evaluation.kvpress_runs import kvpress_missing
+    declared = {"kvpress": ["torch", "transformers<5.3,>=5.2", "datasets>=2.21; extra == 'eval'"]}
+    versions = {"kvpress": "0.5.5", "transformers": installed}
+    monkeypatch.setattr(metadata, "requires", lambda name: declared[name])
+    monkeypatch.setattr(metadata, "version", lambda name: versions[name])
+    why = kvpress_missing()
+    if refused:
+        assert why.startswith("kvpress 0.5.5 requires transformers<5.3,>=5.2, but transformers 5.24.0 is installed")
+        assert 'pip install ".[bench]"' in why
+    else:
+        assert why is None
+
+
+def test_a_kvpress_without_package_metadata_is_taken_as_it_imports(stand_in_kvpress, monkeypatch):
+    from importlib import metadata
+
+    from kvcache_ext.evaluation.kvpress_runs import kvpress_missing
+
+    def not_found(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(metadata, "requires", not_found)
+    assert kvpress_missing() is None
+
+
 def test_press_runs_keep_the_budget_and_number_the_tokens_after_the_pruned_ones(default_model, stand_in_kvpress):
     from transformers import DynamicCache
 

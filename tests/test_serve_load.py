@@ -16,7 +16,7 @@ import time
 import pytest
 import transformers
 
-from test_bench_e2e import child_env
+from child import child_env
 
 NEEDS = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name) is None]
 NEEDS_A_SERVER = [

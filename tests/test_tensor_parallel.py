@@ -10,7 +10,6 @@ imports once.
 """
 import os
 import socket
-import sys
 import tempfile
 
 import pytest

@@ -27,11 +27,32 @@ INSTALL_KVPRESS = 'pip install ".[bench]" (kvpress 0.5.5, which needs transforme
 
 
 def kvpress_missing() -> str | None:
-    """Why kvpress's presses cannot run in this process (None: they can)."""
+    """Why kvpress's presses cannot run in this process (None: they can): kvpress does not import,
+    or the transformers here is outside the range its package declares (kvpress 0.5.5 imports
+    with transformers 5.24 but its hooks fail there on the first forward)."""
     try:
         import kvpress  # noqa: F401
     except Exception as err:   # not installed, or not importable with this transformers
         return f"kvpress cannot be imported ({type(err).__name__}: {err}); {INSTALL_KVPRESS}"
+    unmet = _unmet_transformers_requirement()
+    return f"{unmet}; {INSTALL_KVPRESS}" if unmet else None
+
+
+def _unmet_transformers_requirement() -> str | None:
+    """kvpress's declared transformers requirement when the installed transformers misses it."""
+    from importlib import metadata
+    try:
+        requires = metadata.requires("kvpress") or []
+        from packaging.requirements import Requirement
+    except (metadata.PackageNotFoundError, ImportError):   # a kvpress without metadata: nothing declared
+        return None
+    installed = metadata.version("transformers")
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "transformers" and (req.marker is None or req.marker.evaluate({"extra": ""})) \
+                and not req.specifier.contains(installed, prereleases=True):
+            return (f"kvpress {metadata.version('kvpress')} requires transformers{req.specifier}, "
+                    f"but transformers {installed} is installed")
     return None
 
 
