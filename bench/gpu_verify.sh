@@ -285,7 +285,7 @@ stage_e2e() {
 
 TEST_FILES="tests/test_build.py tests/test_store.py tests/test_store_fork.py tests/test_select.py tests/test_attention.py
   tests/test_ops.py tests/test_patch.py tests/test_cuda_metadata.py tests/test_host_syncs.py
-  tests/test_cuda_model.py"
+  tests/test_cuda_model.py tests/test_device_map.py"
 export TEST_FILES
 
 stage_test() {
