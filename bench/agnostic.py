@@ -43,7 +43,7 @@ import kvcache_ext  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue  # noqa: E402
-from kvcache_ext.evaluation.kvpress_runs import kvpress_missing  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import kvpress_missing, kvzip_tokenizer, unmask  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy, parse_policies  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens, run_prompt  # noqa: E402
 from kvcache_ext.hf.models import load_model  # noqa: E402
@@ -91,20 +91,18 @@ def kvpress_kvzip(model, tokenizer, prompt, keep: float, plus: bool = False) -> 
     """kvpress's KVzipPress at ``keep`` on the prompt's context, then the question and 8 tokens.
     ``plus``: with its ``kvzip_plus_normalization`` (method ``kvpress-kvzip-plus``)."""
     from kvpress import KVzipPress
-    from kvpress.presses import kvzip_press
     from transformers import DynamicCache
-    # kvpress loads the tokenizer from the model's name; the default model is a GGUF file.
-    kvzip_press.AutoTokenizer.from_pretrained = staticmethod(lambda *a, **k: tokenizer)
     ids = prompt.input_ids[None]
     context, question = ids[:, :prompt.haystack_end], ids[:, prompt.haystack_end:]
     cache = DynamicCache(config=model.config)
-    run = timed_prefill(model, context, cache, KVzipPress(compression_ratio=1 - keep, kvzip_plus_normalization=plus))
     try:
+        with kvzip_tokenizer(tokenizer):   # the default model is a GGUF file, without a hub name
+            run = timed_prefill(model, context, cache,
+                                KVzipPress(compression_ratio=1 - keep, kvzip_plus_normalization=plus))
         logits = model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
         new, _ = greedy_continue(model, cache, logits, 8, tokenizer.eos_token_id)
     finally:
-        for layer in model.model.layers:
-            layer.self_attn.masked_key_indices = None
+        unmask(model)
     text = tokenizer.decode(new, skip_special_tokens=True)
     return {"method": "kvpress-kvzip-plus" if plus else "kvpress-kvzip", "keep": keep, "prefill_s": run["prefill_s"],
             "extra_peak_bytes": run["extra_peak_bytes"], "kv_bytes": cache_bytes(cache),

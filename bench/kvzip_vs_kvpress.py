@@ -26,7 +26,7 @@ import kvcache_ext  # noqa: E402
 from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy  # noqa: E402
 from kvcache_ext.evaluation.retrieval import budget_tokens  # noqa: E402
-from kvcache_ext.evaluation.kvpress_runs import kvpress_missing  # noqa: E402
+from kvcache_ext.evaluation.kvpress_runs import kvpress_missing, kvzip_tokenizer, unmask  # noqa: E402
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill  # noqa: E402
 from kvcache_ext.hf.models import load_model  # noqa: E402
 from agnostic import KVPRESS_CHUNK  # noqa: E402
@@ -36,9 +36,7 @@ from kvzip_prefix import MAKERS, chat_prefix, reading  # noqa: E402
 def kvpress_scores(model, tokenizer, context, keep):
     """kvpress's KVzip scores [L, H, n] and kept mask [L, H, n] of ``context`` [1, n]."""
     from kvpress import KVzipPress
-    from kvpress.presses import kvzip_press
     from transformers import DynamicCache
-    kvzip_press.AutoTokenizer.from_pretrained = staticmethod(lambda *a, **k: tokenizer)  # a GGUF model
     seen = {}
     compress = KVzipPress.compress_post
 
@@ -49,12 +47,11 @@ def kvpress_scores(model, tokenizer, context, keep):
 
     KVzipPress.compress_post = recording
     try:
-        with KVzipPress(compression_ratio=1 - keep)(model):
+        with kvzip_tokenizer(tokenizer), KVzipPress(compression_ratio=1 - keep)(model):   # a GGUF model: no hub name
             model(context, **with_cache(model, DynamicCache(config=model.config)), use_cache=True)
     finally:
         KVzipPress.compress_post = compress
-        for layer in model.model.layers:
-            layer.self_attn.masked_key_indices = None
+        unmask(model)
     kept = torch.ones_like(seen["scores"], dtype=torch.bool)
     for layer, masked in enumerate(seen["masked"]):
         if masked is not None:

@@ -46,7 +46,7 @@ ALLOWED_FOREIGN_WRITES = {
         "the loader sets the public settings of the tokenizer it has just made (left padding, a pad token)",
     (f"{NAME}.hf.models", "load_model", "model.generation_config.pad_token_id"):
         "the loader gives the model it has just made the tokenizer's pad token for generate",
-    (f"{NAME}.evaluation.kvpress_runs", "_kvzip_tokenizer", "kvzip_press.AutoTokenizer"):
+    (f"{NAME}.evaluation.kvpress_runs", "kvzip_tokenizer", "kvzip_press.AutoTokenizer"):
         "kvpress's KVzipPress loads its tokenizer by the model's name, which a GGUF model does not have: "
         "while it runs, its module's loader hands it the tokenizer the run has (restored after)",
     (f"{NAME}.evaluation.kvpress_runs", "unmask", "layer.self_attn.masked_key_indices"):

@@ -75,12 +75,9 @@ def make_press(name: str, ratio: float):
 
 
 @contextlib.contextmanager
-def _kvzip_tokenizer(name: str, tokenizer):
+def kvzip_tokenizer(tokenizer):
     """KVzipPress loads the tokenizer by the model's name, which a GGUF model does not have:
-    while the press runs, its module's ``AutoTokenizer`` hands it ``tokenizer`` instead."""
-    if name != "kvpress-kvzip":
-        yield
-        return
+    inside this block, its module's ``AutoTokenizer`` hands it ``tokenizer`` instead."""
     from kvpress.presses import kvzip_press
     loader = kvzip_press.AutoTokenizer
     kvzip_press.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda *args, **kwargs: tokenizer)
@@ -126,7 +123,8 @@ def run_press(model, tokenizer, name: str, budget: int | float, context: torch.T
     cache = DynamicCache(config=model.config)
     try:
         start = time.perf_counter()
-        with _kvzip_tokenizer(name, tokenizer), press(model):
+        tokenizer_given = kvzip_tokenizer(tokenizer) if name == "kvpress-kvzip" else contextlib.nullcontext()
+        with tokenizer_given, press(model):
             logits = model(context, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         prefill_s = time.perf_counter() - start
         seen = n
