@@ -130,3 +130,42 @@ def test_serve_bad_arguments_say_what_is_wrong_before_loading_anything(argv, say
     files = {"system": tmp_path / "system.txt", "empty": tmp_path / "empty.txt", "missing": tmp_path / "nowhere.txt"}
     assert cli.main(["serve", *[a.format(**files) for a in argv]]) == 2
     assert says in capsys.readouterr().err
+
+
+def _ruler_record(task, policy, budget, score, seed=0):
+    return {"task": task, "mode": "aware", "policy": policy, "budget": budget, "length": 4000, "depth": 0.5,
+            "seed": seed, "answer": "1", "output": "", "correct": score == 1.0, "score": score,
+            "kv_bytes": 25 if budget else 100, "full_bytes": 100}
+
+
+def test_eval_report_merges_earlier_runs(tmp_path, capsys):
+    first, second, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "merged.json"
+    first.write_text(json.dumps({"meta": {"command": "kvcache-ext eval a"}, "complete": True, "records": [
+        _ruler_record("niah_single_1", "full", None, 1.0), _ruler_record("vt", "full", None, 0.0),
+        _ruler_record("niah_single_1", "snapkv", 0.25, 0.0), _ruler_record("vt", "snapkv", 0.25, 0.0)]}))
+    second.write_text(json.dumps({"meta": {"command": "kvcache-ext eval b"}, "complete": False, "records": [
+        _ruler_record("niah_single_1", "snapkv", 0.25, 1.0),          # replaces the first file's
+        _ruler_record("niah_single_1", "kvpress-snapkv", 0.25, 0.5)]}))   # one task of two
+    assert cli.main(["eval", "--report", str(first), str(second), "--json", str(merged)]) == 0
+    out = capsys.readouterr().out
+    assert "| snapkv | 50.0 (0.25) |" in out                       # (100 + 0) / 2: the later record won
+    assert "| kvpress-snapkv | 50.0 (0.25) over 1 of 2 tasks |" in out
+    assert "| full | 50.0 (1.00) |" in out
+    doc = json.loads(merged.read_text())
+    assert len(doc["records"]) == 5 and doc["complete"] is False   # one input had not completed
+    assert [s["command"] for s in doc["meta"]["report_of"]] == ["kvcache-ext eval a", "kvcache-ext eval b"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--report", "{missing}"], "--report {missing}: [Errno 2] No such file or directory"),
+    (["--report", "{not_json}"], "--report {not_json}: Expecting value"),
+    (["--report", "{no_records}"], "--report {no_records}: not a kvcache-ext eval --json file (it has no list of records)"),
+    (["--task", "ruler", "--report", "{no_records}"], "--report runs nothing: it takes no --task (got --task ruler)"),
+    ([], "the following arguments are required: --task (or --report)")])
+def test_eval_report_refuses_what_it_cannot_read(tmp_path, capsys, argv, message):
+    files = {"missing": tmp_path / "missing.json", "not_json": tmp_path / "x.txt", "no_records": tmp_path / "y.json"}
+    files["not_json"].write_text("hello")
+    files["no_records"].write_text(json.dumps({"rows": []}))
+    names = {k: str(v) for k, v in files.items()}
+    assert cli.main(["eval", *[a.format(**names) for a in argv]]) == 2
+    assert message.format(**names) in capsys.readouterr().err

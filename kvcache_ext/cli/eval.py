@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
     from kvcache_ext.evaluation.named_policies import parse_policies
     from kvcache_ext.policies.schedule import MAX_BLOCK
 
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", choices=TASKS, default=None, help="the task to run (required unless --report)")
     p.add_argument("--model", type=model_name, default=None,
                    help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
@@ -61,6 +61,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", type=output_file, default=None,
                    help="draw the metric against the budget to this PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                   help="runs nothing: the table (and --plot, --json) of earlier --json files together; a "
+                   "later file's record replaces an earlier one of the same task, mode, policy, budget and prompt")
 
 
 def _policy_names(parse):
@@ -282,11 +285,64 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
     return records, summarize(records)
 
 
+RECORD_IDENTITY = ("task", "mode", "policy", "budget", "length", "depth", "seed", "answer")   # what a record measured
+
+
+def merged_records(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """The records of earlier ``--json`` files, a later file's replacing an earlier one's with the
+    same ``RECORD_IDENTITY``, and per file its command and whether its run completed. Raises
+    ValueError naming a file that is not such a file."""
+    import json
+    records, sources = {}, []
+    for path in paths:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--report {path}: {err}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
+            raise ValueError(f"--report {path}: not a kvcache-ext eval --json file (it has no list of records)")
+        sources.append({"file": path, "command": (doc.get("meta") or {}).get("command"),
+                        "complete": doc.get("complete")})
+        for r in doc["records"]:
+            records[tuple(r.get(k) for k in RECORD_IDENTITY)] = r
+    return list(records.values()), sources
+
+
+def report(args) -> int:
+    """``--report``: the table of earlier runs' records together, and --json / --plot of it."""
+    from kvcache_ext.cli.args import ResultsFile, usage_error
+    from kvcache_ext.evaluation.report import format_table, plot, summarize
+    prog = "kvcache-ext eval"
+    if args.task is not None:
+        return usage_error(prog, f"--report runs nothing: it takes no --task (got --task {args.task})")
+    try:
+        records, sources = merged_records(args.report)
+    except ValueError as err:
+        return usage_error(prog, str(err))
+    rows = summarize(records)
+    if args.json:
+        meta = {"report_of": sources, "commit": _git_commit()}
+        ResultsFile(args.json, lambda _: {"meta": meta, "rows": rows, "records": records}).write(
+            complete=all(source["complete"] for source in sources))
+    print(format_table(rows))
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot, title="kvcache-ext eval --report")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(args) -> int:
     from kvcache_ext.cli.args import ResultsFile, load_model_or_fail, usage_error
     from kvcache_ext.evaluation.report import format_table, plot, summarize
 
     prog = "kvcache-ext eval"
+    if args.report:
+        return report(args)
+    if args.task is None:
+        return usage_error(prog, "the following arguments are required: --task (or --report)")
     problem = check_arguments(args)
     if problem:
         return usage_error(prog, problem)

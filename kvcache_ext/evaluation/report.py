@@ -76,12 +76,14 @@ def format_table(rows: list[dict]) -> str:
         lines += [f"{task} ({mode}): {label}; in brackets, KV bytes held / full cache", "",
                   "| policy | " + " | ".join(_budget_label(b) for b in budgets) + " |",
                   "| --- |" + " --- |" * len(budgets)]
+        # a RULER mean over fewer tasks than the table's others (runs merged by --report) says so
+        most = max(r.get("tasks", 0) for r in sub)
         for policy in dict.fromkeys(r["policy"] for r in sub):
             cells = {r["budget"]: r for r in sub if r["policy"] == policy}
             if None in cells:   # the full cache: the same value in every column
-                text = [_cell(task, cells[None])] * len(budgets)
+                text = [_cell(task, cells[None], most)] * len(budgets)
             else:
-                text = [_cell(task, cells[b]) if b in cells else "" for b in budgets]
+                text = [_cell(task, cells[b], most) if b in cells else "" for b in budgets]
             lines.append(f"| {policy} | " + " | ".join(text) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -91,8 +93,10 @@ def _budget_label(budget) -> str:
     return f"keep {budget:g}" if isinstance(budget, float) else f"B={budget}"
 
 
-def _cell(task: str, row: dict) -> str:
+def _cell(task: str, row: dict, most_tasks: int = 0) -> str:
     kv = f" ({row['kv_fraction']:.2f})"
+    if row.get("tasks", most_tasks) < most_tasks:
+        kv += f" over {row['tasks']} of {most_tasks} tasks"
     if task in ("passkey", "needle", "multi"):
         return f"{row['correct']}/{row['n']}" + kv
     if task == "ppl":
