@@ -613,7 +613,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     if any(m in KVPRESS for m in args.methods) and (why := kvpress_missing()):
-        print(f"skipped {', '.join(KVPRESS)}: kvpress does not import: {why}")
+        print(f"skipped {', '.join(KVPRESS)}: {why}")
         args.methods = [m for m in args.methods if m not in KVPRESS]
     args.model = args.model or ("llama8b" if cuda else "smollm2")
     quick = args.quick

@@ -2,7 +2,6 @@
 the budget of every head of every layer (kvzip-global's one top-k) and reads the chat prefix
 two ways; where kvpress imports (``pip install ".[bench]"``), kvpress's scores equal ours under
 its reading of the prefix, and the kept entries differ only where the budgets differ."""
-import importlib.util
 import os
 import sys
 
@@ -61,8 +60,9 @@ def test_the_default_skip_prefix_is_the_benchs_drop_reading(default_model, conte
 
 
 def test_kvpress_scores_equal_ours_under_its_reading(default_model, context, ours):
-    if importlib.util.find_spec("kvpress") is None:
-        pytest.skip('kvpress does not import in this python (pip install ".[bench]", transformers<5.3)')
+    from kvcache_ext.evaluation.kvpress_runs import kvpress_missing
+    if why := kvpress_missing():
+        pytest.skip(why)
     model, tokenizer = default_model
     with torch.no_grad():
         theirs, theirs_kept = kvzip_vs_kvpress.kvpress_scores(model, tokenizer, context, KEEP)
