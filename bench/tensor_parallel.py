@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
 from kvcache_ext.cli.args import depth_list, int_list  # noqa: E402
+from kvcache_ext.hf.tensor_parallel import tp_plan_auto  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, SnapKV  # noqa: E402
 from kvcache_ext.tasks import check_answer, make_passkey_prompt  # noqa: E402
 
@@ -77,12 +78,7 @@ def _rank(rank: int, world: int, path: str, port: int, prompts: list[dict], budg
     logging.set_verbosity_error()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        try:
-            from transformers import DistributedConfig   # transformers >= 5.3
-            plan = {"distributed_config": DistributedConfig(tp_plan="auto")}
-        except ImportError:
-            plan = {"tp_plan": "auto"}
-        model = AutoModelForCausalLM.from_pretrained(path, **plan).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, **tp_plan_auto()).eval()
         with torch.no_grad():
             torch.save(run_all(model, prompts, budgets, repeats), os.path.join(results, f"rank{rank}.pt"))
     finally:

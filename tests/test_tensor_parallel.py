@@ -17,6 +17,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.hf.cache import RaggedCache
+from kvcache_ext.hf.tensor_parallel import tp_plan_auto
 from kvcache_ext.policies import (H2O, KVEC, TOVA, AcrossLayers, AdaKV, EveryStep, KVzip, Policy, Random,
                                   SnapKV)
 from tiny_models import VOCAB, tiny_model
@@ -64,16 +65,6 @@ def run_policies(model) -> dict:
             cache = gen.past_key_values
             out[name] = (gen.sequences[:, PROMPT:].tolist(), [k.clone() for k in cache.kept_tokens()], cache.nbytes)
     return out
-
-
-def tp_plan_auto() -> dict:
-    """``from_pretrained``'s argument for the model's own plan: ``distributed_config`` since
-    transformers 5.3 or so (where ``tp_plan=`` is deprecated), ``tp_plan`` before (5.2)."""
-    try:
-        from transformers import DistributedConfig
-    except ImportError:
-        return {"tp_plan": "auto"}
-    return {"distributed_config": DistributedConfig(tp_plan="auto")}
 
 
 def _rank(rank: int, world: int, path: str, port: int, results: str) -> None:

@@ -79,3 +79,14 @@ def model_shape(model) -> ModelShape:
                          f"{local.kv_heads} KV heads of {local.head_dim} ({shape.kv_heads} heads over "
                          f"tp_size {ranks.size}): a sharding kvcache_ext does not know")
     return local
+
+
+def tp_plan_auto() -> dict:
+    """``from_pretrained``'s keyword arguments for the model's own tensor-parallel plan:
+    ``distributed_config=DistributedConfig(tp_plan="auto")`` where transformers has it (5.3 on,
+    where ``tp_plan=`` is deprecated), ``tp_plan="auto"`` before (5.2)."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
