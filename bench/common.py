@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -89,6 +90,13 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
     dst = torch.empty_like(src)
     seconds = time_op(lambda: dst.copy_(src), device)
     return 2 * nbytes / seconds / 1e9
+
+
+def free_port() -> int:
+    """A TCP port of this machine that nothing listens on now (for a server or a process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device_name(device: str) -> str:

@@ -18,21 +18,14 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-from common import write_out   # noqa: E402  (bench/common.py: sys.path, result files)
+from common import free_port, write_out   # noqa: E402  (bench/common.py: sys.path, result files)
 
 from kvcache_ext.serving.load import run_load, summary, wait_until_idle   # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -85,12 +84,6 @@ def _rank(rank: int, world: int, path: str, port: int, prompts: list[dict], budg
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=3, help="tensor-parallel CPU processes (must divide the 3 KV heads)")
@@ -127,7 +120,7 @@ def main(argv=None) -> int:
         model.save_pretrained(path)
         print(f"{args.ranks} ranks x {len(prompts)} prompts x {len(args.budgets)} budgets x {len(POLICIES)} policies",
               flush=True)
-        mp.spawn(_rank, args=(args.ranks, path, _free_port(), prompts, args.budgets, args.repeats, results),
+        mp.spawn(_rank, args=(args.ranks, path, common.free_port(), prompts, args.budgets, args.repeats, results),
                  nprocs=args.ranks, join=True)
         ranks = [torch.load(os.path.join(results, f"rank{r}.pt")) for r in range(args.ranks)]
     one = run_all(model, prompts, args.budgets, 1)   # its tokens only: its time is not compared

@@ -1,6 +1,7 @@
 """The environment of a child python that must import the kvcache_ext this test process imports."""
 import os
 import site
+import socket
 
 import kvcache_ext
 
@@ -20,3 +21,10 @@ def child_env(**extra: str) -> dict[str, str]:
     if path:
         env["PYTHONPATH"] = path
     return env
+
+
+def free_port() -> int:
+    """A TCP port of this machine that nothing listens on now (for a child server or process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

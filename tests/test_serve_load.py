@@ -7,7 +7,6 @@ import asyncio
 import importlib.util
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import time
 import pytest
 import transformers
 
-from child import child_env
+from child import child_env, free_port
 
 NEEDS = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name) is None]
 NEEDS_A_SERVER = [
@@ -28,12 +27,6 @@ NEEDS_A_SERVER = [
 pytestmark = NEEDS_A_SERVER
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven green birds sing".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def start_server(arguments: list[str], folder):

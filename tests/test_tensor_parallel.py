@@ -9,7 +9,6 @@ about half of one process's bytes. One spawn runs every policy, so the run pays 
 imports once.
 """
 import os
-import socket
 import tempfile
 
 import pytest
@@ -20,6 +19,7 @@ from kvcache_ext.hf.cache import RaggedCache
 from kvcache_ext.hf.tensor_parallel import tp_plan_auto
 from kvcache_ext.policies import (H2O, KVEC, TOVA, AcrossLayers, AdaKV, EveryStep, KVzip, Policy, Random,
                                   SnapKV)
+from child import free_port
 from tiny_models import VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,12 +102,6 @@ def _rank(rank: int, world: int, path: str, port: int, results: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs():
     """(one process's runs, each rank's) over the same saved model."""
@@ -117,7 +111,7 @@ def runs():
         path, results = os.path.join(tmp, "model"), os.path.join(tmp, "results")
         os.makedirs(results)
         model.save_pretrained(path)
-        mp.spawn(_rank, args=(2, path, _free_port(), results), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, path, free_port(), results), nprocs=2, join=True)
         ranks = [torch.load(os.path.join(results, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     return run_policies(model), ranks
 
