@@ -45,3 +45,38 @@ kvcache-ext eval --task needle --policy "$AGNOSTIC" --keep 0.5,0.25,0.1 --length
   --mode agnostic --json agnostic-needle.json --plot agnostic-needle.png --no-progress
 kvcache-ext eval --task multi --policy full,kvzip-global,snapkv,expected-attention --keep 0.25,0.1 \
   --lengths 1024,2048 --json multi.json --plot multi.png --no-progress
+
+# RULER-style tasks at 4K tokens (issue 45; docs/results.md "RULER-style tasks at 4K tokens"), in
+# the venv with kvpress 0.5.5 (transformers 5.2): every scorer family at three fractions kept,
+# kvpress's presses beside them, and KVzip against kvpress's KVzip with the question after.
+RULER="--task ruler --lengths 4096 --seeds 1 --max-new-tokens 48 --no-progress"
+kvcache-ext eval $RULER --mode aware,agnostic --keep 0.25 --json ruler-4k-keep25.json \
+  --policy full,streamingllm,snapkv,snapkv-spans,ada-snapkv,expected-attention,kvpress-snapkv,kvpress-ada-snapkv,kvpress-expected-attention
+kvcache-ext eval $RULER --mode aware --keep 0.5,0.25,0.1 --json ruler-4k-aware.json \
+  --policy streamingllm,h2o,tova,snapkv,snapkv-spans,ada-snapkv,ahakv,kvec,expected-attention
+kvcache-ext eval $RULER --mode aware --keep 0.5,0.25,0.1 --policy caote-tova,roco --json ruler-4k-aware-caote-roco.json
+kvcache-ext eval $RULER --mode aware --keep 0.5 --json ruler-4k-aware-kvpress-50.json \
+  --policy kvpress-snapkv,kvpress-ada-snapkv,kvpress-expected-attention
+kvcache-ext eval $RULER --mode aware --keep 0.1 --json ruler-4k-aware-kvpress-10.json \
+  --policy kvpress-snapkv,kvpress-ada-snapkv,kvpress-expected-attention
+kvcache-ext eval $RULER --mode agnostic --keep 0.25 --policy full,kvzip-global,kvpress-kvzip \
+  --ruler-tasks niah_single_2,niah_multikey_1,niah_multivalue --json ruler-4k-kvzip-agnostic.json
+kvcache-ext eval $RULER --mode agnostic --keep 0.5,0.1 --policy kvzip-global,kvpress-kvzip \
+  --ruler-tasks niah_single_2,niah_multikey_1,niah_multivalue --json ruler-4k-agnostic-kvzip-3.json
+kvcache-ext eval $RULER --mode agnostic --keep 0.5,0.25,0.1 --policy kvzip-global,kvpress-kvzip \
+  --ruler-tasks niah_single_1,niah_single_3,niah_multikey_2,niah_multikey_3,niah_multiquery,vt,cwe,fwe \
+  --json ruler-4k-agnostic-kvzip-8.json
+# Our SnapKV with kvpress's SnapKVPress settings (a window of 64 queries, average pooling over 5):
+python - <<'PY'
+from kvcache_ext import cli
+from kvcache_ext.evaluation.named_policies import register_policy
+from kvcache_ext.policies import SnapKV
+register_policy("snapkv-w64-avg5", lambda budget: SnapKV(window=64, kernel=5, pooling="avg"))
+cli.main(["eval", "--task", "ruler", "--lengths", "4096", "--seeds", "1", "--max-new-tokens", "48", "--no-progress",
+          "--mode", "aware", "--keep", "0.5,0.25,0.1", "--policy", "snapkv-w64-avg5",
+          "--json", "ruler-4k-aware-snapkv-w64-avg5.json"])
+PY
+# One table of them all:
+kvcache-ext eval --report ruler-4k-keep25.json ruler-4k-kvzip-agnostic.json ruler-4k-aware.json \
+  ruler-4k-aware-caote-roco.json ruler-4k-aware-snapkv-w64-avg5.json ruler-4k-aware-kvpress-50.json \
+  ruler-4k-aware-kvpress-10.json ruler-4k-agnostic-kvzip-3.json ruler-4k-agnostic-kvzip-8.json
