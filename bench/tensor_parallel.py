@@ -30,20 +30,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (first: the checkout's kvcache_ext ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from kvcache_ext.cli.args import depth_list, int_list  # noqa: E402
+from kvcache_ext.cli.args import depth_list, int_list, int_range  # noqa: E402
 from kvcache_ext.hf.tensor_parallel import tp_plan_auto  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, SnapKV  # noqa: E402
 from kvcache_ext.tasks import check_answer, make_passkey_prompt  # noqa: E402
 
-POLICIES = ("snapkv", "ada-snapkv-exact", "ada-snapkv-per-rank")
+ACROSS_RANKS = {"snapkv": None, "ada-snapkv-exact": "exact", "ada-snapkv-per-rank": "per_rank"}   # None: uniform
+POLICIES = tuple(ACROSS_RANKS)
 NEW_TOKENS = 8   # a five-digit passkey and what surrounds it
 
 
 def make_policy(name: str, budget: int) -> Policy:
-    allocation = {"snapkv": None, "ada-snapkv-exact": AdaKV(), "ada-snapkv-per-rank": AdaKV(across_ranks="per_rank")}
-    if allocation[name] is None:
-        return Policy(SnapKV(), budget=budget)
-    return Policy(SnapKV(), budget=budget, allocation=allocation[name])
+    across = ACROSS_RANKS[name]
+    allocation = {} if across is None else {"allocation": AdaKV(across_ranks=across)}
+    return Policy(SnapKV(), budget=budget, **allocation)
 
 
 def run_all(model, prompts: list[dict], budgets: list[int], repeats: int) -> list[dict]:
@@ -86,15 +86,13 @@ def _rank(rank: int, world: int, path: str, port: int, prompts: list[dict], budg
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=3, help="tensor-parallel CPU processes (must divide the 3 KV heads)")
+    p.add_argument("--ranks", type=int_range(2), default=3, help="tensor-parallel CPU processes (must divide the 3 KV heads)")
     p.add_argument("--lengths", type=int_list, default="1024,2048", help="prompt lengths in tokens")
     p.add_argument("--depths", type=depth_list, default="0.25,0.5,0.75", help="passkey depths in [0, 1]")
     p.add_argument("--budgets", type=int_list, default="64,128", help="tokens kept per KV head (SnapKV protects its 32 last)")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills per run (the median is kept)")
+    p.add_argument("--repeats", type=int_range(1), default=3, help="timed prefills per run (the median is kept)")
     p.add_argument("--out", default=None, help="JSON of the rows, the records and the run's description")
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
     for budget in args.budgets:
         try:
             make_policy(POLICIES[0], budget)
@@ -105,9 +103,9 @@ def main(argv=None) -> int:
     from kvcache_ext.hf.models import load_model
     model, tokenizer = load_model()
     kv_heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
-    if args.ranks < 2 or kv_heads % args.ranks or model.config.num_attention_heads % args.ranks:
+    if kv_heads % args.ranks or model.config.num_attention_heads % args.ranks:
         p.error(f"--ranks {args.ranks}: the default model's {kv_heads} KV heads and "
-                f"{model.config.num_attention_heads} query heads must split evenly over 2 or more ranks")
+                f"{model.config.num_attention_heads} query heads must split evenly over the ranks")
     prompts = []
     for n in args.lengths:
         for depth in args.depths:

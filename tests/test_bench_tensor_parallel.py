@@ -1,6 +1,6 @@
 """bench/tensor_parallel.py refuses bad arguments at its parser with the argument and the value:
-budgets that leave no room beyond SnapKV's protected tokens and no timed repeats before it loads
-the model, a rank count that does not split the default model's heads after."""
+budgets that leave no room beyond SnapKV's protected tokens, no timed repeats or one rank before
+it loads the model, a rank count that does not split the default model's heads after."""
 import os
 import sys
 
@@ -13,7 +13,8 @@ from test_bench_e2e import parser_error  # noqa: E402
 
 @pytest.mark.parametrize("argv,message", [
     (["--budgets", "64,16"], "--budgets 16: Policy budget 16 leaves no room beyond the 32 protected tokens"),
-    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+    (["--ranks", "1"], "argument --ranks: must be an integer >= 2, got 1"),
     (["--lengths", "1024,-5"], "argument --lengths: must be positive integers, got -5 in '1024,-5'")])
 def test_bad_arguments_are_refused_before_the_model_loads(argv, message):
     assert message in parser_error(tensor_parallel.main, argv)
@@ -23,7 +24,7 @@ def test_ranks_that_do_not_split_the_heads_are_refused(default_model, monkeypatc
     import kvcache_ext.hf.models as models
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: default_model)
     message = parser_error(tensor_parallel.main, ["--ranks", "2"])
-    assert "--ranks 2: the default model's 3 KV heads and 9 query heads must split evenly over 2 or more ranks" \
+    assert "--ranks 2: the default model's 3 KV heads and 9 query heads must split evenly over the ranks" \
         in message
 
 
