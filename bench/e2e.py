@@ -21,6 +21,10 @@ Every (context, batch) runs these methods side by side in one process, on the sa
   then grows by one token per decode step. Its cache is told the run's length (prompt +
   warmup + steps, as the patched ``generate`` tells it ``max_length - 1``), so it holds pages
   for every decode token once the prompt is compressed, and decoding allocates nothing.
+- ``snapkv-graph`` and ``ada-snapkv-graph``: the same, with ``patch(..., cuda_graph=True)``:
+  each decode step after the first two is a replay of a CUDA graph captured once
+  (``kvcache_ext.hf.decode_graph``; its counts are in the record's ``graph``). On a CPU the
+  steps run eagerly, as ``snapkv``'s.
 - ``h2o-step`` and ``caote-step``: ours, per-step decode eviction holding the cache at its
   budget. The prefill is block-wise (blocks of 128, evicting after each, the H2O and CAOTE
   papers' protocol), so the prompt's cache never exceeds the budget plus a block.
@@ -134,8 +138,11 @@ POLICIES = {       # name -> Policy at budget b
     "caote-step": lambda b: Policy(CAOTE(H2O(recent=b // 2), output_after_eviction=False), budget=b,
                                    schedule=Schedule(prefill_block=STEP_BLOCK, decode_every=1)),
 }
+# The same policies with their decode steps in a CUDA graph (patch(..., cuda_graph=True)); on
+# a CPU they run eagerly, as their plain names.
+GRAPHED = {"snapkv-graph": "snapkv", "ada-snapkv-graph": "ada-snapkv"}
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")   # kvpress's presses, when it is installed
-METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES) + KVPRESS
+METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES) + tuple(GRAPHED) + KVPRESS
 MASKED = "kvcache_bench_masked"   # the masked method's registered attention function
 
 
@@ -276,8 +283,9 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        if method in POLICIES:
-            handle = kvcache_ext.patch(model, POLICIES[method](budget))
+        if method in POLICIES or method in GRAPHED:
+            handle = kvcache_ext.patch(model, POLICIES[GRAPHED.get(method, method)](budget),
+                                       cuda_graph=method in GRAPHED)
             # What the patched generate gives its cache: the sequence's length to come, so
             # that a growing cache holds pages for the decode steps up front.
             cache = handle.new_cache(max_cache_len=ids.shape[1] + warmup + steps)
@@ -332,6 +340,10 @@ def run_one(model, ids, method: str, budget: int | None, steps: int, device: str
             record["decode_tokens_per_s"] = ids.shape[0] * steps / record["decode_s"]
         mask_bytes = (_active_masks.nbytes if _active_masks is not None else
                       kvpress_mask_bytes(model) if press is not None else 0)
+        if method in GRAPHED:   # what the steps did: a capture that failed leaves them eager
+            graph = cache.decode_graph()
+            record["graph"] = dict(warmups=graph.warmups, captures=graph.captures, replays=graph.replays,
+                                   eager_steps=graph.eager_steps, failed=graph.failed)
         record["kv_bytes"] = cache_bytes(cache) + mask_bytes
         record["kv_tokens"] = kv_tokens(cache)
         if cuda:
@@ -444,6 +456,11 @@ def derive(rows: list[dict]) -> dict:
         full = find("full", r["context"], r["batch"])
         if full is not None:
             r["x_full"] = r["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        if r["method"] in GRAPHED:   # against the same policy's eager steps
+            eager = find(GRAPHED[r["method"]], r["context"], r["batch"], r["budget"])
+            if eager is not None:
+                r["x_eager"] = r["decode_tokens_per_s"] / eager["decode_tokens_per_s"]
+                r["tokens_as_eager"] = r["tokens"] == eager["tokens"]
         if r["method"] in ("h2o-step", "caote-step"):
             snap = find("snapkv", r["context"], r["batch"], r["budget"])
             if snap is not None:
@@ -498,6 +515,15 @@ def format_table(rows: list[dict]) -> str:
                      f"| {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {x} "
                      f"| {size(r.get('peak_bytes'))} | {size(r['kv_bytes'])} | {size(r.get('workspace_bytes'))} "
                      f"| {share} |")
+    graphed = [r for r in rows if r["status"] == "ok" and "graph" in r]
+    lines += [""] if graphed else []
+    for r in graphed:
+        g = r["graph"]
+        eager = (f"{r['x_eager']:.2f}x the eager {GRAPHED[r['method']]}'s decode tok/s, "
+                 f"{'the same' if r['tokens_as_eager'] else 'other'} tokens; " if "x_eager" in r else "")
+        lines.append(f"{r['method']} at {r['context']} x {r['batch']}: {eager}steps warmed up "
+                     f"{g['warmups']}, captured {g['captures']}, replayed {g['replays']}, eager {g['eager_steps']}"
+                     + (f" (capture failed: {g['failed']})" if g["failed"] else ""))
     ratios = kvpress_ratios(rows)
     if ratios:
         head = ("| context | batch | B | ours snapkv / kvpress snapkv, KV bytes | ours ada-snapkv / ours snapkv, "
@@ -590,7 +616,8 @@ def main(argv=None) -> int:
                         "default 4 (1 with --quick)")
     parser.add_argument("--repeats", type=int, help="runs of every method per context and batch, "
                         "interleaved; the median is reported (default 3, 1 with --quick)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    parser.add_argument("--methods", help=f"of {', '.join(METHODS)} (default: all; on a CPU, which has no "
+                        "CUDA graphs, all but the -graph ones)")
     parser.add_argument("--mlp-chunk", type=int, help="tokens per MLP call in the prefill; 0: off "
                         "(default 8192 on CUDA, off on CPU)")
     parser.add_argument("--quick", action="store_true", help="small sizes, prints only (a smoke run)")
@@ -608,6 +635,8 @@ def main(argv=None) -> int:
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no GPU")
+    if args.methods is None:
+        args.methods = ",".join(m for m in METHODS if cuda or m not in GRAPHED)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:

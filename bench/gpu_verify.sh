@@ -25,8 +25,9 @@
 #             sanitize-driver (small stores through every op, both compaction paths, a prefill
 #             block by default and with KVCACHE_EXT_TC_PREFILL=0)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 4, one-shot
-#             SnapKV at 1024 tokens per head, H2O evicting every step and the full cache (the
-#             default --e2e-args below: issue 42's per-step goal); Ada-SnapKV and the masked
+#             SnapKV at 1024 tokens per head (eager, and its decode steps in a CUDA graph:
+#             snapkv-graph), H2O evicting every step and the full cache (the default
+#             --e2e-args below: issue 42's per-step goal); Ada-SnapKV and the masked
 #             head-wise cache go in a second call (--stages e2e --e2e-args "... --methods ...")
 #   Optional, for a second call (not in the default):
 #   test      pytest's CUDA cases, one process per file (a crash in one hides no other)
@@ -64,7 +65,7 @@ pack=0
 device=cuda
 quick=
 e2e_args="--model llama8b --contexts 8192 --batches 4 --budgets 1024 --steps 32 --warmup 4 --repeats 1
-  --methods full,snapkv,h2o-step"
+  --methods full,snapkv,snapkv-graph,h2o-step"
 pytest_args=""
 budget=540
 reserve=15
@@ -285,7 +286,7 @@ stage_e2e() {
 
 TEST_FILES="tests/test_build.py tests/test_store.py tests/test_store_fork.py tests/test_select.py tests/test_attention.py
   tests/test_ops.py tests/test_patch.py tests/test_cuda_metadata.py tests/test_host_syncs.py
-  tests/test_cuda_model.py tests/test_device_map.py"
+  tests/test_cuda_model.py tests/test_device_map.py tests/test_decode_graph.py"
 export TEST_FILES
 
 stage_test() {

@@ -62,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(a.pool(), a.page_table_device(), a.len_device());
       })
       .def("attention_plan", &PageAllocator::attention_plan, py::arg("rows"))
+      .def("attention_plan_of_pages", &PageAllocator::attention_plan_of_pages, py::arg("rows"))
+      .def("note_appended", &PageAllocator::note_appended, py::arg("n"))
+      .def("has_room", &PageAllocator::has_room, py::arg("n"))
       .def("reserve", &PageAllocator::reserve, py::arg("extra"))
       .def("repack", &PageAllocator::repack, py::arg("extra"))
       .def("shrink_to_fit", &PageAllocator::shrink_to_fit)
@@ -103,6 +106,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rule"), py::arg("sinks") = 0, py::arg("recent") = 0,
         py::arg("last_pos") = py::none(), py::arg("budget") = py::none(),
         py::arg("budget_host") = py::none());
+  // The page addresses the ops read on the current stream (ops.h), held by a captured graph.
+  m.def("page_addresses",
+        [](const std::vector<at::Tensor>& pool, const at::Tensor& page_table, const at::Tensor& len,
+           int64_t page_size, int64_t head_dim, int64_t score_channels, at::ScalarType dtype) {
+          return kvcache_ext::ops::page_addresses(pool, page_table, len, page_size, head_dim,
+                                                  score_channels, dtype);
+        },
+        py::arg("pool"), py::arg("page_table"),
+        py::arg("len"), py::arg("page_size"), py::arg("head_dim"), py::arg("score_channels"),
+        py::arg("dtype"));
   // The page-size rule (ops.h), for the Python checks.
   m.attr("MAX_PAGE_SIZE") = kvcache_ext::ops::kMaxPageSize;
   {

@@ -292,13 +292,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
   p.groups = Hq / H;
   p.scale = static_cast<float>(scale);
   std::vector<int32_t> len_host;
-  if (device.is_cpu()) {  // the CPU plan is the lengths it was made for: they must be these
-    TORCH_CHECK_VALUE(plan.dim() == 1 && plan.size(0) == S &&
-                          std::equal(plan.data_ptr<int32_t>(), plan.data_ptr<int32_t>() + S,
-                                     len.data_ptr<int32_t>()),
-                      "plan was made for other lengths than the store's: make it again with "
-                      "attention_plan after every append or compact");
-    len_host.assign(plan.data_ptr<int32_t>(), plan.data_ptr<int32_t>() + S);
+  if (device.is_cpu()) {
+    // A CPU plan is the lengths it was made for; the kernel cuts its units from the lengths
+    // the store has now (free to read here), so a stale plan of the store gives the same
+    // result, as on CUDA: what a decode step replayed with the plan it was captured with needs.
+    TORCH_CHECK_VALUE(plan.dim() == 1 && plan.size(0) == S,
+                      "plan must be a CPU plan of this store's ", S, " segments (attention_plan), got "
+                      "shape ", plan.sizes());
+    len_host.assign(len.data_ptr<int32_t>(), len.data_ptr<int32_t>() + S);
     p.len_host = &len_host;
   } else {
     p.len_host = nullptr;
@@ -591,6 +592,12 @@ at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Devic
 #else
   TORCH_CHECK(false, "unreachable");
 #endif
+}
+
+at::Tensor page_addresses(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                          int64_t page_size, int64_t head_dim, int64_t score_channels,
+                          at::ScalarType dtype) {
+  return state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype).page_base;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_run(

@@ -118,12 +118,14 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, const 
 
 // attention_plan (not an op: it reads the lengths on the host): the work partition of an
 // attention call over segments of the given lengths (lens: CPU int32 [S]) for `rows` query
-// rows per segment (G * n), on `device`. CPU: the lengths themselves (int32 [S], the CPU
-// kernel cuts its units from them). CUDA: int32 [3 W + S + 2] on the device: W splits
-// (segment, first token, end token), the first split of every segment, then S; copied up
-// without a sync (attention/attention_plan.h). A plan is balanced for the lengths it was made
-// for; with other lengths of the same store (a stale plan) CPU refuses it, CUDA gives the same
-// result unbalanced (no sync could check it), and a plan of another S gives NaN rows on CUDA.
+// rows per segment (G * n), on `device`. CPU: the lengths themselves (int32 [S]; the CPU
+// kernel cuts its units from the store's current lengths). CUDA: int32 [3 W + S + 2] on the
+// device: W splits (segment, first token, end token), the first split of every segment, then
+// S; copied up without a sync (attention/attention_plan.h). A plan is balanced for the
+// lengths it was made for; with other lengths of the same store (a stale plan) both devices
+// give the same result, CUDA's unbalanced (what a decode step replayed from a CUDA graph
+// attends with: a plan of the lengths its pages hold, PageAllocator::attention_plan_of_pages).
+// A plan of another S is refused on CPU and gives NaN rows on CUDA (no sync could check it).
 at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Device& device);
 
 // attention_run: the attention of q [B, Hq, n, D] over the state (kv_heads H per batch item,
@@ -134,6 +136,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& len, const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos,
     double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
     at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count);
+
+// page_addresses (not an op): the device tensor of page addresses that the ops called on this
+// state on the current stream read (cached per pool and stream, see ops.cpp). A CUDA graph
+// captured over the ops holds the raw pointer: its owner (kvcache_ext.hf.decode_graph) keeps
+// this tensor alive for the graph's life, whatever the cache drops.
+at::Tensor page_addresses(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                          int64_t page_size, int64_t head_dim, int64_t score_channels,
+                          at::ScalarType dtype);
 
 // ---- The eager decode fast path (not an op) ----------------------------------------------
 // append_and_attend: a decode step's store work for one layer in one host call, what the

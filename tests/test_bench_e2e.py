@@ -23,7 +23,8 @@ STEPS = 6
 WARMUP, REPEATS = 2, 2           # untimed decode steps per run (the second also times the host's
                                  # share: e2e.HOST_PROBES); interleaved runs per method
 DECODED = WARMUP + STEPS         # tokens decoded per run (the warmup's are in the cache too)
-METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step")
+METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step", "snapkv-graph",
+           "ada-snapkv-graph")
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16                                  # bench/e2e.py's TINY
 
@@ -62,7 +63,7 @@ def run(tmp_path_factory):
     proc = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--device", "cpu", "--contexts", "200,300",
                            "--batches", "1,2", "--budgets", f"{SMALL},{LARGE}", "--steps", str(STEPS),
                            "--warmup", str(WARMUP), "--repeats", str(REPEATS), "--no-progress", "--out", str(out),
-                           "--plot", str(png)],
+                           "--plot", str(png), "--methods", ",".join(METHODS + KVPRESS)],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
@@ -95,6 +96,10 @@ def test_every_method_runs_and_the_json_says_what_ran(run):
         assert len(runs) == REPEATS and min(runs) <= r["decode_s"] <= max(runs)
         assert r["decode_tokens_per_s"] == r["batch"] * STEPS / r["decode_s"]
         assert 0 < r["host_s_per_step"] <= r["synced_step_s"]
+        if r["method"].endswith("-graph"):   # the CPU has no graphs: every step eager, as the plain method
+            assert r["graph"]["captures"] == r["graph"]["replays"] == 0 and r["graph"]["failed"] is None
+            assert r["graph"]["eager_steps"] == 1 + DECODED and r["tokens_as_eager"] and r["x_eager"] > 0
+    assert "snapkv-graph at 200 x 1:" in stdout and "captured 0, replayed 0" in stdout
     assert doc["largest_fit"]["full"] == {"batch": 2, "context": 300}
 
 

@@ -1,8 +1,9 @@
 """The correctness risks of issue 42 that live between the host and the device:
 
-- a stale attention plan (made for other lengths): refused on a CPU store (a free check:
-  tests/test_ops.py, test_stale_attention_plan_is_refused_on_cpu), the same result on a CUDA store (the kernel reads each segment's last split up to its current
-  length: attention/attention_plan.h; no host sync could check it), a plan of another store
+- a stale attention plan (made for other lengths): the same result on a CUDA store (the kernel
+  reads each segment's last split up to its current length: attention/attention_plan.h; no
+  host sync could check it) as on a CPU store (tests/test_ops.py,
+  test_a_stale_attention_plan_gives_the_same_result_on_cpu), a plan of another store
   (another number of segments) refused there as NaN rows; the plan rules themselves are tested
   on the host by the gtest AttentionPlan.*;
 - an inconsistent page_table / len: the ops refuse it on CPU; on CUDA they trust it, and the

@@ -167,17 +167,21 @@ def test_accessors_and_state():
     assert lens.data_ptr() == store._len.data_ptr()   # the ops mutate the store through these
 
 
-def test_stale_attention_plan_is_refused_on_cpu():
+def test_a_stale_attention_plan_gives_the_same_result_on_cpu():
+    """As on CUDA (tests/test_cuda_metadata.py): a plan made before an append, or for the
+    lengths the pages hold (what a captured decode step attends with), serves the store's
+    current lengths; a plan of another number of segments is refused."""
     store = make_store(SHAPES[1], "cpu")
     q = torch.randn(2, 4, 1, 16)
     plan = store.attention_plan(2)
     k, v = tokens(store, 1)
     store.append(k, v, torch.full((2, 1), 99))
-    with pytest.raises(ValueError, match="plan was made for other lengths"):
-        kvcache_ext.ragged_attention(q, store, plan=plan)
-    out, _ = kvcache_ext.ragged_attention(q, store, plan=store.attention_plan(2))
-    want, _ = kvcache_ext.ragged_attention(q, store)
-    assert torch.equal(out, want)
+    want, want_stats = kvcache_ext.ragged_attention(q, store, stats=True)
+    for stale in (plan, store.attention_plan_of_pages(2)):
+        out, stats = kvcache_ext.ragged_attention(q, store, stats=True, plan=stale)
+        assert torch.equal(out, want) and torch.equal(stats.mass, want_stats.mass)
+    with pytest.raises(ValueError, match="plan must be a CPU plan of this store's"):
+        kvcache_ext.ragged_attention(q, store, plan=plan[:-1])
 
 
 def test_ops_refuse_a_state_that_does_not_cover_the_tokens():

@@ -109,6 +109,29 @@ at::Tensor PageAllocator::attention_plan(int64_t rows) const {
   return ops::attention_plan(lens, rows, device());
 }
 
+at::Tensor PageAllocator::attention_plan_of_pages(int64_t rows) const {
+  std::vector<int32_t> held(pages_h_.size());
+  for (size_t s = 0; s < held.size(); ++s) held[s] = pages_h_[s] << shift_;  // < 2^31 slots
+  const at::Tensor lens = at::from_blob(held.data(), {static_cast<int64_t>(held.size())}, at::kInt);
+  return ops::attention_plan(lens, rows, device());
+}
+
+bool PageAllocator::has_room(int64_t n) const {
+  for (int64_t s = 0; s < num_segments(); ++s)
+    if (len_h_[s] + n > (int64_t{pages_h_[s]} << shift_)) return false;
+  return true;
+}
+
+void PageAllocator::note_appended(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0, "note_appended takes a number of tokens >= 0, got ", n);
+  for (int64_t s = 0; s < num_segments(); ++s) {
+    const int64_t held = int64_t{pages_h_[s]} << shift_;
+    TORCH_CHECK_VALUE(len_h_[s] + n <= held, "segment ", s, " holds ", len_h_[s], " tokens in pages for ",
+                      held, ": no room for ", n, " more without new pages (reserve them first)");
+  }
+  for (int32_t& len : len_h_) len += static_cast<int32_t>(n);
+}
+
 at::Tensor PageAllocator::part_of(const at::Tensor& slab, int part) const {
   const int64_t pages = slab.size(0), P = page_size_;
   const at::ScalarType dtype = part == store::kPos      ? at::kInt

@@ -36,6 +36,14 @@ class PageAllocator {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_append(
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
       const c10::optional<at::Tensor>& valid);
+  // The host half of an append of n tokens to every segment whose pages already hold them:
+  // advances the host lengths. For a decode step replayed from a CUDA graph, whose captured
+  // store_append op (len += n on the device) ran without prepare_append. Raises, changing
+  // nothing, when a segment's pages lack room for them (pages are added by reserve, which a
+  // graph captured before it cannot see: capture it again).
+  void note_appended(int64_t n);
+  // Whether every segment's pages hold n more tokens.
+  bool has_room(int64_t n) const;
   // The host half of a compaction, after the store_compact op: reads the new lengths (the
   // one host sync of an eviction) and gives back the pages left empty. `known` ([S] integers
   // on the host) gives the new lengths instead, from a caller that knows what it kept (a
@@ -92,6 +100,10 @@ class PageAllocator {
   // The work partition of an attention call over the host lengths (ops::attention_plan)
   // for `rows` query rows per segment: the plan of the attention_run op.
   at::Tensor attention_plan(int64_t rows) const;
+  // The plan of the lengths the segments' pages hold (pages x page_size): a stale plan gives
+  // the same result (ops::attention_plan), so it serves every length up to those, balanced
+  // for full pages. What a captured decode step attends with while its tokens fill the pages.
+  at::Tensor attention_plan_of_pages(int64_t rows) const;
 
   // What kernels read: device pointers into the pages. Valid until the next call that
   // allocates pages or repacks.

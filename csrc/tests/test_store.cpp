@@ -1410,6 +1410,52 @@ TEST(StoreFork, SharesPagesAndAppendsApartCuda) {
 }
 #endif
 
+// A decode step as a CUDA graph replays it (kvcache_ext/hf/decode_graph.py): pages held ahead
+// (has_room), the store_append op alone (no prepare_append), the host lengths advanced apart
+// (note_appended), and attention with the plan of the lengths the pages hold. Equal to the
+// store that appends through prepare_append and plans afresh.
+void append_in_held_pages(const at::Device& d) {
+  std::mt19937 rng(5);
+  const int64_t B = 2, H = 2, Hq = 4, D = 8, P = 4, L = 5;
+  const auto like = at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(d));
+  OpStore held(B, H, D, 0, like, P), twin(B, H, D, 0, like, P);
+  const at::Tensor k = kvtest::random_normal({B, H, L, D}, at::kFloat, rng).to(d);
+  for (OpStore* st : {&held, &twin}) st->append(k, k, at::arange(L, at::kLong).to(d));
+  held.reserve(2);                                    // pages for 7 tokens: 8 per segment
+  const at::Tensor plan = held.attention_plan_of_pages(Hq / H);
+  const at::Tensor q = kvtest::random_normal({B, Hq, 1, D}, at::kFloat, rng).to(d);
+  for (int64_t step = 0; step < 3; ++step) {
+    ASSERT_TRUE(held.has_room(1));
+    const at::Tensor t = kvtest::random_normal({B, H, 1, D}, at::kFloat, rng).to(d);
+    const at::Tensor pos = at::full({B, 1}, L + step, at::kLong).to(d);
+    kvcache_ext::ops::store_append(held.pool(), held.page_table_device(), held.len_device(), t, t, pos,
+                                   c10::nullopt, c10::nullopt, P, 0);
+    held.note_appended(1);
+    twin.append(t, t, pos);
+    EXPECT_EQ(held.len_host(), twin.len_host());
+    const auto got = kvcache_ext::ops::attention_run(q, held.pool(), held.page_table_device(), held.len_device(),
+                                                     plan, c10::nullopt, 0.5, H, P, D, 0, at::kFloat, true,
+                                                     false, false, false);
+    const auto want = twin.attend(q, 0.5, c10::nullopt, true, false, false, false);
+    EXPECT_TRUE(at::allclose(kvtest::host(std::get<0>(got)), kvtest::host(std::get<0>(want)), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(kvtest::host(std::get<1>(got)).sum(), kvtest::host(std::get<1>(want)).sum(), 1e-5,
+                             1e-5));
+  }
+  EXPECT_FALSE(held.has_room(1));
+  EXPECT_TRUE(Throws<c10::ValueError>([&] { held.note_appended(1); }, "no room for 1 more"));
+  EXPECT_EQ(held.len_host(), std::vector<int32_t>(B * H, L + 3));     // unchanged by the refusal
+  EXPECT_TRUE(kvtest::BytesEqual(kvtest::host(held.k()).index_select(0, at::tensor(kvtest::live_slots(held)[3])),
+                                 kvtest::host(twin.k()).index_select(0, at::tensor(kvtest::live_slots(twin)[3]))));
+}
+
+TEST(StoreGraphStep, AppendsInHeldPages) { append_in_held_pages(at::kCPU); }
+#ifdef KVCACHE_EXT_WITH_CUDA
+TEST(StoreGraphStep, AppendsInHeldPagesCuda) {
+  KVTEST_REQUIRE_CUDA();
+  append_in_held_pages(at::Device(at::kCUDA, 0));
+}
+#endif
+
 TEST(StoreConstruction, RejectsBadArguments) { constructor_errors(at::kCPU); }
 TEST(StoreConstruction, TakesEveryPageSize) { every_page_size(at::kCPU); }
 TEST(StoreConstruction, HugeExtraIsRejected) {

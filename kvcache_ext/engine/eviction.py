@@ -24,6 +24,8 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     B, _, n, _ = q.shape
     if state.context is not None:   # a reconstruction pass over a held prompt
         return attend_context(state, q, k, v, new_positions(position_ids, state.seen, n, B, q.device))
+    if state.shared.graph_step is not None:
+        return decode_in_graph(state, q, k, v, position_ids, scale)
     window = kwargs.get("sliding_window")
     if window is not None:
         state.note_window(window)
@@ -111,6 +113,20 @@ def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
     state.advance(1)
     state.count_decode_step()
     state.note_newest(pos[:, 0])
+    return out.transpose(1, 2)
+
+
+def decode_in_graph(state: LayerState, q, k, v, position_ids, scale):
+    """The decode step of ``decode_append_only`` as a CUDA graph captures it
+    (``kvcache_ext.hf.decode_graph``, which runs only steps that ``decode_append_only`` would
+    serve): append and attend through the ops, into the pages the layer holds, with the plan
+    the graph made of them; the rows' newest positions updated in place. Nothing on the host:
+    a replay runs none of this Python, so the graph checks the room and advances the layer's
+    counts (host lengths, tokens seen, decode steps) around every run, captured or replayed.
+    ``position_ids`` [B, 1]: the graph's own buffer."""
+    pos = position_ids.expand(q.shape[0], 1)
+    out = state.kv.append_attend_in_pages(k, v, pos, q, scale, state.shared.graph_step.plan(state.layer_idx))
+    state.note_newest_in_place(pos[:, 0])
     return out.transpose(1, 2)
 
 

@@ -72,6 +72,14 @@ class RaggedLayerKV:
             return self.attend(q, scale, None, ())[0]
         return self.store.append_and_attend(q, k.contiguous(), v.contiguous(), pos, scale)
 
+    def append_attend_in_pages(self, k, v, pos, q, scale, plan):
+        """A decode step as a CUDA graph captures it (``kvcache_ext.hf.decode_graph``): the
+        append and the attention through their ops alone, into pages already held and with the
+        ``plan`` of those pages, so that the step runs no host work; the graph's owner checks
+        the room and advances the host lengths around every run."""
+        self.store.append_in_pages(k.contiguous(), v.contiguous(), pos)
+        return ragged_attention(q, self.store, scale, plan=plan)[0]
+
     def append_attend_evict(self, k, v, pos, q, scale, rule, protection, last_pos, budget):
         """One C++ call (``RaggedKVStore.append_attend_evict``) in eager mode; None under
         ``torch.compile``, which traces the general path's ops."""

@@ -20,6 +20,8 @@ values; nothing grows with the number of passes.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -282,7 +284,10 @@ class PromptTokens:
 def score_after_forward(forward, cache_key: str, tokens):
     """``forward`` (a model's) wrapped so that a prompt held for reconstruction passes is scored
     and compressed as soon as the forward that prefilled it returns (inside ``generate`` too);
-    ``cache_key``: the keyword the model takes its cache under."""
+    ``cache_key``: the keyword the model takes its cache under. It keeps ``forward``'s
+    signature, which generate reads: without it generate passes no position_ids (a left-padded
+    row's positions then count its padding) and no attention mask."""
+    @functools.wraps(forward)
     def forward_then_score(*args, **kwargs):
         out = forward(*args, **kwargs)
         cache = kwargs.get(cache_key, kwargs.get("past_key_values"))   # the older name still works

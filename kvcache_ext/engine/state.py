@@ -43,13 +43,23 @@ class StepValidity:
 class SharedByLayers:
     """What the layers of one cache share; the cache makes one and hands it to every layer."""
 
-    __slots__ = ("scorer_state", "step_validity", "token_ids")
+    __slots__ = ("scorer_state", "step_validity", "token_ids", "graph_step")
 
     def __init__(self, token_ids: TokenIds | None = None):
         self.scorer_state: dict = {}               # the scorer's cross-layer state (views' cache_state)
         self.step_validity = StepValidity()        # the engine's per-step memo
         # the rows' token ids by position, noted by the patched model (a scorer's needs_token_ids)
         self.token_ids = TokenIds() if token_ids is None else token_ids
+        # the decode graph whose step runs now (kvcache_ext.hf.decode_graph.DecodeGraph: each
+        # layer's plan); None outside one. Set and cleared by that graph's run_step only.
+        self.graph_step = None
+
+    def enter_graph_step(self, graph) -> None:
+        """The layers' next calls are the decode step ``graph`` captures or runs (``decode_in_graph``)."""
+        self.graph_step = graph
+
+    def exit_graph_step(self) -> None:
+        self.graph_step = None
 
     def clear(self) -> None:
         self.scorer_state.clear()
@@ -213,6 +223,11 @@ class LayerState:
     def note_newest(self, newest: torch.Tensor) -> None:
         """[B] the newest position of each row among tokens just seen (-1: none)."""
         self.last_pos = torch.maximum(self.last_pos, newest)
+
+    def note_newest_in_place(self, newest: torch.Tensor) -> None:
+        """``note_newest`` into the tensor it holds (a captured decode step writes only tensors
+        that outlive it)."""
+        torch.maximum(self.last_pos, newest, out=self.last_pos)
 
     def count_decode_step(self) -> int:
         """One more decode step; returns how many there have been."""

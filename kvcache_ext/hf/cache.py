@@ -166,6 +166,16 @@ class RaggedCache(Cache):
         super().__init__(layers=[RaggedLayer(LayerState(i, num_layers, policy, self.storage_factory(), model=model,
                                                         max_cache_len=max_cache_len, shared=shared))
                                  for i in range(num_layers)])
+        self._decode_graph = None   # made at the first decode step of a model patched with cuda_graph=True
+
+    def decode_graph(self):
+        """The CUDA graph of this cache's decode step (``kvcache_ext.hf.decode_graph.DecodeGraph``),
+        made at first use: what a model patched with ``cuda_graph=True`` runs its decode steps
+        through; its counts (``captures``, ``replays``, ``eager_steps``) say what they did."""
+        if self._decode_graph is None:
+            from kvcache_ext.hf.decode_graph import DecodeGraph
+            self._decode_graph = DecodeGraph(self)
+        return self._decode_graph
 
     def storage_factory(self):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvcache_ext.kernels.attention import check_head_dim
 from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
 from kvcache_ext.hf.cache_argument import cache_argument
+from kvcache_ext.hf.decode_graph import graph_forward
 from kvcache_ext.hf.call_token_ids import note_call_token_ids
 from kvcache_ext.hf.tensor_parallel import model_shape, ranks_of
 from kvcache_ext.hf.shared_prefix import SharedPrefix, SharedPrefixes, compress_prefix, prefix_ids
@@ -96,10 +97,10 @@ class PatchHandle:
     """What ``patch`` returns; also a context manager that unpatches on exit."""
 
     def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16, tokenizer=None,
-                 reserve_new_tokens: bool = True):
+                 reserve_new_tokens: bool = True, cuda_graph: bool = False):
         self.model, self.policy, self.original_attn = model, policy, original_attn
         self.page_size, self.tokenizer = page_size, tokenizer
-        self.reserve_new_tokens = reserve_new_tokens
+        self.reserve_new_tokens, self.cuda_graph = reserve_new_tokens, cuda_graph
         # what the caches hand the scorers (the token kinds only to a policy that reads token ids)
         self.model_parts = model_parts(model, tokenizer if policy.scorer.needs_token_ids else None)
         self.tokens = PromptTokens(tokenizer)    # tokens(text): a ReconstructionScorer's instructions
@@ -180,7 +181,7 @@ class PatchHandle:
 
 
 def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
-          reserve_new_tokens: bool = True) -> PatchHandle:
+          reserve_new_tokens: bool = True, cuda_graph: bool = False) -> PatchHandle:
     """Makes ``model`` (an HF causal LM of a type in ``SUPPORTED_MODELS``: Llama, Mistral, Qwen2,
     Qwen3, Phi-3, Gemma 3, ...) evict with ``policy``.
 
@@ -193,12 +194,17 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     ``max_new_tokens`` (or ``max_length``) allows as soon as the prompt is compressed, so that
     decoding allocates nothing (a cache that evicts while decoding keeps pages for the tokens
     between two evictions either way); False: pages are added as they fill up, and a
-    generation that stops early holds less.
+    generation that stops early holds less. ``cuda_graph``: on a CUDA device, the decode steps
+    of a policy that never evicts while decoding (one-shot SnapKV, Ada-SnapKV, ...) are
+    captured in a CUDA graph once per cache and replayed, so that a step costs the host almost
+    nothing (``kvcache_ext.hf.decode_graph``: which steps, and what falls back to eager); every
+    other call, and every call on the CPU, runs as without it.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
     check_page_size(page_size)
     reserve_new_tokens = boolean(reserve_new_tokens, "patch reserve_new_tokens")
+    cuda_graph = boolean(cuda_graph, "patch cuda_graph")
     if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
         raise TypeError(f"patch tokenizer must be the model's tokenizer (with an encode method), "
                         f"got {type(tokenizer).__name__}")
@@ -224,7 +230,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     _register()
     original = config._attn_implementation
     dense = original if original in DENSE else "sdpa"
-    handle = PatchHandle(model, policy, original, page_size, tokenizer, reserve_new_tokens)
+    handle = PatchHandle(model, policy, original, page_size, tokenizer, reserve_new_tokens, cuda_graph)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
     _hook_forwards(handle)
 
@@ -259,9 +265,14 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     model._prepare_cache_for_generation = _prepare_cache_for_generation
     # Continuous batching (generate_batch, transformers serve): each request in a ragged cache.
     model.init_continuous_batching = functools.partial(_init_continuous_batching, model, handle)
-    if policy.scorer.reconstructs:   # its passes run as soon as the forward that prefilled a prompt returns
+    if policy.scorer.reconstructs or cuda_graph:
         original = model.forward
-        model._kvcache_ext_forward, model.forward = original, score_after_forward(original, key, handle.tokens)
+        forward = original
+        if policy.scorer.reconstructs:   # its passes run as soon as the forward that prefilled a prompt returns
+            forward = score_after_forward(forward, key, handle.tokens)
+        if cuda_graph:   # decode steps through their cache's graph
+            forward = graph_forward(forward, key)
+        model._kvcache_ext_forward, model.forward = original, forward
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 

@@ -210,6 +210,44 @@ class RaggedKVStore:
             self._stale = True
         return out
 
+    # --- a decode step captured in a CUDA graph (kvcache_ext.hf.decode_graph) -------------------
+    def append_in_pages(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Appends k, v [B, H, n, D] at positions ``pos`` ([B, n] integers) to every segment
+        through the ``store_append`` op alone, into pages the segments already hold: no host
+        step, so a CUDA graph can capture it and replay it. The caller checks the room first
+        (``has_room``) and advances the host lengths after each run (``note_appended``)."""
+        ops.store_append(*self._current(), k, v, pos, None, None, self._page_size, self._channels)
+
+    def has_room(self, n: int) -> bool:
+        """Whether every segment's pages hold ``n`` more tokens (host bookkeeping, no sync)."""
+        return self._allocator.has_room(n)
+
+    def note_appended(self, n: int) -> None:
+        """The host lengths after ``append_in_pages`` of ``n`` tokens (raises, changing nothing,
+        when a segment's pages lack room for them)."""
+        self._allocator.note_appended(n)
+
+    @_host
+    def attention_plan_of_pages(self, rows: int = 1) -> torch.Tensor:
+        """The attention plan of the lengths the segments' pages hold: a stale plan of a store
+        gives the same result, so it serves every step until the pages fill (what a captured
+        decode step attends with)."""
+        return self._allocator.attention_plan_of_pages(int(rows))
+
+    @_host
+    def page_addresses(self) -> torch.Tensor:
+        """The page addresses the ops read on the current stream (cached by the ops per pool
+        and stream): a graph captured over the ops holds it for its life."""
+        pool, table, lens = self._current()
+        return _C.page_addresses(pool, table, lens, self._page_size, self._head_dim, self._channels,
+                                 self._dtype)
+
+    @property
+    def state_version(self) -> int:
+        """Counts the calls that made new state tensors (pages added, a repack): the ops'
+        arguments are the same tensors while it stays."""
+        return self._allocator.state_version
+
     def replace(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 check_bounds: bool = True) -> None:
         """Overwrites slot[b, h] (0 <= slot < len) of every segment with the token k, v [B, H, 1, D]

@@ -1,0 +1,263 @@
+"""A patched model's decode step in a CUDA graph: captured once per cache, replayed for every
+later step (``kvcache_ext.patch(model, policy, cuda_graph=True)``).
+
+Why. An eager decode step of an HF model is as long as the host's time to issue it: on an H100
+an 8B model's step issued 25-100 ms of host work for 7 ms of device work (docs/gpu.md). A
+replay issues the whole step at once.
+
+What a step may be. The graph replays exactly the device work it captured, with the same
+memory and every host value frozen, so it serves only steps that need no host decision: one
+new token per row, over a cache whose policy never evicts while decoding (one-shot SnapKV,
+Ada-SnapKV, ...: the ``decode_append_only`` steps of ``kvcache_ext.engine.eviction``), with
+no sliding-window layer, no prompt held for reconstruction passes, and a scorer that does not
+read token ids. Such a step appends one token to every (row, KV head) into pages the store
+already holds and attends with a plan made for those pages (``decode_in_graph``), and the
+rows' positions come from a buffer of the graph's. Every other call runs eagerly, as without
+the option.
+
+Around every run (``DecodeGraph.run_step``), on the host: the room for the new token is
+checked in every layer (pages are never added inside a graph; generate's cache reserves them
+for every new token up front, ``patch(reserve_new_tokens=True)``, else 256 tokens' worth are
+reserved when they run out), then the host lengths, tokens seen and decode steps advance. A
+graph is captured for one state of the stores (their tensors: ``state_version``) and batch;
+when that changes (pages added, another batch) it is dropped, and the next steps warm up and
+capture again. The first eligible step of a graph runs eagerly on the graph's stream (it
+fills the caches that capture must find filled), the second is captured and replayed.
+
+The graph's backend is the device's (``BACKENDS``): CUDA graphs on a CUDA device; a device
+without one (the CPU) runs every step eagerly. tests/graph_emulator.py plays a backend on the
+CPU with CUDA graphs' semantics (replays run the recorded ops on the same memory, host values
+frozen), so that the CPU tests check what a replay would do.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+import weakref
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+
+# The room reserved, in tokens per (row, KV head), when a step finds none (a cache made
+# without the sequence's length): every reservation makes new state, hence a new capture.
+RESERVE_AHEAD = 256
+# The keywords a decode step of generate passes besides its tokens, cache and mask, with the
+# values a graph serves (anything else runs eagerly).
+SERVED = {"use_cache": (True, None), "return_dict": (True, None), "output_attentions": (False, None),
+          "output_hidden_states": (False, None), "logits_to_keep": (0, 1, None)}
+
+
+def graph_forward(forward, cache_key: str):
+    """``forward`` (a patched model's) that runs the decode steps a graph serves through the
+    graph of their cache (``DecodeGraph``), every other call as it is. ``cache_key``: the
+    keyword the model takes its cache under. It keeps ``forward``'s signature, which generate
+    reads (to pass position_ids and the attention mask)."""
+    first = next(iter(inspect.signature(forward).parameters), None)
+
+    @functools.wraps(forward)
+    def forward_in_graph(*args, **kwargs):
+        cache = kwargs.get(cache_key, kwargs.get("past_key_values"))
+        decode_graph = getattr(cache, "decode_graph", None)
+        if decode_graph is None or kwargs.get("inputs_embeds") is not None:
+            return forward(*args, **kwargs)
+        if args:   # the tokens by position, as model(ids, ...) passes them
+            if len(args) > 1 or first != "input_ids" or "input_ids" in kwargs:
+                return forward(*args, **kwargs)
+            kwargs = dict(kwargs, input_ids=args[0])
+            args = ()
+        rest = {name: value for name, value in kwargs.items()
+                if name not in (cache_key, "past_key_values", "input_ids", "attention_mask", "position_ids",
+                                "cache_position", "inputs_embeds")}
+        logits = decode_graph().step(forward, cache_key, kwargs["input_ids"], kwargs.get("attention_mask"),
+                                     kwargs.get("position_ids"), rest)
+        if logits is None:
+            return forward(*args, **kwargs)
+        return CausalLMOutputWithPast(logits=logits, **{cache_key: cache})
+    return forward_in_graph
+
+
+class CudaGraphs:
+    """Capture and replay with ``torch.cuda.CUDAGraph`` on a stream of the graph's own."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def warmup(self, step):
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = step()
+        current.wait_stream(self.stream)
+        out.record_stream(current)   # read there next: its memory is not the side stream's to reuse before
+        return out
+
+    def capture(self, step, hold):
+        """Captures ``step`` (returns its output tensor); ``hold()`` runs on the capture stream
+        right after, and what it returns lives as long as the graph. Returns ``replay()``,
+        which runs the graph and returns the output tensor (the same tensor every time)."""
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.graph(graph, stream=self.stream):
+            out = step()
+        with torch.cuda.stream(self.stream):
+            held = hold()
+        return CapturedGraph(graph, out, held)
+
+
+class CapturedGraph:
+    """A captured step: calling it replays the graph and returns its output tensor."""
+
+    def __init__(self, graph, out: torch.Tensor, held):
+        self.graph, self.out, self.held = graph, out, held
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+BACKENDS = {"cuda": CudaGraphs}
+
+
+class GraphInputs:
+    """The buffers a captured step reads: the new tokens [B, 1] and their positions [B, 1]."""
+
+    def __init__(self, input_ids: torch.Tensor):
+        self.input_ids = torch.empty_like(input_ids)
+        self.position_ids = torch.empty(input_ids.shape, dtype=torch.long, device=input_ids.device)
+
+    def fill(self, input_ids: torch.Tensor, position_ids, seen: int) -> None:
+        self.input_ids.copy_(input_ids)
+        if position_ids is None:   # the model's own default: the cache's length onwards
+            self.position_ids.fill_(seen)
+        else:
+            self.position_ids.copy_(position_ids.expand(self.position_ids.shape))
+
+
+class DecodeGraph:
+    """The decode step of one ``RaggedCache`` in a CUDA graph (the cache owns it:
+    ``RaggedCache.decode_graph()``). ``warmups``, ``captures`` and ``replays`` count the steps
+    it ran, ``eager_steps`` the calls it left to the eager forward (the prompt's included);
+    ``declined`` says why the latest of those was not a graph step, ``failed`` why capture
+    failed (then every later step is eager)."""
+
+    def __init__(self, cache):
+        self._cache = weakref.ref(cache)   # the cache owns this graph (no cycle to wait on the collector)
+        self.captures = self.replays = self.warmups = self.eager_steps = 0
+        self.declined = None
+        self.failed = None     # why capture failed on this cache (then every step runs eagerly)
+        self._drop()
+
+    def _drop(self) -> None:
+        self._key = None       # what the graph was captured for
+        self._backend = None
+        self._inputs = None
+        self._plans = {}
+        self._replay = None
+        self._warm = False
+
+    # --- the layers' view ---------------------------------------------------------------
+    def plan(self, layer_idx: int) -> torch.Tensor:
+        """The attention plan a layer's captured step attends with."""
+        return self._plans[layer_idx]
+
+    # --- which calls ------------------------------------------------------------------------
+    def why_not(self, input_ids, attention_mask, kwargs) -> str | None:
+        """None when this call is a step the graph serves, else why not (host checks, and one
+        read of the newest mask column when a mask is given)."""
+        if self.failed is not None:
+            return self.failed
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            return "not one new token per row"
+        backend = BACKENDS.get(input_ids.device.type)
+        if backend is None:
+            return f"no graphs on {input_ids.device.type}"
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor) or value not in SERVED.get(name, (None,)):
+                return f"the argument {name}"
+        for layer in self._cache().layers:
+            state = layer.state
+            p = state.policy
+            if not isinstance(state.kv, RaggedLayerKV):
+                return "a layer without its ragged store (before the prompt, or the reference's)"
+            if p.schedule.evicts_over_cache or p.scorer.needs_token_ids:
+                return f"the policy {p} evicts while decoding or reads token ids"
+            if state.window is not None or state.context is not None:
+                return "a sliding-window layer, or a prompt held for reconstruction passes"
+            if state.tokens[0] != input_ids.shape[0] or state.tokens[2] != input_ids.device:
+                return "another batch or device than the cache's"
+        if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+            return "a padding token among the new ones"
+        return None
+
+    # --- a step -------------------------------------------------------------------------------
+    def step(self, forward, cache_key: str, input_ids, attention_mask, position_ids, kwargs):
+        """A call of the patched model's ``forward``: the logits of a decode step the graph
+        served, or None for the caller to run the call eagerly (counted in ``eager_steps``,
+        why in ``declined``)."""
+        self.declined = self.why_not(input_ids, attention_mask, kwargs)
+        logits = None
+        if self.declined is None:
+            logits = self.run_step(forward, cache_key, input_ids, position_ids, kwargs)
+        if logits is None:
+            self.eager_steps += 1
+        return logits
+
+    def run_step(self, forward, cache_key: str, input_ids, position_ids, kwargs):
+        """One decode step through the graph: warmed up, captured or replayed. Returns the
+        logits [B, 1, V] (a tensor of the caller's)."""
+        cache = self._cache()
+        layers = [layer.state for layer in cache.layers]
+        if not all(state.kv.store.has_room(1) for state in layers):
+            for state in layers:
+                state.kv.store.reserve(RESERVE_AHEAD)
+        key = (tuple(input_ids.shape), input_ids.device, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
+               # the stores themselves (held: an id could be reused by a later store)
+               tuple((state.kv.store, state.kv.store.state_version) for state in layers))
+        if key != self._key:
+            self._drop()
+            self._key = key
+            self._backend = BACKENDS[input_ids.device.type](input_ids.device)
+            self._inputs = GraphInputs(input_ids)
+            self._plans = {state.layer_idx: state.kv.store.attention_plan_of_pages(state.groups)
+                           for state in layers}
+        self._inputs.fill(input_ids, position_ids, layers[0].seen)
+
+        shared = layers[0].shared
+
+        def step():
+            shared.enter_graph_step(self)
+            try:
+                arguments = dict(kwargs, input_ids=self._inputs.input_ids, position_ids=self._inputs.position_ids)
+                arguments[cache_key] = cache
+                return forward(**arguments).logits
+            finally:
+                shared.exit_graph_step()
+
+        if self._replay is not None:
+            logits = self._replay()
+            self.replays += 1
+        elif not self._warm:
+            logits = self._backend.warmup(step)
+            self._warm = True
+            self.warmups += 1
+        else:
+            try:
+                self._replay = self._backend.capture(step, hold=lambda: [s.kv.store.page_addresses()
+                                                                         for s in layers])
+            except Exception as error:   # noqa: BLE001  (the step then runs eagerly, as without graphs)
+                self.failed = f"capture failed: {type(error).__name__}: {error}"
+                warnings.warn(f"kvcache_ext: this cache's decode steps run without a CUDA graph ({self.failed})",
+                              RuntimeWarning, stacklevel=3)
+                self._drop()
+                return None
+            self.captures += 1
+            logits = self._replay()
+        for state in layers:
+            state.kv.store.note_appended(1)
+            state.advance(1)
+            state.count_decode_step()
+        return logits.clone()

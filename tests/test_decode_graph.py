@@ -1,0 +1,211 @@
+"""Decode steps in a CUDA graph (kvcache_ext.hf.decode_graph, ``patch(..., cuda_graph=True)``).
+
+On the CPU the graphs are played by tests/graph_emulator.py, which replays what a capture
+recorded with CUDA graphs' semantics (same memory, host values frozen, no Python run again):
+a step that leaned on the host would differ from the eager steps here, as it would on a GPU.
+The CUDA twin at the end runs real CUDA graphs (bench/gpu_verify.sh's test stage)."""
+import inspect
+
+import pytest
+import torch
+
+import kvcache_ext
+from kvcache_ext import RaggedKVStore
+from kvcache_ext.engine import eviction
+from kvcache_ext.hf import decode_graph
+from kvcache_ext.policies import H2O, AdaKV, EveryStep, KVzip, Policy, SnapKV
+from graph_emulator import EmulatedGraphs
+from tiny_models import VOCAB, tiny_model
+
+# KVzip's instructions as token ids: the tiny models have no tokenizer (tests/test_kvzip.py)
+KVZIP = KVzip(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None)
+ONE_SHOT = [Policy(SnapKV(window=4), budget=16, allocation=AdaKV()),
+            Policy(SnapKV(window=4, kernel=3), ratio=0.5)]
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    monkeypatch.setitem(decode_graph.BACKENDS, "cpu", EmulatedGraphs)
+
+
+def prompt(batch=2, length=30, pad=(3, 0), device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, p in enumerate(pad):
+        mask[row, :p] = 0
+    return ids.to(device), mask.to(device)
+
+
+def generate(model, policy, cuda_graph, new_tokens=8, device="cpu", **patch_kwargs):
+    """Greedy tokens, each step's logits, the kept positions of every layer, the cache's graph."""
+    ids, mask = prompt(device=device)
+    with kvcache_ext.patch(model, policy, cuda_graph=cuda_graph, **patch_kwargs) as handle:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        cache = handle.last_cache
+    kept = []
+    for i in range(len(cache.layers)):
+        view = cache.layer_kv(i).view(None, False)
+        kept.append(view["pos"].masked_fill(~view["mask"], -1).cpu())
+    return out.sequences, torch.stack(out.logits), kept, cache._decode_graph
+
+
+def assert_same_generation(a, b, atol=0.0):
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], atol=atol, rtol=atol)
+    assert all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy", ONE_SHOT, ids=["ada-snapkv", "snapkv"])
+def test_graph_steps_give_the_eager_tokens_logits_and_cache(cpu_graphs, arch, policy):
+    model = tiny_model(arch, heads=4, kv_heads=2, layers=3)
+    eager = generate(model, policy, cuda_graph=False)
+    graphed = generate(model, policy, cuda_graph=True)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    # the prompt eagerly, then one step warms up, one is captured (and replayed), 5 replayed
+    assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == (1, 1, 5, 1)
+    assert eager[3] is None
+
+
+def test_graph_is_captured_again_when_the_pages_run_out(cpu_graphs, monkeypatch):
+    """Without generate's reservation the pages fill up: the step reserves RESERVE_AHEAD more
+    (8 here, so that it happens several times), which makes new state, and the graph is warmed
+    up and captured again."""
+    monkeypatch.setattr(decode_graph, "RESERVE_AHEAD", 8)
+    model = tiny_model("llama", layers=2)
+    policy = ONE_SHOT[0]
+    eager = generate(model, policy, cuda_graph=False, new_tokens=24, reserve_new_tokens=False)
+    graphed = generate(model, policy, cuda_graph=True, new_tokens=24, reserve_new_tokens=False)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    assert graph.captures >= 2 and graph.warmups >= graph.captures
+    assert graph.warmups + graph.captures + graph.replays + graph.eager_steps == 24
+
+
+def test_steps_a_graph_cannot_serve_run_eagerly(cpu_graphs):
+    model = tiny_model("llama", layers=2)
+    policy = Policy(H2O(), budget=16, schedule=EveryStep())
+    eager = generate(model, policy, cuda_graph=False)
+    graphed = generate(model, policy, cuda_graph=True)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    assert (graph.captures, graph.replays, graph.eager_steps) == (0, 0, 8)
+    assert "evicts while decoding" in graph.declined
+
+
+def test_without_a_backend_every_step_runs_eagerly():
+    """The CPU has no graphs: cuda_graph=True changes nothing there."""
+    model = tiny_model("llama", layers=2)
+    eager = generate(model, ONE_SHOT[0], cuda_graph=False)
+    graphed = generate(model, ONE_SHOT[0], cuda_graph=True)
+    assert_same_generation(eager, graphed)
+    assert graphed[3].eager_steps == 8 and graphed[3].declined == "no graphs on cpu"
+
+
+def test_a_step_that_reads_the_device_falls_back_to_eager(cpu_graphs, monkeypatch):
+    """A host read inside the step fails the capture (as on CUDA): a warning, and every later
+    step of that cache runs eagerly, with the same result."""
+    plain = eviction.decode_in_graph
+
+    def reads_the_device(state, q, k, v, position_ids, scale):
+        int(position_ids.sum())
+        return plain(state, q, k, v, position_ids, scale)
+
+    model = tiny_model("llama", layers=2)
+    eager = generate(model, ONE_SHOT[0], cuda_graph=False)
+    monkeypatch.setattr(eviction, "decode_in_graph", reads_the_device)
+    with pytest.warns(RuntimeWarning, match="without a CUDA graph .*reads a device value"):
+        graphed = generate(model, ONE_SHOT[0], cuda_graph=True)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    assert graph.captures == 0 and graph.eager_steps == 7 and "capture failed" in graph.failed
+
+
+def test_the_emulator_catches_a_host_value_frozen_into_the_step(cpu_graphs, monkeypatch):
+    """The check above can fail: positions taken from the host's count of tokens seen (not from
+    the graph's buffer) are frozen at the capture, and the replayed steps store wrong ones."""
+    plain = eviction.decode_in_graph
+
+    def positions_from_the_host(state, q, k, v, position_ids, scale):
+        return plain(state, q, k, v, torch.full_like(position_ids, state.seen), scale)
+
+    model = tiny_model("llama", layers=2)
+    eager = generate(model, ONE_SHOT[1], cuda_graph=False)
+    monkeypatch.setattr(eviction, "decode_in_graph", positions_from_the_host)
+    graphed = generate(model, ONE_SHOT[1], cuda_graph=True)
+    assert not all(torch.equal(x, y) for x, y in zip(eager[2], graphed[2]))
+
+
+def test_patched_forwards_keep_the_model_signature():
+    """generate reads the forward's signature to pass position_ids and the mask: a wrapper
+    without it loses them (a left-padded row's positions then count its padding)."""
+    model = tiny_model("llama", layers=2)
+    want = inspect.signature(model.forward)
+    for policy, graph in ((ONE_SHOT[0], True), (Policy(KVZIP, ratio=0.5), False)):
+        with kvcache_ext.patch(model, policy, cuda_graph=graph):
+            assert inspect.signature(model.forward) == want
+        assert "forward" not in vars(model)
+
+
+def test_kvzip_gives_a_left_padded_row_its_own_positions_in_generate():
+    """The regression the signature caused: KVzip's wrapped forward hid position_ids from
+    generate, so a left-padded row's positions counted its padding (RoPE is blind to the
+    shift, but what reads positions is not: KVzip's sinks, a protection's)."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = prompt()                                       # row 0: 3 padding tokens
+    with kvcache_ext.patch(model, Policy(KVZIP, ratio=1.0)) as handle:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             return_dict_in_generate=True)   # holds the cache
+        view = handle.last_cache.layer_kv(0).view(None, False)
+    del out
+    real = int(mask[0].sum())
+    assert view["pos"][0, 0, :real + 3].tolist() == list(range(real + 3))   # the prompt and 3 fed tokens
+
+
+def test_patch_refuses_a_cuda_graph_that_is_not_a_bool():
+    model = tiny_model("llama", layers=2)
+    with pytest.raises(TypeError, match="cuda_graph"):
+        kvcache_ext.patch(model, ONE_SHOT[0], cuda_graph="yes")
+
+
+def test_store_appends_into_held_pages_and_counts_them_apart():
+    store = RaggedKVStore(2, 2, 8, dtype=torch.float32, score_channels=0, page_size=4)
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 5, 8, generator=gen) for _ in range(2))
+    store.append(k, v, torch.arange(5).expand(2, 5))
+    store.reserve(2)                                     # pages for 7 tokens per segment: 8
+    twin = RaggedKVStore(2, 2, 8, dtype=torch.float32, score_channels=0, page_size=4)
+    twin.append(k, v, torch.arange(5).expand(2, 5))
+    plan = store.attention_plan_of_pages(2)
+    q = torch.randn(2, 4, 1, 8, generator=gen)
+    for step in range(3):
+        k1, v1 = (torch.randn(2, 2, 1, 8, generator=gen) for _ in range(2))
+        pos = torch.full((2, 1), 5 + step)
+        assert store.has_room(1)
+        store.append_in_pages(k1, v1, pos)
+        store.note_appended(1)
+        twin.append(k1, v1, pos)
+        got, _ = kvcache_ext.ragged_attention(q, store, plan=plan)
+        want, _ = kvcache_ext.ragged_attention(q, twin)
+        assert torch.equal(got, want)
+        assert torch.equal(store.lens, twin.lens) and torch.equal(store.to_dense().pos, twin.to_dense().pos)
+    assert not store.has_room(1)
+    with pytest.raises(ValueError, match="segment 0 holds 8 tokens in pages for 8: no room for 1 more"):
+        store.note_appended(1)
+    assert store.lens.tolist() == [[8, 8], [8, 8]]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kvcache_ext.build_info()["cuda"]),
+                    reason="needs a CUDA GPU and a CUDA build of kvcache_ext")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_cuda_graph_steps_give_the_eager_tokens_on_cuda(dtype, atol):
+    model = tiny_model("llama", heads=8, kv_heads=2, head_dim=64, layers=3, dtype=dtype).cuda()
+    for policy in ONE_SHOT:
+        eager = generate(model, policy, cuda_graph=False, new_tokens=12, device="cuda")
+        graphed = generate(model, policy, cuda_graph=True, new_tokens=12, device="cuda")
+        assert graphed[3].failed is None
+        assert (graphed[3].captures, graphed[3].replays) == (1, 9)
+        assert_same_generation(eager, graphed, atol=atol)
