@@ -256,6 +256,10 @@ class RaggedCache(Cache):
         length onwards; the tokens that ``attention_mask`` (2-D [B, seen + n], or HF's 4-D)
         marks as padding are not noted. The patched model calls it before each call when its
         policy reads token ids (``kvcache_ext.hf.call_token_ids``)."""
+        if self.layers[0].state.shared.graph_step is not None:
+            # A call inside a decode graph's step (its decoder's hook): the patched model's own
+            # hook noted these ids before the step, outside it; a replay runs no Python.
+            return
         B, n = input_ids.shape
         seen = self.get_seq_length()
         pos = new_positions(position_ids, seen, n, B, input_ids.device)

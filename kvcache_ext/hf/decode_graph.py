@@ -8,9 +8,10 @@ replay issues the whole step at once.
 What a step may be. The graph replays exactly the device work it captured, with the same
 memory and every host value frozen, so it serves only steps that need no host decision: one
 new token per row, over a cache whose policy never evicts while decoding (one-shot SnapKV,
-Ada-SnapKV, ...: the ``decode_append_only`` steps of ``kvcache_ext.engine.eviction``), with
-no sliding-window layer, no prompt held for reconstruction passes, and a scorer that does not
-read token ids. Such a step appends one token to every (row, KV head) into pages the store
+Ada-SnapKV, KVzip, spans, ...: the ``decode_append_only`` steps of
+``kvcache_ext.engine.eviction``), with no sliding-window layer and no prompt held for
+reconstruction passes (a policy that reads token ids has them noted by the patched model's
+hook, which runs at every call, outside the step). Such a step appends one token to every (row, KV head) into pages the store
 already holds and attends with a plan made for those pages (``decode_in_graph``), and the
 rows' positions come from a buffer of the graph's. Every other call runs eagerly, as without
 the option.
@@ -183,8 +184,8 @@ class DecodeGraph:
             p = state.policy
             if not isinstance(state.kv, RaggedLayerKV):
                 return "a layer without its ragged store (before the prompt, or the reference's)"
-            if p.schedule.evicts_over_cache or p.scorer.needs_token_ids:
-                return f"the policy {p} evicts while decoding or reads token ids"
+            if p.schedule.evicts_over_cache:
+                return f"the policy {p} evicts while decoding"
             if state.window is not None or state.context is not None:
                 return "a sliding-window layer, or a prompt held for reconstruction passes"
             if state.tokens[0] != input_ids.shape[0] or state.tokens[2] != input_ids.device:
