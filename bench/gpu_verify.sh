@@ -24,7 +24,7 @@
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/gpu_verify.py
 #             sanitize-driver (small stores through every op, both compaction paths, a prefill
 #             block by default and with KVCACHE_EXT_TC_PREFILL=0)
-#   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 4, one-shot
+#   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 1 and 4, one-shot
 #             SnapKV at 1024 tokens per head (eager, and its decode steps in a CUDA graph:
 #             snapkv-graph), H2O evicting every step and the full cache (the default
 #             --e2e-args below: issue 42's per-step goal); Ada-SnapKV and the masked
@@ -64,7 +64,7 @@ dry=0
 pack=0
 device=cuda
 quick=
-e2e_args="--model llama8b --contexts 8192 --batches 4 --budgets 1024 --steps 32 --warmup 4 --repeats 1
+e2e_args="--model llama8b --contexts 8192 --batches 1,4 --budgets 1024 --steps 32 --warmup 4 --repeats 1
   --methods full,snapkv,snapkv-graph,h2o-step"
 pytest_args=""
 budget=540
@@ -74,15 +74,14 @@ carry="$root/.gpucarry"
 results=${GPU_VERIFY_RESULTS:-$root/bench/results}   # elsewhere: the CPU smoke test's
 logs="$results/gpu-verify"
 
-# Seconds each stage is expected to take on an H100 (16 cores), from docs/gpu.md's runs of
-# 2026-11-26: the build of the extension and the gtest binary side by side took about 2 min
-# (all archs' code for one, sm_90 here), the benchmarks 39 s (kernel time doubles the timed
-# calls, and the table adds top-k cases and the checks), memcheck over 346 gtest cases ran past
-# 4 min (the driver here is small: tens of seconds per tool, most of it torch's start-up under
-# the sanitizer), pytest's CUDA files 133 s. e2e: an 8B model's random weights (16 GB), five
-# methods' prefill of 8K x 4 and 36 decode steps, not yet measured (150 s for five methods, 100
-# for the default three). tc: about 200 small pytest cases and two prefill rows, not yet measured.
-declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=100 [tc]=60 [sanitize]=120 [e2e]=100
+# Seconds each stage is expected to take on an H100 (16 cores), from docs/gpu.md's runs: on
+# 2026-11-27 (bench/results/gpu-verify-NVIDIA-H100-80GB-HBM3-2026-11-27-stages.json) the build
+# (sm_90, no gtest binary) took 109 s, bench about 40, tc 38, sanitize 41 (three tools over the
+# small driver, most of it torch's start-up under the sanitizer), e2e 40 (an 8B model's random
+# weights, three methods at 8K x 4, 36 decode steps; the default now adds snapkv-graph and
+# batch 1), pytest's CUDA files 133 s (2026-11-26); memcheck over 346 gtest cases ran past 4 min
+# (2026-11-26). Rounded up, for a GPU or a machine slower than that one.
+declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=60 [sanitize]=80 [e2e]=90
                      [test]=180 [gtest]=240 [probe]=60 [ncu]=200)
 
 die() { echo "gpu_verify.sh: error: $*" >&2; exit 2; }

@@ -43,7 +43,7 @@ def test_default_plan_fits_nine_minutes_with_the_build():
     plan = next(line for line in out.stdout.splitlines() if line.startswith("plan: ~"))
     assert int(plan.split("~")[1].split()[0]) <= 525, plan
     assert "WARNING" not in out.stdout
-    assert "--model llama8b --contexts 8192 --batches 4 --budgets 1024" in out.stdout
+    assert "--model llama8b --contexts 8192 --batches 1,4 --budgets 1024" in out.stdout
     assert "--methods full,snapkv,snapkv-graph,h2o-step" in out.stdout
 
 
