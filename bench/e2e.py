@@ -68,6 +68,9 @@ Derived, from runs of one process only:
   same budget / theirs. SnapKV's decode does no scoring, selection or compaction (its cache
   grows), so the difference is the eviction work (an estimate: SnapKV's cache is up to
   ``--steps`` tokens per head longer).
+- ``x_eager`` and ``tokens_as_eager`` of a ``-graph`` method: its decode tokens/s over the
+  same policy's eager run, and whether their greedy tokens agree (in bf16 they may differ
+  without a bug: the two attend with other splits of the same tokens).
 - the largest batch x context of the grid that each method ran without running out of memory.
 - per (context, batch, B), in a second table: ours SnapKV's KV bytes / kvpress SnapKV's, ours
   Ada-SnapKV's / ours SnapKV's, and ours SnapKV's decode tokens/s / kvpress SnapKV's.
