@@ -11,10 +11,10 @@ new token per row, over a cache whose policy never evicts while decoding (one-sh
 Ada-SnapKV, KVzip, spans, ...: the ``decode_append_only`` steps of
 ``kvcache_ext.engine.eviction``), with no sliding-window layer and no prompt held for
 reconstruction passes (a policy that reads token ids has them noted by the patched model's
-hook, which runs at every call, outside the step). Such a step appends one token to every (row, KV head) into pages the store
-already holds and attends with a plan made for those pages (``decode_in_graph``), and the
-rows' positions come from a buffer of the graph's. Every other call runs eagerly, as without
-the option.
+hook, which runs at every call, outside the step). Such a step appends one token to every
+(row, KV head) into pages the store already holds and attends with a plan made for those
+pages (``decode_in_graph``), and the rows' positions come from a buffer of the graph's. Every
+other call runs eagerly, as without the option.
 
 Around every run (``DecodeGraph.run_step``), on the host: the room for the new token is
 checked in every layer (pages are never added inside a graph; generate's cache reserves them
