@@ -116,19 +116,18 @@ at::Tensor PageAllocator::attention_plan_of_pages(int64_t rows) const {
   return ops::attention_plan(lens, rows, device());
 }
 
-bool PageAllocator::has_room(int64_t n) const {
+int64_t PageAllocator::segment_without_room(int64_t n) const {
   for (int64_t s = 0; s < num_segments(); ++s)
-    if (len_h_[s] + n > (int64_t{pages_h_[s]} << shift_)) return false;
-  return true;
+    if (len_h_[s] + n > (int64_t{pages_h_[s]} << shift_)) return s;
+  return -1;
 }
 
 void PageAllocator::note_appended(int64_t n) {
   TORCH_CHECK_VALUE(n >= 0, "note_appended takes a number of tokens >= 0, got ", n);
-  for (int64_t s = 0; s < num_segments(); ++s) {
-    const int64_t held = int64_t{pages_h_[s]} << shift_;
-    TORCH_CHECK_VALUE(len_h_[s] + n <= held, "segment ", s, " holds ", len_h_[s], " tokens in pages for ",
-                      held, ": no room for ", n, " more without new pages (reserve them first)");
-  }
+  const int64_t s = segment_without_room(n);
+  TORCH_CHECK_VALUE(s < 0, "segment ", s, " holds ", s < 0 ? 0 : len_h_[s], " tokens in pages for ",
+                    s < 0 ? 0 : int64_t{pages_h_[s]} << shift_, ": no room for ", n,
+                    " more without new pages (reserve them first)");
   for (int32_t& len : len_h_) len += static_cast<int32_t>(n);
 }
 

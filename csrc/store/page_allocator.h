@@ -43,7 +43,7 @@ class PageAllocator {
   // graph captured before it cannot see: capture it again).
   void note_appended(int64_t n);
   // Whether every segment's pages hold n more tokens.
-  bool has_room(int64_t n) const;
+  bool has_room(int64_t n) const { return segment_without_room(n) < 0; }
   // The host half of a compaction, after the store_compact op: reads the new lengths (the
   // one host sync of an eviction) and gives back the pages left empty. `known` ([S] integers
   // on the host) gives the new lengths instead, from a caller that knows what it kept (a
@@ -138,6 +138,8 @@ class PageAllocator {
 
  private:
   void check_tokens(const at::Tensor& t, int64_t n, const char* name) const;
+  // The first segment whose pages lack room for n more tokens, or -1.
+  int64_t segment_without_room(int64_t n) const;
   // Gives segment s pages for need[s] tokens, taking free pages first and allocating one
   // slab for the rest; when a slab is allocated, pages for need[s] + lookahead tokens.
   void ensure_pages(const std::vector<int64_t>& need, int64_t lookahead);

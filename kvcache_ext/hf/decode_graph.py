@@ -179,13 +179,14 @@ class DecodeGraph:
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor) or value not in SERVED.get(name, (None,)):
                 return f"the argument {name}"
-        for layer in self._cache().layers:
+        layers = self._cache().layers
+        policy = layers[0].state.policy   # the cache's, every layer's
+        if policy.schedule.evicts_over_cache:
+            return f"the policy {policy} evicts while decoding"
+        for layer in layers:
             state = layer.state
-            p = state.policy
             if not isinstance(state.kv, RaggedLayerKV):
                 return "a layer without its ragged store (before the prompt, or the reference's)"
-            if p.schedule.evicts_over_cache:
-                return f"the policy {p} evicts while decoding"
             if state.window is not None or state.context is not None:
                 return "a sliding-window layer, or a prompt held for reconstruction passes"
             if state.tokens[0] != input_ids.shape[0] or state.tokens[2] != input_ids.device:
@@ -229,7 +230,7 @@ class DecodeGraph:
 
         shared = layers[0].shared
 
-        def step():
+        def forward_step():
             shared.enter_graph_step(self)
             try:
                 arguments = dict(kwargs, input_ids=self._inputs.input_ids, position_ids=self._inputs.position_ids)
@@ -242,12 +243,12 @@ class DecodeGraph:
             logits = self._replay()
             self.replays += 1
         elif not self._warm:
-            logits = self._backend.warmup(step)
+            logits = self._backend.warmup(forward_step)
             self._warm = True
             self.warmups += 1
         else:
             try:
-                self._replay = self._backend.capture(step, hold=lambda: [s.kv.store.page_addresses()
+                self._replay = self._backend.capture(forward_step, hold=lambda: [s.kv.store.page_addresses()
                                                                          for s in layers])
             except Exception as error:   # noqa: BLE001  (the step then runs eagerly, as without graphs)
                 self.failed = f"capture failed: {type(error).__name__}: {error}"
