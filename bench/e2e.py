@@ -21,10 +21,10 @@ Every (context, batch) runs these methods side by side in one process, on the sa
   then grows by one token per decode step. Its cache is told the run's length (prompt +
   warmup + steps, as the patched ``generate`` tells it ``max_length - 1``), so it holds pages
   for every decode token once the prompt is compressed, and decoding allocates nothing.
-- ``snapkv-graph`` and ``ada-snapkv-graph``: the same, with ``patch(..., cuda_graph=True)``:
-  each decode step after the first two is a replay of a CUDA graph captured once
-  (``kvcache_ext.hf.decode_graph``; its counts are in the record's ``graph``). On a CPU the
-  steps run eagerly, as ``snapkv``'s.
+- ``snapkv-graph``, ``ada-snapkv-graph`` and ``h2o-step-graph``: the same, with
+  ``patch(..., cuda_graph=True)``: each decode step after the first two is a replay of a CUDA
+  graph captured once (``kvcache_ext.hf.decode_graph``; its counts are in the record's
+  ``graph``); H2O's graph evicts too. On a CPU the steps run eagerly, as the plain methods'.
 - ``h2o-step`` and ``caote-step``: ours, per-step decode eviction holding the cache at its
   budget. The prefill is block-wise (blocks of 128, evicting after each, the H2O and CAOTE
   papers' protocol), so the prompt's cache never exceeds the budget plus a block.
@@ -65,7 +65,8 @@ A run that does not fit is recorded as out of memory, and the next methods go on
 Derived, from runs of one process only:
 - ``x full``: decode tokens/s over the full cache's at the same context and batch.
 - ``eviction share`` of ``h2o-step`` and ``caote-step``: 1 - decode time of ``snapkv`` at the
-  same budget / theirs. SnapKV's decode does no scoring, selection or compaction (its cache
+  same budget / theirs (of ``h2o-step-graph``: against ``snapkv-graph``'s; 1 - the share is
+  issue 42's ratio of per-step eviction's tokens/s to one-shot SnapKV's). SnapKV's decode does no scoring, selection or compaction (its cache
   grows), so the difference is the eviction work (an estimate: SnapKV's cache is up to
   ``--steps`` tokens per head longer).
 - ``x_eager`` and ``tokens_as_eager`` of a ``-graph`` method: its decode tokens/s over the
@@ -143,7 +144,9 @@ POLICIES = {       # name -> Policy at budget b
 }
 # The same policies with their decode steps in a CUDA graph (patch(..., cuda_graph=True)); on
 # a CPU they run eagerly, as their plain names.
-GRAPHED = {"snapkv-graph": "snapkv", "ada-snapkv-graph": "ada-snapkv"}
+GRAPHED = {"snapkv-graph": "snapkv", "ada-snapkv-graph": "ada-snapkv", "h2o-step-graph": "h2o-step"}
+# Per-step eviction, each against the one-shot SnapKV decoding as it does (eager or graphed).
+PER_STEP = {"h2o-step": "snapkv", "caote-step": "snapkv", "h2o-step-graph": "snapkv-graph"}
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")   # kvpress's presses, when it is installed
 METHODS = ("full", "masked-ada-snapkv") + tuple(POLICIES) + tuple(GRAPHED) + KVPRESS
 MASKED = "kvcache_bench_masked"   # the masked method's registered attention function
@@ -464,8 +467,8 @@ def derive(rows: list[dict]) -> dict:
             if eager is not None:
                 r["x_eager"] = r["decode_tokens_per_s"] / eager["decode_tokens_per_s"]
                 r["tokens_as_eager"] = r["tokens"] == eager["tokens"]
-        if r["method"] in ("h2o-step", "caote-step"):
-            snap = find("snapkv", r["context"], r["batch"], r["budget"])
+        if r["method"] in PER_STEP:
+            snap = find(PER_STEP[r["method"]], r["context"], r["batch"], r["budget"])
             if snap is not None:
                 r["eviction_share"] = 1 - snap["decode_s"] / r["decode_s"]
     largest = {}

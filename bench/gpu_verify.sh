@@ -25,9 +25,10 @@
 #             sanitize-driver (small stores through every op, both compaction paths, a prefill
 #             block by default and with KVCACHE_EXT_TC_PREFILL=0)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 1 and 4, one-shot
-#             SnapKV at 1024 tokens per head (eager, and its decode steps in a CUDA graph:
-#             snapkv-graph), H2O evicting every step and the full cache (the default
-#             --e2e-args below: issue 42's per-step goal); Ada-SnapKV and the masked
+#             SnapKV at 1024 tokens per head and H2O evicting every step (each eager, and with
+#             its decode steps in a CUDA graph: snapkv-graph, h2o-step-graph) and the full
+#             cache (the default --e2e-args below: issue 42's per-step goal, issue 43's host
+#             share at batch 1); Ada-SnapKV and the masked
 #             head-wise cache go in a second call (--stages e2e --e2e-args "... --methods ...")
 #   Optional, for a second call (not in the default):
 #   test      pytest's CUDA cases, one process per file (a crash in one hides no other)
@@ -65,7 +66,7 @@ pack=0
 device=cuda
 quick=
 e2e_args="--model llama8b --contexts 8192 --batches 1,4 --budgets 1024 --steps 32 --warmup 4 --repeats 1
-  --methods full,snapkv,snapkv-graph,h2o-step"
+  --methods full,snapkv,snapkv-graph,h2o-step,h2o-step-graph"
 pytest_args=""
 budget=540
 reserve=15
@@ -78,10 +79,10 @@ logs="$results/gpu-verify"
 # 2026-11-27 (bench/results/gpu-verify-NVIDIA-H100-80GB-HBM3-2026-11-27-stages.json) the build
 # (sm_90, no gtest binary) took 109 s, bench about 40, tc 38, sanitize 41 (three tools over the
 # small driver, most of it torch's start-up under the sanitizer), e2e 40 (an 8B model's random
-# weights, three methods at 8K x 4, 36 decode steps; the default now adds snapkv-graph and
-# batch 1), pytest's CUDA files 133 s (2026-11-26); memcheck over 346 gtest cases ran past 4 min
+# weights, three methods at 8K x 4, 36 decode steps; the default now adds snapkv-graph,
+# h2o-step-graph and batch 1), pytest's CUDA files 133 s (2026-11-26); memcheck over 346 gtest cases ran past 4 min
 # (2026-11-26). Rounded up, for a GPU or a machine slower than that one.
-declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=60 [sanitize]=80 [e2e]=90
+declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=60 [sanitize]=80 [e2e]=120
                      [test]=180 [gtest]=240 [probe]=60 [ncu]=200)
 
 die() { echo "gpu_verify.sh: error: $*" >&2; exit 2; }

@@ -65,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attention_plan_of_pages", &PageAllocator::attention_plan_of_pages, py::arg("rows"))
       .def("note_appended", &PageAllocator::note_appended, py::arg("n"))
       .def("has_room", &PageAllocator::has_room, py::arg("n"))
+      .def("note_kept_in_pages", &PageAllocator::note_kept_in_pages, py::arg("budget"))
       .def("reserve", &PageAllocator::reserve, py::arg("extra"))
       .def("repack", &PageAllocator::repack, py::arg("extra"))
       .def("shrink_to_fit", &PageAllocator::shrink_to_fit)

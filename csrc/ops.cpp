@@ -22,6 +22,7 @@
 #include "select/slot_rule.h"
 #include "select/topk.h"
 #include "store/page_allocator.h"
+#include "store/score_channels.h"
 #include "store/store_kernels.h"
 
 namespace kvcache_ext::ops {
@@ -454,6 +455,22 @@ void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::
   KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
 }
 
+void store_add_scores(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                      const at::Tensor& values, int64_t channel, int64_t page_size,
+                      int64_t head_dim, int64_t score_channels, at::ScalarType dtype) {
+  const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
+  TORCH_CHECK_VALUE(channel >= 0 && channel < score_channels, "channel must be in [0, ", score_channels,
+                    ") (the store's score channels), got ", channel);
+  check_defined(values, "values");
+  check_dtype(values, at::kFloat, "values");
+  check_device(values, page_table.device(), "values");
+  TORCH_CHECK_VALUE(values.dim() == 1 && values.size(0) == st.capacity, "values must be a [capacity] = [",
+                    st.capacity, "] float32 tensor in the store's slot layout, got shape ", values.sizes());
+  check_contiguous(values, "values");
+  store::add_to_scores(pool, store::page_record(page_size, head_dim, c10::elementSize(dtype), score_channels),
+                       page_size, channel, values);
+}
+
 at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                        int64_t page_size, int64_t head_dim, int64_t score_channels,
                        at::ScalarType dtype) {
@@ -475,12 +492,56 @@ at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const 
   return at::where(lens.lt(0), code(kStoreCheckNegativeLength), codes);
 }
 
+namespace {
+
+// A slot rule (select/slot_rule.h) from the arguments of store_topk and append_attend_evict,
+// checked: rule "mass" (channel 0) or "position"; sinks, recent >= 0; last_pos [rows]
+// integers on `device`, needed when recent > 0 (rows: the batch, or -1 when the caller does
+// not know it: then any B dividing the segments). `newest` receives last_pos as int64
+// contiguous (the rule points into it: keep it alive while the rule is used).
+select::SlotRule slot_rule_of(const std::string& rule, int64_t sinks, int64_t recent,
+                              const c10::optional<at::Tensor>& last_pos, int64_t rows, int64_t segments,
+                              int64_t score_channels, const c10::Device& device, at::Tensor& newest) {
+  TORCH_CHECK_VALUE(rule == "mass" || rule == "position", "rule must be 'mass' (score channel 0 "
+                    "accumulates the attention each token receives) or 'position', got '", rule, "'");
+  TORCH_CHECK_VALUE(rule != "mass" || score_channels >= 1, "rule 'mass' accumulates in score channel 0 "
+                    "and scores by it, but this store has no score channels");
+  TORCH_CHECK_VALUE(sinks >= 0 && recent >= 0, "sinks and recent must be >= 0, got sinks = ", sinks,
+                    " and recent = ", recent);
+  select::SlotRule slot_rule;
+  slot_rule.by_position = rule == "position";
+  slot_rule.sinks = static_cast<int32_t>(std::min<int64_t>(sinks, INT32_MAX));
+  if (recent == 0) return slot_rule;
+  TORCH_CHECK_VALUE(last_pos.has_value() && last_pos->defined(), "recent > 0 needs last_pos, the "
+                    "newest position of every row");
+  TORCH_CHECK_TYPE(is_integer_dtype(last_pos->scalar_type()), "last_pos must be an integer tensor, "
+                   "got ", last_pos->scalar_type());
+  if (rows >= 0) {
+    check_shape(*last_pos, {rows}, "last_pos");
+  } else {
+    rows = last_pos->numel();
+    TORCH_CHECK_VALUE(last_pos->dim() == 1 && rows >= 1 && segments % rows == 0, "last_pos must be [B] "
+                      "(one per row, B dividing the ", segments, " segments), got shape ", last_pos->sizes());
+  }
+  check_device(*last_pos, device, "last_pos");
+  newest = last_pos->to(at::kLong).contiguous();
+  // Beyond 2^32 every int32 position is as recent as it gets (and newest - recent cannot overflow).
+  slot_rule.recent = std::min<int64_t>(recent, int64_t{1} << 32);
+  slot_rule.newest = newest.data_ptr<int64_t>();
+  slot_rule.heads = segments / rows;
+  return slot_rule;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
                                               const at::Tensor& len,
                                               const c10::optional<at::Tensor>& scores,
                                               const at::Tensor& k, int64_t group_size,
                                               int64_t page_size, int64_t head_dim,
-                                              int64_t score_channels, at::ScalarType dtype) {
+                                              int64_t score_channels, at::ScalarType dtype,
+                                              const c10::optional<std::string>& rule, int64_t sinks,
+                                              int64_t recent, const c10::optional<at::Tensor>& last_pos) {
   const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
   const c10::Device device = page_table.device();
   const int64_t S = st.segments;
@@ -495,7 +556,20 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
     longest = *std::max_element(lens, lens + S);
   }
   at::Tensor given;
-  if (scores.has_value() && scores->defined()) {
+  at::Tensor newest;  // what slot_rule.newest points into
+  select::SlotRule slot_rule;
+  const bool by_rule = rule.has_value();
+  if (by_rule) {
+    TORCH_CHECK_VALUE(!(scores.has_value() && scores->defined()), "store_topk takes scores or a rule "
+                      "(which scores each token from its record), not both");
+    slot_rule = slot_rule_of(*rule, sinks, recent, last_pos, -1, S, score_channels, device, newest);
+  } else {
+    TORCH_CHECK_VALUE(sinks == 0 && recent == 0 && !(last_pos.has_value() && last_pos->defined()),
+                      "sinks, recent and last_pos protect tokens under a rule: pass rule");
+  }
+  if (by_rule) {
+    // scored by the rule
+  } else if (scores.has_value() && scores->defined()) {
     given = *scores;
     check_dtype(given, at::kFloat, "scores");
     check_device(given, device, "scores");
@@ -525,6 +599,8 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
       TORCH_CHECK_VALUE(k32.data_ptr<int32_t>()[g] >= 0, "k (the budget) must be >= 0, got k[", g,
                         "] = ", k32.data_ptr<int32_t>()[g]);
     }
+  } else if (k.scalar_type() == at::kInt && k.device() == device && k.is_contiguous()) {
+    k32 = k;  // the kernel clamps to [0, live]: an int32 budget needs no conversion
   } else {
     // Checking the values would cost a host sync: on CUDA a negative budget keeps nothing
     // and one beyond the group's live tokens keeps them all (the kernel clamps to [0, live]).
@@ -535,7 +611,7 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
   at::Tensor counts = at::zeros({S}, on_device.dtype(at::kInt));
   if (st.capacity > 0 && groups > 0 && (device.is_cuda() || longest > 0)) {
     KVCACHE_DEVICE_DISPATCH(device, select::paged_topk, st.view, len, given, group_size, k32, keep,
-                            counts);
+                            counts, by_rule ? &slot_rule : nullptr);
   }
   return {keep, counts};
 }
@@ -664,25 +740,14 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
   const c10::Device device = allocator.device();
   // Every check before anything is stored.
   check_query(q, device, allocator.dtype(), B, H, allocator.head_dim(), scale);
-  TORCH_CHECK_VALUE(rule == "mass" || rule == "position", "rule must be 'mass' (score channel 0 "
-                    "accumulates the attention each token receives) or 'position', got '", rule, "'");
   const bool by_mass = rule == "mass";
-  TORCH_CHECK_VALUE(!by_mass || allocator.score_channels() >= 1, "rule 'mass' accumulates in score "
-                    "channel 0, but this store has no score channels");
-  TORCH_CHECK_VALUE(sinks >= 0 && recent >= 0, "sinks and recent must be >= 0, got sinks = ", sinks,
-                    " and recent = ", recent);
   const at::Tensor host_budget = check_budgets(budget, budget_host, B, H, device);
   const bool evicting = host_budget.defined();
+  at::Tensor newest;  // what slot_rule.newest points into
+  // The protection of recent tokens matters (and last_pos is checked) on eviction steps only.
+  const select::SlotRule slot_rule = slot_rule_of(rule, sinks, evicting ? recent : 0, last_pos, B, B * H,
+                                                  allocator.score_channels(), device, newest);
   if (by_mass || evicting) allocator.check_writable("append_attend_evict (its score update or eviction)");
-  const bool by_recency = evicting && recent > 0;
-  if (by_recency) {
-    TORCH_CHECK_VALUE(last_pos.has_value() && last_pos->defined(), "recent > 0 needs last_pos, the "
-                      "newest position of every row");
-    TORCH_CHECK_TYPE(is_integer_dtype(last_pos->scalar_type()), "last_pos must be an integer tensor, "
-                     "got ", last_pos->scalar_type());
-    check_shape(*last_pos, {B}, "last_pos");
-    check_device(*last_pos, device, "last_pos");
-  }
 
   // append_and_attend, with the mass when the rule keeps it.
   const auto [pos32, rank, counts] = allocator.prepare_append(k, v, pos, c10::nullopt);
@@ -712,14 +777,6 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
   // its budget clamped as the op clamps it (an int32 budget is taken as it is: the caller
   // keeps one for every step); then store_compact's, on the same view: nothing allocated
   // pages since the append.
-  const at::Tensor newest = by_recency ? last_pos->to(at::kLong).contiguous() : at::Tensor();
-  select::SlotRule slot_rule;
-  slot_rule.by_position = !by_mass;
-  slot_rule.sinks = static_cast<int32_t>(std::min<int64_t>(sinks, INT32_MAX));
-  // Beyond 2^32 every int32 position is as recent as it gets (and newest - recent cannot overflow).
-  slot_rule.recent = by_recency ? std::min<int64_t>(recent, int64_t{1} << 32) : 0;
-  slot_rule.newest = by_recency ? newest.data_ptr<int64_t>() : nullptr;
-  slot_rule.heads = H;
   const at::Tensor k32 = budget->scalar_type() == at::kInt
                             ? budget->reshape({S}).contiguous()
                             : budget->to(at::kLong).clamp(0, INT32_MAX).to(at::kInt).reshape({S}).contiguous();
@@ -749,9 +806,11 @@ TORCH_LIBRARY(kvcache_ext, m) {
         "bool check_bounds) -> ()");
   m.def("store_compact(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor keep, "
         "int page_size, int head_dim, int score_channels, ScalarType dtype) -> ()");
+  m.def("store_add_scores(Tensor(a!)[] pool, Tensor page_table, Tensor len, Tensor values, int channel, "
+        "int page_size, int head_dim, int score_channels, ScalarType dtype) -> ()");
   m.def("store_topk(Tensor[] pool, Tensor page_table, Tensor len, Tensor? scores, Tensor k, "
-        "int group_size, int page_size, int head_dim, int score_channels, ScalarType dtype) "
-        "-> (Tensor, Tensor)");
+        "int group_size, int page_size, int head_dim, int score_channels, ScalarType dtype, "
+        "str? rule=None, int sinks=0, int recent=0, Tensor? last_pos=None) -> (Tensor, Tensor)");
   m.def("segmented_topk(Tensor scores, Tensor pos, Tensor start, Tensor len, Tensor k, "
         "bool check_values=True) -> Tensor");
   m.def("grouped_topk(Tensor scores, Tensor pos, Tensor start, Tensor len, int group_size, "
@@ -767,6 +826,7 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("store_check", &kvcache_ext::ops::store_check);
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
+  m.impl("store_add_scores", &kvcache_ext::ops::store_add_scores);
   m.impl("store_topk", &kvcache_ext::ops::store_topk);
   m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
   m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);
@@ -779,6 +839,7 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("store_check", &kvcache_ext::ops::store_check);
   m.impl("store_replace", &kvcache_ext::ops::store_replace);
   m.impl("store_compact", &kvcache_ext::ops::store_compact);
+  m.impl("store_add_scores", &kvcache_ext::ops::store_add_scores);
   m.impl("store_topk", &kvcache_ext::ops::store_topk);
   m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
   m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);

@@ -85,18 +85,34 @@ void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::
                    const at::Tensor& keep, int64_t page_size, int64_t head_dim,
                    int64_t score_channels, at::ScalarType dtype);
 
+// store_add_scores: score channel `channel` of every slot += values ([capacity] float32,
+// slot layout), in place in the pages (a policy's channel update: H2O's accumulated
+// attention mass). Slots that hold no live token get theirs too (nothing reads them).
+void store_add_scores(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
+                      const at::Tensor& values, int64_t channel, int64_t page_size,
+                      int64_t head_dim, int64_t score_channels, at::ScalarType dtype);
+
 // store_topk: the k best live tokens of every group of group_size segments, read through
 // the pages where they lie (CPU and CUDA; one kernel launch on CUDA, no host sync). scores:
 // none (score channel 0), [capacity] or [B, H, L] float32. Returns keep [capacity] bool and
 // counts [S] int32. k: [groups] integers; on CPU every k must be >= 0 and L >= every length
 // (both checked); on CUDA nothing is read back: a negative k keeps nothing, and a token
 // past a padded L is scored NaN (evicted first).
+// rule (scores then none): each token scored from its record by a slot rule
+// (select/slot_rule.h): "mass" channel 0, "position" its position; +inf where protected
+// (position < sinks, or position > last_pos[b] - recent when recent > 0; last_pos [B]
+// integers on the store's device, each row's newest position, B = S / the row's segments).
+// The eviction of the compiled decode step (append_attend_evict) as an op, so that a CUDA
+// graph can capture it (kvcache_ext/hf/decode_graph.py).
 std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
                                               const at::Tensor& len,
                                               const c10::optional<at::Tensor>& scores,
                                               const at::Tensor& k, int64_t group_size,
                                               int64_t page_size, int64_t head_dim,
-                                              int64_t score_channels, at::ScalarType dtype);
+                                              int64_t score_channels, at::ScalarType dtype,
+                                              const c10::optional<std::string>& rule = c10::nullopt,
+                                              int64_t sinks = 0, int64_t recent = 0,
+                                              const c10::optional<at::Tensor>& last_pos = c10::nullopt);
 
 // segmented_topk: keeps the k[s] best live slots of every segment s (all of them when
 // k[s] >= len[s]), in the order of select/radix_select.h (ties to the lower position, NaN
@@ -169,11 +185,10 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
 // while decoding (H2O and StreamingLLM under equal head budgets), in one host call: the decode
 // fast path of every step such a policy takes, eviction or not. It is exactly
 //   append_and_attend, with the attention mass of every slot when rule == "mass"
-//   + (rule "mass") score channel 0 += that mass, in every slot (PageAllocator::add_to_scores)
+//   + (rule "mass") score channel 0 += that mass, in every slot (store_add_scores)
 //   + when budget is given and a segment holds more than its budget[b, h] tokens:
-//       store_topk of budget[b, h] per segment, each token scored from its record by the rule
-//       (select/slot_rule.h: channel 0 for "mass", the position for "position"; +inf where
-//       protected: position < sinks, or position > last_pos[b] - recent) + store_compact
+//       store_topk of budget[b, h] per segment by the rule (its rule, sinks, recent and
+//       last_pos arguments) + store_compact
 //       + allocator.finish_compact(min(len, budget[b, h])): the new lengths known, no read-back
 // through the functions those ops run past their checks, on the allocator's own state view.
 // budget [B, H] integers on the store's device (int32: taken as it is, no conversion; a

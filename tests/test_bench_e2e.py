@@ -24,7 +24,7 @@ WARMUP, REPEATS = 2, 2           # untimed decode steps per run (the second also
                                  # share: e2e.HOST_PROBES); interleaved runs per method
 DECODED = WARMUP + STEPS         # tokens decoded per run (the warmup's are in the cache too)
 METHODS = ("full", "masked-ada-snapkv", "snapkv", "ada-snapkv", "h2o-step", "caote-step", "snapkv-graph",
-           "ada-snapkv-graph")
+           "ada-snapkv-graph", "h2o-step-graph")
 KVPRESS = ("kvpress-snapkv", "kvpress-ada-snapkv")
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16                                  # bench/e2e.py's TINY
 
@@ -130,7 +130,7 @@ def test_tokens_held_and_bytes(run, context, batch):
     # (the store's capacity is budget + prefill block + headroom: at this tiny head_dim of 16 the
     # score channels and headroom outweigh K and V, so no comparison with the full cache here).
     longest = rows_of(run[0], 300, batch)
-    for method in ("h2o-step", "caote-step"):
+    for method in ("h2o-step", "caote-step", "h2o-step-graph"):
         assert rows[(method, SMALL)]["kv_tokens"] == layers * batch * kv_heads * SMALL, method
         assert rows[(method, SMALL)]["kv_bytes"] == longest[(method, SMALL)]["kv_bytes"], method
 
@@ -194,7 +194,7 @@ def test_keep_is_a_fraction_of_each_context():
 
 def test_eviction_share_is_derived_for_the_step_methods(run):
     for r in run[0]["rows"]:
-        assert ("eviction_share" in r) == (r["method"] in ("h2o-step", "caote-step"))
+        assert ("eviction_share" in r) == (r["method"] in ("h2o-step", "caote-step", "h2o-step-graph"))
         if "eviction_share" in r:
             assert r["eviction_share"] < 1
 

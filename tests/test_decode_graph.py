@@ -14,7 +14,9 @@ from kvcache_ext import RaggedKVStore
 from kvcache_ext.engine import eviction
 from kvcache_ext.hf import decode_graph
 from kvcache_ext.hf.cache_argument import with_cache
-from kvcache_ext.policies import H2O, AdaKV, EveryStep, KVzip, Policy, SnapKV
+from kvcache_ext import reference
+from kvcache_ext.policies import (H2O, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, KVzip, Policy, Protection,
+                                  SnapKV, StreamingLLM, TOVA)
 from graph_emulator import EmulatedGraphs
 from tiny_models import VOCAB, tiny_model
 
@@ -22,6 +24,20 @@ from tiny_models import VOCAB, tiny_model
 KVZIP = KVzip(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None)
 ONE_SHOT = [Policy(SnapKV(window=4), budget=16, allocation=AdaKV()),
             Policy(SnapKV(window=4, kernel=3), ratio=0.5)]
+# Policies that evict while decoding by a slot rule (decode_fused's), with the counts of a
+# generate of 8 tokens (the prompt and 7 decode steps): (warmups, captures, replays, eager).
+# Every step evicts, or every third (two graphs: one per kind of step), or never after a
+# block-wise prefill (the mass still accumulates); a budget above a row's prompt (28 > 27),
+# protected sinks and recent tokens, a ratio.
+EVICTING = [
+    (Policy(H2O(), budget=16, schedule=EveryStep()), (1, 1, 5, 1)),
+    (Policy(H2O(), budget=16, schedule=EveryNSteps(3)), (2, 2, 3, 1)),
+    (Policy(H2O(), budget=12, schedule=BlockwisePrefill(8)), (1, 1, 5, 1)),
+    (Policy(StreamingLLM(sinks=2), budget=12, schedule=EveryStep()), (1, 1, 5, 1)),
+    (Policy(H2O(), budget=16, schedule=EveryStep(), protection=Protection(sinks=1, recent=4)), (1, 1, 5, 1)),
+    (Policy(H2O(), budget=28, schedule=EveryStep()), (1, 1, 5, 1)),
+    (Policy(H2O(), ratio=0.5, schedule=EveryStep()), (1, 1, 5, 1)),
+]
 
 
 @pytest.fixture
@@ -39,7 +55,8 @@ def prompt(batch=2, length=30, pad=(3, 0), device="cpu", seed=1):
 
 
 def generate(model, policy, cuda_graph, new_tokens=8, device="cpu", **patch_kwargs):
-    """Greedy tokens, each step's logits, the kept positions of every layer, the cache's graph."""
+    """Greedy tokens, each step's logits, the kept positions of every layer, the cache's graph,
+    the tokens each layer's pages hold per head."""
     ids, mask = prompt(device=device)
     with kvcache_ext.patch(model, policy, cuda_graph=cuda_graph, **patch_kwargs) as handle:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -49,7 +66,8 @@ def generate(model, policy, cuda_graph, new_tokens=8, device="cpu", **patch_kwar
     for i in range(len(cache.layers)):
         view = cache.layer_kv(i).view(None, False)
         kept.append(view["pos"].masked_fill(~view["mask"], -1).cpu())
-    return out.sequences, torch.stack(out.logits), kept, cache._decode_graph
+    caps = [cache.layer_kv(i).store.caps for i in range(len(cache.layers))]
+    return out.sequences, torch.stack(out.logits), kept, cache._decode_graph, caps
 
 
 def assert_same_generation(a, b, atol=0.0):
@@ -69,6 +87,50 @@ def test_graph_steps_give_the_eager_tokens_logits_and_cache(cpu_graphs, arch, po
     # the prompt eagerly, then one step warms up, one is captured (and replayed), 5 replayed
     assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == (1, 1, 5, 1)
     assert eager[3] is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy,counts", EVICTING, ids=lambda p: repr(p).replace(" ", "")[:90])
+def test_graph_steps_that_evict_give_the_eager_tokens_logits_and_cache(cpu_graphs, arch, policy, counts):
+    """H2O and StreamingLLM evicting while decoding: their channel update, top-k by the slot
+    rule and compaction replayed from the graph give the eager steps' logits bit for bit and
+    the same kept tokens, in a left-padded batch whose short row may sit below its budget."""
+    model = tiny_model(arch, heads=4, kv_heads=2, layers=3)
+    eager = generate(model, policy, cuda_graph=False)
+    graphed = generate(model, policy, cuda_graph=True)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == counts
+    assert graph.failed is None
+
+
+def test_an_evicting_graph_reserves_pages_for_the_steps_between_evictions(cpu_graphs):
+    """Without generate's reservation, heads that grow to their budget find no room: the step
+    reserves what the shortest head may still grow plus the steps between two evictions
+    (``reserve_ahead``), and the graph is captured again; once every head is at its budget
+    the pages held stay, and no head holds pages for more than its budget, the steps between
+    evictions and the page the reservation rounds up to."""
+    model = tiny_model("llama", layers=2)
+    policy = Policy(H2O(), budget=40, schedule=EveryNSteps(2))
+    eager = generate(model, policy, cuda_graph=False, new_tokens=20, reserve_new_tokens=False)
+    graphed = generate(model, policy, cuda_graph=True, new_tokens=20, reserve_new_tokens=False)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    # both kinds of step (evicting or not) warmed up again for the new pages: 2 + 2
+    assert graph.failed is None and graph.warmups >= 4 and graph.captures >= 2 and graph.replays >= 10
+    assert max(int(caps.max()) for caps in graphed[4]) <= 40 + 2 + 16
+
+
+def test_reserve_ahead_is_the_growth_to_the_budget_plus_the_steps_between_evictions():
+    class Layer:
+        def __init__(self, every, budget, lens):
+            self.policy = Policy(H2O(), budget=budget, schedule=EveryNSteps(every) if every else BlockwisePrefill(8))
+            self.decode_budget_host = torch.tensor([budget])
+            self.kv = type("KV", (), {"lens": torch.tensor([lens])})()
+    assert decode_graph.reserve_ahead([Layer(3, 64, [64, 64])]) == 3
+    assert decode_graph.reserve_ahead([Layer(3, 64, [64, 60]), Layer(3, 64, [50, 64])]) == 3 + 14
+    assert decode_graph.reserve_ahead([Layer(1, 4096, [10, 64])]) == 1 + decode_graph.RESERVE_AHEAD
+    assert decode_graph.reserve_ahead([Layer(None, 64, [64, 64])]) == decode_graph.RESERVE_AHEAD
 
 
 def test_spans_on_the_default_model_note_every_token_id_through_graph_steps(cpu_graphs, default_model):
@@ -131,15 +193,18 @@ def test_steps_called_by_hand_with_the_tokens_by_position(cpu_graphs):
     assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == (1, 1, 4, 1)
 
 
-def test_steps_a_graph_cannot_serve_run_eagerly(cpu_graphs):
+@pytest.mark.parametrize("policy,why", [
+    (Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()), "budgets need the padded view"),
+    (Policy(TOVA(), budget=16, schedule=EveryStep()), "evicts while decoding by a scorer without a slot rule"),
+], ids=["ada-h2o", "tova"])
+def test_steps_a_graph_cannot_serve_run_eagerly(cpu_graphs, policy, why):
     model = tiny_model("llama", layers=2)
-    policy = Policy(H2O(), budget=16, schedule=EveryStep())
     eager = generate(model, policy, cuda_graph=False)
     graphed = generate(model, policy, cuda_graph=True)
     assert_same_generation(eager, graphed)
     graph = graphed[3]
     assert (graph.captures, graph.replays, graph.eager_steps) == (0, 0, 8)
-    assert "evicts while decoding" in graph.declined
+    assert why in graph.declined
 
 
 def test_without_a_backend_every_step_runs_eagerly():
@@ -244,6 +309,78 @@ def test_store_appends_into_held_pages_and_counts_them_apart():
     assert store.lens.tolist() == [[8, 8], [8, 8]]
 
 
+@pytest.mark.parametrize("rule", ["mass", "position"])
+@pytest.mark.parametrize("sinks,recent", [(0, 0), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_evicts_in_held_pages_by_a_rule_as_the_reference_selects(rule, sinks, recent, dtype):
+    """evict_in_pages (the store_topk op by a slot rule, then store_compact) keeps what the
+    reference top-k keeps of the rule's scores (channel 0 or the position; +inf where
+    protected), and note_kept_in_pages gives min(len, k) with every page still held. Empty
+    and one-token segments, GQA-shaped rows (3 heads), batch 2, a budget of 0."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, D = 2, 3, 8
+    store = RaggedKVStore(B, H, D, dtype=dtype, score_channels=2, page_size=4)
+    n = 11
+    k_new, v_new = (torch.randn(B, H, n, D, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.stack([torch.arange(n), torch.arange(n) + 5])                 # row 1 from position 5
+    valid = torch.rand(B, H, n, generator=gen) < 0.6
+    valid[0, 0] = False                                                       # an empty segment
+    valid[0, 1] = torch.arange(n) == 4                                        # one token
+    store.append(k_new, v_new, pos, valid=valid)
+    store.add_to_scores(0, torch.randn(store.capacity, generator=gen))
+    store.add_to_scores(1, torch.randn(store.capacity, generator=gen))
+    before = store.to_dense()
+    pages, caps = store.num_pages, store.caps.clone()
+    budget = torch.tensor([[3, 0, 2], [4, 1, 20]], dtype=torch.int32)
+    last_pos = torch.tensor([10, 15])
+    score = before.scores[..., 0] if rule == "mass" else before.pos.float()
+    protected = (before.pos < sinks) | ((before.pos > last_pos[:, None, None] - recent) & (recent > 0))
+    score = score.masked_fill(protected, float("inf"))
+    lens = before.lens.reshape(-1)
+    keep = reference.segmented_topk(score.reshape(B * H, -1), before.pos.reshape(B * H, -1), lens,
+                                    budget.reshape(-1)).view(B, H, -1)
+    store.evict_in_pages(budget.reshape(-1), rule=rule, sinks=sinks, recent=recent,
+                         last_pos=last_pos if recent else None)
+    store.note_kept_in_pages(budget.reshape(-1).long())
+    assert store.lens.tolist() == torch.minimum(before.lens, budget.long()).tolist()
+    assert store.num_pages == pages and torch.equal(store.caps, caps)        # no page given back
+    after = store.to_dense()
+    for b in range(B):
+        for h in range(H):
+            kept = keep[b, h]
+            m = int(kept.sum())
+            for name in ("k", "v", "pos", "scores"):
+                assert torch.equal(getattr(after, name)[b, h, :m], getattr(before, name)[b, h][kept]), (b, h, name)
+    store.validate()
+
+
+def test_store_eviction_in_pages_refuses_bad_input():
+    store = RaggedKVStore(2, 2, 8, dtype=torch.float32, score_channels=1, page_size=4)
+    store.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), torch.arange(5))
+    k = torch.full((4,), 2, dtype=torch.int32)
+    bad = [
+        (lambda: store.evict_in_pages(k, rule="tova"), "rule must be 'mass'"),
+        (lambda: store.evict_in_pages(k, rule="mass", recent=2), "recent > 0 needs last_pos"),
+        (lambda: store.evict_in_pages(k, rule="mass", recent=2, last_pos=torch.tensor([1, 2, 3])),
+         r"last_pos must be \[B\] \(one per row, B dividing the 4 segments\), got shape \[3\]"),
+        (lambda: store.evict_in_pages(k, rule="mass", sinks=-1), "sinks and recent must be >= 0"),
+        (lambda: store.select(k.view(2, 2), torch.zeros(store.capacity), rule="mass"), "scores or a rule"),
+        (lambda: store.select(k.view(2, 2), sinks=2), "sinks, recent and last_pos protect tokens under a rule"),
+        (lambda: store.note_kept_in_pages(torch.tensor([2, 2, 2])), "note_kept_in_pages takes the budgets as 4"),
+        (lambda: store.note_kept_in_pages(torch.tensor([2, 2, 2, -1])), "budgets >= 0, got -1 for segment 3"),
+        (lambda: store.add_to_scores(1, torch.zeros(store.capacity)), r"channel must be in \[0, 1\)"),
+        (lambda: store.add_to_scores(0, torch.zeros(3)), rf"values must be a \[capacity\] = \[{store.capacity}\]"),
+        (lambda: store.add_to_scores(0, torch.zeros(store.capacity, dtype=torch.float64)), "values must have dtype"),
+    ]
+    for call, message in bad:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+        assert store.lens.tolist() == [[5, 5], [5, 5]]
+    no_channels = RaggedKVStore(2, 2, 8, dtype=torch.float32, score_channels=0, page_size=4)
+    with pytest.raises(ValueError, match="rule 'mass' accumulates in score channel 0"):
+        no_channels.evict_in_pages(k, rule="mass")
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and kvcache_ext.build_info()["cuda"]),
                     reason="needs a CUDA GPU and a CUDA build of kvcache_ext")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -253,11 +390,11 @@ def test_cuda_graph_steps_give_the_eager_tokens_on_cuda(dtype):
     tokens), bfloat16 to its own (the first replayed step's logits; a later greedy token may
     differ where two logits are within bfloat16's rounding)."""
     model = tiny_model("llama", heads=8, kv_heads=2, head_dim=64, layers=3, dtype=dtype).cuda()
-    for policy in ONE_SHOT:
+    for policy in ONE_SHOT + [EVICTING[0][0], EVICTING[3][0]]:
         eager = generate(model, policy, cuda_graph=False, new_tokens=12, device="cuda")
         graphed = generate(model, policy, cuda_graph=True, new_tokens=12, device="cuda")
         graph = graphed[3]
-        assert graph.failed is None and (graph.warmups, graph.captures, graph.replays) == (1, 1, 9)
+        assert graph.failed is None and (graph.warmups, graph.captures, graph.replays) == (1, 1, 9), policy
         if dtype == torch.float32:
             assert_same_generation(eager, graphed, atol=1e-4)
         else:   # the prompt's, the warm step's and the captured step's logits

@@ -44,7 +44,7 @@ def test_default_plan_fits_nine_minutes_with_the_build():
     assert int(plan.split("~")[1].split()[0]) <= 525, plan
     assert "WARNING" not in out.stdout
     assert "--model llama8b --contexts 8192 --batches 1,4 --budgets 1024" in out.stdout
-    assert "--methods full,snapkv,snapkv-graph,h2o-step" in out.stdout
+    assert "--methods full,snapkv,snapkv-graph,h2o-step,h2o-step-graph" in out.stdout
 
 
 def test_bad_arguments_are_refused():
@@ -86,25 +86,32 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     assert len(doc["attention"]) == 4
     assert all(c["ok"] for c in doc["checks"]), doc["checks"]
     tail = out.stdout[out.stdout.rindex("| metric"):]
-    assert "e2e H2O every step / one-shot SnapKV decode tok/s (ctx 256 x 1)" in tail
+    assert "e2e h2o-step (per-step eviction) / snapkv (one-shot) decode tok/s (ctx 256 x 1)" in tail
     assert "tensor-core prefill B=1 Hkv=8 n=256 vs SDPA" in tail and "stage tc " in tail
     assert tail.rstrip().splitlines()[-1].startswith("goals missed:")
     e2e = {"rows": [{"method": m, "context": 64, "batch": 1, "budget": 16, "status": "ok", "prefill_s": 0.5,
                      "decode_tokens_per_s": tps, "host_s_per_step": host, "synced_step_s": 0.1}
-                    for m, tps, host in (("snapkv", 10.0, 0.03), ("h2o-step", 8.0, 0.05), ("full", 9.0, 0.02))]}
+                    for m, tps, host in (("snapkv", 10.0, 0.03), ("h2o-step", 8.0, 0.05), ("full", 9.0, 0.02),
+                                         ("snapkv-graph", 20.0, 0.01), ("h2o-step-graph", 19.0, 0.012))]}
     (tmp_path / "e2e.json").write_text(json.dumps(e2e))
     (tmp_path / "stages.json").write_text(json.dumps({"stages": {"sanitize": {"status": "passed"}}}))
     rep = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_verify.py"), "report", str(table_json),
                           "--e2e", str(tmp_path / "e2e.json"), "--stages", str(tmp_path / "stages.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
-    line = next(ln for ln in rep.stdout.splitlines() if "H2O every step / one-shot SnapKV" in ln)
+    line = next(ln for ln in rep.stdout.splitlines() if "h2o-step (per-step eviction) / snapkv (one-shot)" in ln)
     assert "0.80x" in line and "NO" in line
-    # Host time a patched model adds per step, over the full cache's, as a share of its step.
+    line = next(ln for ln in rep.stdout.splitlines()
+                if "h2o-step-graph (per-step eviction) / snapkv-graph (one-shot)" in ln)
+    assert "0.95x" in line and "yes" in line
+    # Host time a patched model adds per step, over the full cache's, as a share of its step;
+    # of a graphed step, all of its host time.
     host = {m: next(ln for ln in rep.stdout.splitlines() if f"e2e {m} host time per step" in ln)
-            for m in ("snapkv", "h2o-step")}
+            for m in ("snapkv", "h2o-step", "snapkv-graph", "h2o-step-graph")}
     assert "| 10% " in host["snapkv"] and "yes" in host["snapkv"], host
     assert "| 30% " in host["h2o-step"] and "NO" in host["h2o-step"], host
+    assert "host / step" in host["snapkv-graph"] and "| 10% " in host["snapkv-graph"] and "yes" in host["snapkv-graph"]
+    assert "| 12% " in host["h2o-step-graph"] and "NO" in host["h2o-step-graph"], host
     assert "e2e full host time" not in rep.stdout
     assert any("stage sanitize" in ln and "yes" in ln for ln in rep.stdout.splitlines())
 

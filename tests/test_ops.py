@@ -113,6 +113,28 @@ def test_opcheck_store_topk(device, shape, grouped):
             test_utils=UTILS)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rule", ["mass", "position"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_store_topk_by_a_slot_rule(device, shape, rule):
+    store = make_store(shape, device)
+    pool, table, lens = store.state()
+    k = (torch.arange(store.batch * store.heads, dtype=torch.int32) % 3).to(device)
+    last_pos = torch.full((store.batch,), 40, device=device)
+    opcheck(ops.store_topk, (pool, table, lens, None, k, 1, *meta(store), rule, 1, 2, last_pos),
+            test_utils=UTILS)
+    opcheck(ops.store_topk, (pool, table, lens, None, k, 1, *meta(store), rule), test_utils=UTILS)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_store_add_scores(device, shape):
+    store = make_store(shape, device)
+    values = torch.randn(store.capacity, generator=torch.Generator().manual_seed(7)).to(device)
+    pool, table, lens = store.state()
+    opcheck(ops.store_add_scores, (pool, table, lens, values, 1, *meta(store)), test_utils=UTILS)
+
+
 def packed_segments(lens, seed=6):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lens, dtype=torch.int32)

@@ -12,6 +12,7 @@
 #include "common/checks.h"
 #include "common/device_dispatch.h"
 #include "ops.h"
+#include "store/score_channels.h"
 
 namespace kvcache_ext {
 
@@ -131,17 +132,22 @@ void PageAllocator::note_appended(int64_t n) {
   for (int32_t& len : len_h_) len += static_cast<int32_t>(n);
 }
 
+void PageAllocator::note_kept_in_pages(const at::Tensor& budget) {
+  const int64_t S = num_segments();
+  check_defined(budget, "budget");
+  TORCH_CHECK_VALUE(budget.device().is_cpu() && is_integer_dtype(budget.scalar_type()) && budget.numel() == S,
+                    "note_kept_in_pages takes the budgets as ", S, " integers on the host (one per "
+                    "segment), got a ", budget.scalar_type(), " tensor of ", budget.numel(), " elements on ",
+                    budget.device());
+  const at::Tensor kept = budget.to(at::kLong).contiguous().view({S});
+  const int64_t* k = kept.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK_VALUE(k[s] >= 0, "note_kept_in_pages takes budgets >= 0, got ", k[s], " for segment ", s);
+  for (int64_t s = 0; s < S; ++s) len_h_[s] = static_cast<int32_t>(std::min<int64_t>(len_h_[s], k[s]));
+}
+
 at::Tensor PageAllocator::part_of(const at::Tensor& slab, int part) const {
-  const int64_t pages = slab.size(0), P = page_size_;
-  const at::ScalarType dtype = part == store::kPos      ? at::kInt
-                               : part == store::kScores ? at::kFloat
-                                                        : this->dtype();
-  const int64_t width = part == store::kPos ? 1 : part == store::kScores ? score_channels_ : head_dim_;
-  // The part's bytes of every page: [pages, P * row bytes] with the record as row stride.
-  at::Tensor bytes = slab.narrow(1, record_.offset[part], P * record_.row_bytes[part]);
-  at::Tensor typed = width == 0 ? at::empty({pages, 0}, slab.options().dtype(dtype))
-                                : bytes.view(dtype);
-  return part == store::kPos ? typed.view({pages, P}) : typed.view({pages, P, width});
+  return store::slab_part(slab, record_, part, page_size_, dtype());
 }
 
 at::Tensor PageAllocator::gather_part(int part) const {
@@ -232,10 +238,8 @@ void PageAllocator::add_to_scores(int64_t channel, const at::Tensor& values) {
   check_dtype(values, at::kFloat, "values");
   check_device(values, device(), "values");
   check_shape(values, {capacity()}, "values");
-  for (size_t i = 0; i < slabs_.size(); ++i) {
-    at::Tensor dst = part_of(slabs_[i], store::kScores).select(2, channel);  // [pages, P]
-    dst.add_(values.narrow(0, slab_first_[i] * page_size_, dst.numel()).view(dst.sizes()));
-  }
+  check_contiguous(values, "values");
+  store::add_to_scores(slabs_, record_, page_size_, channel, values);
 }
 
 void PageAllocator::check_tokens(const at::Tensor& t, int64_t n, const char* name) const {

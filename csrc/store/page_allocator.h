@@ -44,6 +44,12 @@ class PageAllocator {
   void note_appended(int64_t n);
   // Whether every segment's pages hold n more tokens.
   bool has_room(int64_t n) const { return segment_without_room(n) < 0; }
+  // The host half of a top-k of budget[s] tokens per segment and a compaction replayed from a
+  // CUDA graph (the store_topk and store_compact ops, without finish_compact): the host
+  // lengths become min(len, budget[s]), and every page stays held (the next replay appends
+  // into them; finish_compact would give the emptied ones back). budget: [S] integers on the
+  // host, >= 0. Nothing changes when it is refused.
+  void note_kept_in_pages(const at::Tensor& budget);
   // The host half of a compaction, after the store_compact op: reads the new lengths (the
   // one host sync of an eviction) and gives back the pages left empty. `known` ([S] integers
   // on the host) gives the new lengths instead, from a caller that knows what it kept (a

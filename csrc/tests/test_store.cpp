@@ -1456,6 +1456,70 @@ TEST(StoreGraphStep, AppendsInHeldPagesCuda) {
 }
 #endif
 
+// H2O's decode step with eviction as a CUDA graph replays it: the ops alone (store_append into
+// held pages, attention_run with the plan of those pages and the mass, store_add_scores,
+// store_topk by the slot rule, store_compact) and the host halves after (note_appended,
+// note_kept_in_pages), against append_attend_evict's one call on a twin: the same kept tokens
+// and lengths at every step, every page still held.
+void evict_in_held_pages(const at::Device& d) {
+  std::mt19937 rng(7);
+  const int64_t B = 2, H = 2, Hq = 4, D = 8, P = 4, L = 9, sinks = 1, recent = 2;
+  const auto like = at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(d));
+  OpStore held(B, H, D, 1, like, P), twin(B, H, D, 1, like, P);
+  const at::Tensor k = kvtest::random_normal({B, H, L, D}, at::kFloat, rng).to(d);
+  for (OpStore* st : {&held, &twin}) st->append(k, k, at::arange(L, at::kLong).to(d));
+  held.reserve(1);
+  const int64_t pages = held.num_pages();
+  const at::Tensor plan = held.attention_plan_of_pages(Hq / H);
+  const at::Tensor budget_host = at::tensor({5, 7, 9, 6}, at::kLong).view({B, H});
+  const at::Tensor budget = budget_host.to(at::kInt).to(d);
+  for (int64_t step = 0; step < 4; ++step) {
+    ASSERT_TRUE(held.has_room(1));
+    const at::Tensor t = kvtest::random_normal({B, H, 1, D}, at::kFloat, rng).to(d);
+    const at::Tensor q = kvtest::random_normal({B, Hq, 1, D}, at::kFloat, rng).to(d);
+    const at::Tensor pos = at::full({B, 1}, L + step, at::kLong).to(d);
+    const at::Tensor last_pos = at::full({B}, L + step, at::kLong).to(d);
+    kvcache_ext::ops::store_append(held.pool(), held.page_table_device(), held.len_device(), t, t, pos,
+                                   c10::nullopt, c10::nullopt, P, 1);
+    const auto got = kvcache_ext::ops::attention_run(q, held.pool(), held.page_table_device(), held.len_device(),
+                                                     plan, c10::nullopt, 0.5, H, P, D, 1, at::kFloat, true,
+                                                     false, false, false);
+    kvcache_ext::ops::store_add_scores(held.pool(), held.page_table_device(), held.len_device(), std::get<1>(got),
+                                       0, P, D, 1, at::kFloat);
+    const auto [keep, counts] = kvcache_ext::ops::store_topk(held.pool(), held.page_table_device(),
+                                                             held.len_device(), c10::nullopt, budget.view({-1}),
+                                                             1, P, D, 1, at::kFloat, std::string("mass"), sinks,
+                                                             recent, last_pos);
+    kvcache_ext::ops::store_compact(held.pool(), held.page_table_device(), held.len_device(), keep, P, D, 1,
+                                    at::kFloat);
+    held.note_appended(1);
+    held.note_kept_in_pages(budget_host.view({-1}));
+    const at::Tensor want = kvcache_ext::ops::append_attend_evict(twin, q, t, t, pos, 0.5, "mass", sinks, recent,
+                                                                  last_pos, budget, budget_host);
+    EXPECT_TRUE(at::allclose(kvtest::host(std::get<0>(got)), kvtest::host(want), 1e-5, 1e-5));
+    EXPECT_EQ(held.len_host(), twin.len_host());
+    EXPECT_TRUE(at::equal(kvtest::host(held.len()), kvtest::host(twin.len())));
+    const auto held_slots = kvtest::live_slots(held), twin_slots = kvtest::live_slots(twin);
+    for (int64_t s = 0; s < B * H; ++s) {
+      const at::Tensor a = at::tensor(held_slots[s]), b = at::tensor(twin_slots[s]);
+      EXPECT_TRUE(at::equal(kvtest::host(held.pos()).index_select(0, a), kvtest::host(twin.pos()).index_select(0, b)))
+          << "step " << step << " segment " << s;
+      EXPECT_TRUE(kvtest::BytesEqual(kvtest::host(held.k()).index_select(0, a),
+                                     kvtest::host(twin.k()).index_select(0, b)));
+    }
+    EXPECT_EQ(held.num_pages(), pages);
+  }
+  EXPECT_EQ(held.len_host(), std::vector<int32_t>({5, 7, 9, 6}));
+}
+
+TEST(StoreGraphStep, EvictsInHeldPages) { evict_in_held_pages(at::kCPU); }
+#ifdef KVCACHE_EXT_WITH_CUDA
+TEST(StoreGraphStep, EvictsInHeldPagesCuda) {
+  KVTEST_REQUIRE_CUDA();
+  evict_in_held_pages(at::Device(at::kCUDA, 0));
+}
+#endif
+
 TEST(StoreConstruction, RejectsBadArguments) { constructor_errors(at::kCPU); }
 TEST(StoreConstruction, TakesEveryPageSize) { every_page_size(at::kCPU); }
 TEST(StoreConstruction, HugeExtraIsRejected) {

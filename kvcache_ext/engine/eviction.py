@@ -117,16 +117,26 @@ def decode_append_only(state: LayerState, q, k, v, position_ids, scale):
 
 
 def decode_in_graph(state: LayerState, q, k, v, position_ids, scale):
-    """The decode step of ``decode_append_only`` as a CUDA graph captures it
-    (``kvcache_ext.hf.decode_graph``, which runs only steps that ``decode_append_only`` would
-    serve): append and attend through the ops, into the pages the layer holds, with the plan
-    the graph made of them; the rows' newest positions updated in place. Nothing on the host:
-    a replay runs none of this Python, so the graph checks the room and advances the layer's
-    counts (host lengths, tokens seen, decode steps) around every run, captured or replayed.
-    ``position_ids`` [B, 1]: the graph's own buffer."""
+    """The decode step of ``decode_append_only`` or ``decode_fused`` as a CUDA graph captures
+    it (``kvcache_ext.hf.decode_graph``, which runs only steps that one of them would serve):
+    append and attend through the ops, into the pages the layer holds, with the plan the
+    graph made of them, the rows' newest positions updated in place; for a ``slot_rule``
+    scorer also its channel update and, on the graph's eviction steps, its eviction in slot
+    layout. Nothing on the host: a replay runs none of this Python, so the graph checks the
+    room and advances the layer's counts (host lengths, tokens seen, decode steps) around
+    every run, captured or replayed. ``position_ids`` [B, 1]: the graph's own buffer."""
+    graph = state.shared.graph_step
     pos = position_ids.expand(q.shape[0], 1)
-    out = state.kv.append_attend_in_pages(k, v, pos, q, scale, state.shared.graph_step.plan(state.layer_idx))
     state.note_newest_in_place(pos[:, 0])
+    plan = graph.plan(state.layer_idx)
+    if not state.policy.schedule.evicts_over_cache:
+        return state.kv.append_attend_in_pages(k, v, pos, q, scale, plan).transpose(1, 2)
+    # decode_fused's step (a slot_rule scorer): the channel update and, on an eviction step,
+    # the top-k of every head by the rule and the compaction, whoever is over its budget.
+    p = state.policy
+    budget = (state.decode_budget, state.decode_budget_host) if graph.evicts_now else None
+    out = state.kv.append_attend_evict_in_pages(k, v, pos, q, scale, plan, p.scorer.slot_rule, p.protection,
+                                                state.last_pos, budget)
     return out.transpose(1, 2)
 
 

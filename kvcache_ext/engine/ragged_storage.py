@@ -80,6 +80,31 @@ class RaggedLayerKV:
         self.store.append_in_pages(k.contiguous(), v.contiguous(), pos)
         return ragged_attention(q, self.store, scale, plan=plan)[0]
 
+    def append_attend_evict_in_pages(self, k, v, pos, q, scale, plan, rule, protection, last_pos, budget):
+        """``append_attend_evict`` as a CUDA graph captures it: through the ops alone (append
+        into pages already held; attention with the ``plan`` of those pages and, for the rule
+        "mass", the mass added to channel 0; with ``budget`` = (k [B] on the device, k_host),
+        the top-k of k per head by the rule and the compaction, every segment's, whoever is
+        over). A top-k keeps everything of a head within its budget, so the step is the same
+        whatever the lengths: one graph serves every step. The graph's owner checks the room
+        before every run and notes the host lengths after (``note_appended``, then
+        ``note_kept_in_pages`` of ``budget_in_pages``'s host half)."""
+        store = self.store
+        store.append_in_pages(k.contiguous(), v.contiguous(), pos)
+        by_mass = rule == "mass"
+        out, stats = ragged_attention(q, store, scale, plan=plan, stats=("mass",) if by_mass else False)
+        if by_mass:
+            store.add_to_scores(0, stats.mass)
+        if budget is not None:
+            per_head = self._per_head(*budget)[0].view(-1)
+            store.evict_in_pages(per_head, rule=rule, sinks=protection.sinks, recent=protection.recent,
+                                 last_pos=last_pos if protection.recent else None)
+        return out
+
+    def note_kept_in_pages(self, budget) -> None:
+        """The host lengths after ``append_attend_evict_in_pages`` evicted to ``budget`` (k, k_host)."""
+        self.store.note_kept_in_pages(self._per_head(*budget)[1].view(-1))
+
     def append_attend_evict(self, k, v, pos, q, scale, rule, protection, last_pos, budget):
         """One C++ call (``RaggedKVStore.append_attend_evict``) in eager mode; None under
         ``torch.compile``, which traces the general path's ops."""

@@ -7,22 +7,33 @@ replay issues the whole step at once.
 
 What a step may be. The graph replays exactly the device work it captured, with the same
 memory and every host value frozen, so it serves only steps that need no host decision: one
-new token per row, over a cache whose policy never evicts while decoding (one-shot SnapKV,
-Ada-SnapKV, KVzip, spans, ...: the ``decode_append_only`` steps of
-``kvcache_ext.engine.eviction``), with no sliding-window layer and no prompt held for
-reconstruction passes (a policy that reads token ids has them noted by the patched model's
-hook, which runs at every call, outside the step). Such a step appends one token to every
-(row, KV head) into pages the store already holds and attends with a plan made for those
-pages (``decode_in_graph``), and the rows' positions come from a buffer of the graph's. Every
-other call runs eagerly, as without the option.
+new token per row, with no sliding-window layer and no prompt held for reconstruction passes
+(a policy that reads token ids has them noted by the patched model's hook, which runs at
+every call, outside the step), over a cache whose policy
+
+- never evicts while decoding (one-shot SnapKV, Ada-SnapKV, KVzip, spans, ...: the
+  ``decode_append_only`` steps of ``kvcache_ext.engine.eviction``): the step appends one token
+  to every (row, KV head) into pages the store already holds and attends with a plan made
+  for those pages;
+- or evicts while decoding by a slot rule under equal head budgets (H2O, StreamingLLM: the
+  ``decode_fused`` steps): the same, plus the channel update and, on the policy's eviction
+  steps, the top-k of every head by the rule and the compaction, every head's, over budget
+  or not (a head within its budget keeps all), so that the step is the same whatever the
+  lengths and the host lengths after it are known: min(len + 1, budget). A policy that
+  evicts every few steps has two graphs, one per kind of step (``evicts_now``).
+
+(``decode_in_graph``); the rows' positions come from a buffer of the graph's. Every other
+call runs eagerly, as without the option.
 
 Around every run (``DecodeGraph.run_step``), on the host: the room for the new token is
 checked in every layer (pages are never added inside a graph; generate's cache reserves them
-for every new token up front, ``patch(reserve_new_tokens=True)``, else 256 tokens' worth are
-reserved when they run out), then the host lengths, tokens seen and decode steps advance. A
-graph is captured for one state of the stores (their tensors: ``state_version``) and batch;
-when that changes (pages added, another batch) it is dropped, and the next steps warm up and
-capture again. The first eligible step of a graph runs eagerly on the graph's stream (it
+for every new token up front, ``patch(reserve_new_tokens=True)``, and an evicting cache holds
+pages for the tokens between two evictions; else ``reserve_ahead`` reserves more when they run
+out), then the host lengths (after an eviction: min(len, budget), every page kept), tokens
+seen and decode steps advance. A graph is captured for one state of the stores (their
+tensors: ``state_version``; the rows' newest positions and budget tensors the layers read)
+and batch; when that changes (pages added, another batch) it is dropped, and the next steps
+warm up and capture again. The first eligible step of a graph runs eagerly on the graph's stream (it
 fills the caches that capture must find filled), the second is captured and replayed.
 
 The graph's backend is the device's (``BACKENDS``): CUDA graphs on a CUDA device; a device
@@ -40,6 +51,7 @@ import weakref
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kvcache_ext.engine.eviction import evicts_in_slots
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 
 # The room reserved, in tokens per (row, KV head), when a step finds none (a cache made
@@ -153,17 +165,22 @@ class DecodeGraph:
         self._drop()
 
     def _drop(self) -> None:
-        self._key = None       # what the graph was captured for
+        self._key = None       # what the graphs were captured for
+        self._pinned = None    # the tensors whose ids the key holds (alive: no id reused)
         self._backend = None
         self._inputs = None
         self._plans = {}
-        self._replay = None
-        self._warm = False
+        self._replays = {}     # kind of step (evicts_now) -> its captured graph
+        self._warm = set()     # kinds of step warmed up
+        self.evicts_now = False
 
     # --- the layers' view ---------------------------------------------------------------
     def plan(self, layer_idx: int) -> torch.Tensor:
         """The attention plan a layer's captured step attends with."""
         return self._plans[layer_idx]
+
+    # evicts_now: whether the step running now is one of the policy's eviction steps (a
+    # policy that evicts every few steps has two graphs, one of each kind).
 
     # --- which calls ------------------------------------------------------------------------
     def why_not(self, input_ids, attention_mask, kwargs) -> str | None:
@@ -181,8 +198,10 @@ class DecodeGraph:
                 return f"the argument {name}"
         layers = self._cache().layers
         policy = layers[0].state.policy   # the cache's, every layer's
-        if policy.schedule.evicts_over_cache:
-            return f"the policy {policy} evicts while decoding"
+        evicting = policy.schedule.evicts_over_cache
+        if evicting and policy.scorer.slot_rule is None:
+            return f"the policy {policy} evicts while decoding by a scorer without a slot rule"
+        every = policy.schedule.decode_every
         for layer in layers:
             state = layer.state
             if not isinstance(state.kv, RaggedLayerKV):
@@ -191,6 +210,9 @@ class DecodeGraph:
                 return "a sliding-window layer, or a prompt held for reconstruction passes"
             if state.tokens[0] != input_ids.shape[0] or state.tokens[2] != input_ids.device:
                 return "another batch or device than the cache's"
+            if every is not None and (state.decode_budget is None
+                                      or not evicts_in_slots(policy, state.decode_budget_host)):
+                return "an eviction whose budgets need the padded view (Ada-KV's, a fractional budget)"
         if attention_mask is not None and not bool(attention_mask[:, -1].all()):
             return "a padding token among the new ones"
         return None
@@ -214,18 +236,24 @@ class DecodeGraph:
         cache = self._cache()
         layers = [layer.state for layer in cache.layers]
         if not all(state.kv.store.has_room(1) for state in layers):
+            extra = reserve_ahead(layers)
             for state in layers:
-                state.kv.store.reserve(RESERVE_AHEAD)
+                state.kv.store.reserve(extra)
         key = (tuple(input_ids.shape), input_ids.device, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
-               # the stores themselves (held: an id could be reused by a later store)
-               tuple((state.kv.store, state.kv.store.state_version) for state in layers))
+               # the stores themselves (held: an id could be reused by a later store), and the
+               # tensors a captured step reads by address (pinned while the key lives)
+               tuple((state.kv.store, state.kv.store.state_version, id(state.last_pos), id(state.decode_budget))
+                     for state in layers))
         if key != self._key:
             self._drop()
             self._key = key
+            self._pinned = [(state.last_pos, state.decode_budget) for state in layers]
             self._backend = BACKENDS[input_ids.device.type](input_ids.device)
             self._inputs = GraphInputs(input_ids)
             self._plans = {state.layer_idx: state.kv.store.attention_plan_of_pages(state.groups)
                            for state in layers}
+        every = layers[0].policy.schedule.decode_every
+        kind = self.evicts_now = every is not None and (layers[0].decode_steps + 1) % every == 0
         self._inputs.fill(input_ids, position_ids, layers[0].seen)
 
         shared = layers[0].shared
@@ -239,27 +267,44 @@ class DecodeGraph:
             finally:
                 shared.exit_graph_step()
 
-        if self._replay is not None:
-            logits = self._replay()
+        replay = self._replays.get(kind)
+        if replay is not None:
+            logits = replay()
             self.replays += 1
-        elif not self._warm:
+        elif kind not in self._warm:
             logits = self._backend.warmup(forward_step)
-            self._warm = True
+            self._warm.add(kind)
             self.warmups += 1
         else:
             try:
-                self._replay = self._backend.capture(forward_step, hold=lambda: [s.kv.store.page_addresses()
-                                                                         for s in layers])
+                replay = self._backend.capture(forward_step, hold=lambda: [s.kv.store.page_addresses()
+                                                                   for s in layers])
             except Exception as error:   # noqa: BLE001  (the step then runs eagerly, as without graphs)
                 self.failed = f"capture failed: {type(error).__name__}: {error}"
                 warnings.warn(f"kvcache_ext: this cache's decode steps run without a CUDA graph ({self.failed})",
                               RuntimeWarning, stacklevel=3)
                 self._drop()
                 return None
+            self._replays[kind] = replay
             self.captures += 1
-            logits = self._replay()
+            logits = replay()
         for state in layers:
             state.kv.store.note_appended(1)
+            if kind:
+                state.kv.note_kept_in_pages((state.decode_budget, state.decode_budget_host))
             state.advance(1)
             state.count_decode_step()
         return logits.clone()
+
+
+def reserve_ahead(layers) -> int:
+    """The tokens per segment to reserve when a step finds no room: ``RESERVE_AHEAD`` for a
+    cache that grows while decoding; for one that evicts every few steps, the steps between
+    two evictions plus what the shortest head may still grow to its budget (at most
+    ``RESERVE_AHEAD`` more), so that a cache held at its budget reserves no more than eager
+    decoding holds (``release_prefill_slack``)."""
+    every = layers[0].policy.schedule.decode_every
+    if every is None:
+        return RESERVE_AHEAD
+    growth = max(int(state.decode_budget_host.max()) - int(state.kv.lens.min()) for state in layers)
+    return every + min(max(growth, 0), RESERVE_AHEAD)

@@ -12,18 +12,20 @@ tensors and numbers only. A layer's store is the state
 
 which the Python ``RaggedKVStore`` holds and passes to the ops (``RaggedKVStore.state``).
 
-==================  ==========================================================================
-op                  what it does
-==================  ==========================================================================
-``store_append``    writes k, v [B, H, n, D] (and pos) after each segment's tokens; len += n
-``store_check``     per segment, whether len and page_table are consistent with the pool (no sync)
-``store_replace``   overwrites token slot[b, h] of each segment with one new token
-``store_compact``   stable in-place removal of the slots whose keep flag is False; new len
-``store_topk``      keep mask and counts of the k best tokens per segment or group, through the pages
-``segmented_topk``  keep mask of the k best slots per contiguous segment
-``grouped_topk``    Ada-KV: the k best over each group of segments, and the counts per segment
-``attention_run``   attention of q over the store with the plan of ``attention_plan``
-==================  ==========================================================================
+====================  ==========================================================================
+op                    what it does
+====================  ==========================================================================
+``store_append``      writes k, v [B, H, n, D] (and pos) after each segment's tokens; len += n
+``store_check``       per segment, whether len and page_table are consistent with the pool (no sync)
+``store_replace``     overwrites token slot[b, h] of each segment with one new token
+``store_compact``     stable in-place removal of the slots whose keep flag is False; new len
+``store_add_scores``  adds [capacity] values to one score channel of every slot, in the pages
+``store_topk``        keep mask and counts of the k best tokens per segment or group, through the
+                      pages (scores given, channel 0, or a slot rule with protected tokens)
+``segmented_topk``    keep mask of the k best slots per contiguous segment
+``grouped_topk``      Ada-KV: the k best over each group of segments, and the counts per segment
+``attention_run``     attention of q over the store with the plan of ``attention_plan``
+====================  ==========================================================================
 
 ``RaggedKVStore.attention_plan`` (the page allocator's host step) makes the plan of the attention:
 it reads the lengths on the host and returns the work partition (CPU: the lengths; CUDA: the
@@ -42,8 +44,8 @@ import torch
 
 from kvcache_ext import _C  # noqa: F401  (loads the library that defines the ops)
 
-OPS = ("store_append", "store_check", "store_replace", "store_compact", "store_topk", "segmented_topk",
-       "grouped_topk", "attention_run")
+OPS = ("store_append", "store_check", "store_replace", "store_compact", "store_add_scores", "store_topk",
+       "segmented_topk", "grouped_topk", "attention_run")
 
 ops = torch.ops.kvcache_ext
 
@@ -97,10 +99,17 @@ def _store_compact_fake(pool, page_table, len, keep, page_size, head_dim, score_
     return None
 
 
+@torch.library.register_fake("kvcache_ext::store_add_scores")
+def _store_add_scores_fake(pool, page_table, len, values, channel, page_size, head_dim, score_channels, dtype):
+    _refuse_meta_mix(page_table=page_table, pool=pool, len=len, values=values)
+    return None
+
+
 @torch.library.register_fake("kvcache_ext::store_topk")
 def _store_topk_fake(pool, page_table, len, scores, k, group_size, page_size, head_dim,
-                     score_channels, dtype):
-    _refuse_meta_mix(("k",), page_table=page_table, pool=pool, len=len, scores=scores, k=k)
+                     score_channels, dtype, rule=None, sinks=0, recent=0, last_pos=None):
+    _refuse_meta_mix(("k",), page_table=page_table, pool=pool, len=len, scores=scores, k=k,
+                     last_pos=last_pos)
     capacity = _capacity(pool, page_size)
     return (page_table.new_empty((capacity,), dtype=torch.bool),
             page_table.new_empty((page_table.shape[0],), dtype=torch.int32))

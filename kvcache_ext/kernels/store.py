@@ -218,6 +218,22 @@ class RaggedKVStore:
         (``has_room``) and advances the host lengths after each run (``note_appended``)."""
         ops.store_append(*self._current(), k, v, pos, None, None, self._page_size, self._channels)
 
+    def evict_in_pages(self, k: torch.Tensor, *, rule: str, sinks: int = 0, recent: int = 0,
+                       last_pos: torch.Tensor | None = None) -> None:
+        """Keeps the k[s] best tokens of every segment by ``rule`` (``select(k, rule=...)``)
+        and compacts them, through the store_topk and store_compact ops alone: no host step, so
+        a CUDA graph can capture it. Every page stays held; the caller notes the new host
+        lengths after each run (``note_kept_in_pages``). k: [S] integers on the store's device."""
+        self._allocator.check_writable("evict_in_pages")
+        state = self._current()
+        keep, _ = ops.store_topk(*state, None, k, 1, self._page_size, self._head_dim, self._channels,
+                                 self._dtype, rule, sinks, recent, last_pos)
+        ops.store_compact(*state, keep, self._page_size, self._head_dim, self._channels, self._dtype)
+
+    def note_kept_in_pages(self, k_host: torch.Tensor) -> None:
+        """The host lengths after ``evict_in_pages`` of k_host ([S] integers on the host): min(len, k)."""
+        self._allocator.note_kept_in_pages(k_host)
+
     def has_room(self, n: int) -> bool:
         """Whether every segment's pages hold ``n`` more tokens (host bookkeeping, no sync)."""
         return self._allocator.has_room(n)
@@ -326,7 +342,8 @@ class RaggedKVStore:
         """Writes the score channels of every slot from a [capacity, C] float32 tensor."""
         self._allocator.set_scores(checks.tensor(scores, "scores"))
 
-    def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False):
+    def select(self, k, scores: torch.Tensor | None = None, *, grouped: bool = False, rule: str | None = None,
+               sinks: int = 0, recent: int = 0, last_pos: torch.Tensor | None = None):
         """Keep mask ([capacity] bool) of the k best live slots by ``scores`` (default: channel 0).
 
         ``scores``: [capacity] in slot layout, or [B, H, max_len] padded as ``to_dense`` gives
@@ -336,6 +353,12 @@ class RaggedKVStore:
         earlier head of a group), NaN is evicted first. A negative budget is refused when it is
         on the CPU; a CUDA budget tensor is not read back (no host sync): there a negative
         budget keeps nothing and one past the live tokens keeps them all.
+
+        ``rule`` (no ``scores`` then) scores each token from its record, as the compiled decode
+        step of H2O and StreamingLLM does (csrc/select/slot_rule.h): ``"mass"`` channel 0,
+        ``"position"`` its position; a protected token scores +inf (position < ``sinks``, or,
+        with ``recent`` > 0, position > last_pos[b] - ``recent``: ``last_pos`` [B] integers on
+        the store's device, each row's newest position).
         """
         if scores is not None and not isinstance(scores, torch.Tensor):
             raise TypeError(f"scores must be None or a float tensor, got {type(scores).__name__}")
@@ -351,8 +374,17 @@ class RaggedKVStore:
         if scores is not None:
             scores = scores.float().contiguous()  # no copy when it is already so
         keep, counts = ops.store_topk(*self._current(), scores, k, self.heads if grouped else 1,
-                                      self._page_size, self._head_dim, self._channels, self._dtype)
+                                      self._page_size, self._head_dim, self._channels, self._dtype,
+                                      rule, sinks, recent, last_pos)
         return (keep, counts.view(self.batch, self.heads)) if grouped else keep
+
+    def add_to_scores(self, channel: int, values: torch.Tensor) -> None:
+        """Score channel ``channel`` of every slot += values ([capacity] float32, slot layout),
+        in place in the pages, through the store_add_scores op (a CUDA graph can capture it)."""
+        self._allocator.check_writable("add_to_scores")
+        ops.store_add_scores(*self._current(), checks.tensor(values, "values"),
+                             checks.integer(channel, "channel", 0), self._page_size, self._head_dim,
+                             self._channels, self._dtype)
 
     @_host
     def attention_plan(self, rows: int = 1) -> torch.Tensor:
