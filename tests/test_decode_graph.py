@@ -195,7 +195,7 @@ def test_steps_called_by_hand_with_the_tokens_by_position(cpu_graphs):
 
 @pytest.mark.parametrize("policy,why", [
     (Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()), "budgets need the padded view"),
-    (Policy(TOVA(), budget=16, schedule=EveryStep()), "evicts while decoding by a scorer without a slot rule"),
+    (Policy(TOVA(), budget=16, schedule=EveryStep()), "evicts over the cache by a scorer without a slot rule"),
 ], ids=["ada-h2o", "tova"])
 def test_steps_a_graph_cannot_serve_run_eagerly(cpu_graphs, policy, why):
     model = tiny_model("llama", layers=2)

@@ -87,8 +87,8 @@ class RaggedLayerKV:
         the top-k of k per head by the rule and the compaction, every segment's, whoever is
         over). A top-k keeps everything of a head within its budget, so the step is the same
         whatever the lengths: one graph serves every step. The graph's owner checks the room
-        before every run and notes the host lengths after (``note_appended``, then
-        ``note_kept_in_pages`` of ``budget_in_pages``'s host half)."""
+        before every run and notes the host lengths after (the store's ``note_appended``,
+        then, after an eviction, ``note_kept_in_pages(budget)``)."""
         store = self.store
         store.append_in_pages(k.contiguous(), v.contiguous(), pos)
         by_mass = rule == "mass"

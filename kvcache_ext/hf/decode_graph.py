@@ -15,15 +15,15 @@ every call, outside the step), over a cache whose policy
   ``decode_append_only`` steps of ``kvcache_ext.engine.eviction``): the step appends one token
   to every (row, KV head) into pages the store already holds and attends with a plan made
   for those pages;
-- or evicts while decoding by a slot rule under equal head budgets (H2O, StreamingLLM: the
+- or evicts over the cache by a slot rule under equal head budgets (H2O, StreamingLLM: the
   ``decode_fused`` steps): the same, plus the channel update and, on the policy's eviction
   steps, the top-k of every head by the rule and the compaction, every head's, over budget
   or not (a head within its budget keeps all), so that the step is the same whatever the
   lengths and the host lengths after it are known: min(len + 1, budget). A policy that
   evicts every few steps has two graphs, one per kind of step (``evicts_now``).
 
-(``decode_in_graph``); the rows' positions come from a buffer of the graph's. Every other
-call runs eagerly, as without the option.
+The layers run these steps through ``decode_in_graph``, the rows' positions taken from a
+buffer of the graph's. Every other call runs eagerly, as without the option.
 
 Around every run (``DecodeGraph.run_step``), on the host: the room for the new token is
 checked in every layer (pages are never added inside a graph; generate's cache reserves them
@@ -155,7 +155,8 @@ class DecodeGraph:
     ``RaggedCache.decode_graph()``). ``warmups``, ``captures`` and ``replays`` count the steps
     it ran, ``eager_steps`` the calls it left to the eager forward (the prompt's included);
     ``declined`` says why the latest of those was not a graph step, ``failed`` why capture
-    failed (then every later step is eager)."""
+    failed (then every later step is eager). ``evicts_now``: whether the step running now is
+    one of the policy's eviction steps (each kind of step has a graph of its own)."""
 
     def __init__(self, cache):
         self._cache = weakref.ref(cache)   # the cache owns this graph (no cycle to wait on the collector)
@@ -179,9 +180,6 @@ class DecodeGraph:
         """The attention plan a layer's captured step attends with."""
         return self._plans[layer_idx]
 
-    # evicts_now: whether the step running now is one of the policy's eviction steps (a
-    # policy that evicts every few steps has two graphs, one of each kind).
-
     # --- which calls ------------------------------------------------------------------------
     def why_not(self, input_ids, attention_mask, kwargs) -> str | None:
         """None when this call is a step the graph serves, else why not (host checks, and one
@@ -200,7 +198,7 @@ class DecodeGraph:
         policy = layers[0].state.policy   # the cache's, every layer's
         evicting = policy.schedule.evicts_over_cache
         if evicting and policy.scorer.slot_rule is None:
-            return f"the policy {policy} evicts while decoding by a scorer without a slot rule"
+            return f"the policy {policy} evicts over the cache by a scorer without a slot rule"
         every = policy.schedule.decode_every
         for layer in layers:
             state = layer.state
