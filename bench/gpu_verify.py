@@ -21,8 +21,9 @@ without statistics. Its own process and JSON (default
 bench/results/gpu-verify-tc-<device>-<date>.json), so that a fault there cannot take the kernel
 table down with it.
 
-``sanitize-driver``: small stores that go through every store op, both compaction paths (few
-long segments: the multi-tile path; more segments than SMs, short: one tile each), top-k
+``sanitize-driver``: small stores that go through every store op, both stable compaction paths (few
+long segments: the multi-tile path; more segments than SMs, short: one tile each) and the
+unordered one, top-k
 (segmented and grouped) and attention with statistics, the last also on a block of 32 rows per
 KV head both by default (the tensor-core prefill) and with KVCACHE_EXT_TC_PREFILL=0 (the scalar
 kernel). Run under compute-sanitizer by gpu_verify.sh; exits non-zero if a result differs from
@@ -96,16 +97,23 @@ def check_topk(batch, heads, length, k, device, grouped) -> dict:
             "ok": bool(torch.equal(got, want)), "mismatches": int((got != want).sum())}
 
 
-def check_compact(segments, length, keep_fraction, device) -> dict:
+def check_compact(segments, length, keep_fraction, device, stable=True) -> dict:
     from kernels import compaction_mask, filled_store
     store = filled_store(1, segments, length, device)
     keep = compaction_mask(store, keep_fraction, seed=5)
     before = store.to_dense()
     keep_padded = store.to_padded(keep, False)
-    store.compact(keep)
+    store.compact(keep, stable=stable)
     after = store.to_dense()
-    # Stable: the kept tokens of each segment, in order, first.
+    # Stable: the kept tokens of each segment, in order, first. Unordered: the kept among the
+    # first `kept` stay, the r-th kept one past them fills the r-th evicted place there.
     order = (~keep_padded).to(torch.uint8).argsort(dim=-1, stable=True)
+    if not stable:
+        at = torch.arange(keep_padded.shape[-1], device=keep_padded.device).expand_as(keep_padded)
+        kept = keep_padded.sum(-1, keepdim=True)
+        hole, mover = (at < kept) & ~keep_padded, (at >= kept) & keep_padded
+        movers = (~mover).to(torch.uint8).argsort(dim=-1, stable=True)       # the movers first, in order
+        order = torch.where(hole, movers.gather(-1, (hole.cumsum(-1) - 1).clamp(min=0)), at)
     ok = torch.equal(after.lens, keep_padded.sum(-1).to(device=after.lens.device, dtype=after.lens.dtype))
     L = after.k.shape[2]
     for name in ("k", "v", "pos"):
@@ -114,8 +122,8 @@ def check_compact(segments, length, keep_fraction, device) -> dict:
         want = src.gather(2, idx)
         live = after.mask if src.dim() == 3 else after.mask[..., None]
         ok = ok and torch.equal(getattr(after, name).masked_fill(~live, 0), want.masked_fill(~live, 0))
-    return {"check": f"compaction = stable gather of the kept tokens (32x{length}, keep {keep_fraction})",
-            "ok": bool(ok)}
+    what = "stable gather of the kept tokens" if stable else "kept tokens, the evicted places filled from the end"
+    return {"check": f"compaction = {what} (32x{length}, keep {keep_fraction})", "ok": bool(ok)}
 
 
 def check_append(segments, length, n, device) -> dict:
@@ -159,6 +167,7 @@ def table(args) -> dict:
     checks = [check_topk(4, 8, L, max(8, L // 8), device, False),
               check_topk(4, 8, L, max(8, L // 8), device, True),
               check_compact(32, L, 0.125, device), check_compact(32, L, 0.5, device),
+              check_compact(32, L, 0.125, device, stable=False), check_compact(32, L, 0.98, device, stable=False),
               check_append(32, L // 2, 512 if not args.quick else 8, device)]
     tol = 3e-2 if gpu else 1e-3
     for r in attn:
@@ -243,6 +252,11 @@ def report_rows(doc: dict | None, e2e: dict | None, stages: dict | None, tc: dic
                 out.append((name + " of copy (kernel)", f"{r['GBps']:.0f} GB/s", f"{doc['copy_GBps']:.0f} GB/s",
                             f"{r['fraction_of_copy']:.0%}", f">= {COMPACT_COPY_GOAL:.0%}",
                             r["fraction_of_copy"] >= COMPACT_COPY_GOAL))
+            elif r["op"] == "evict_one":
+                name = f"per-step eviction's compaction, one of {r['length']} out of 32 segments, unordered"
+                out.append((name + " vs index_select", ours, base, f"{ratio:.2f}x", "—", None))
+                out.append((name + " vs stable", ours, f"{_ms(r['stable_seconds'])} / {_ms(r['stable_kernel_seconds'])}",
+                            f"{r['stable_over_unordered']:.2f}x", "—", None))
             else:
                 out.append((f"append n {r['n']} (32x{r['length']})", ours, base, f"{ratio:.2f}x", "—", None))
         import attention as att
@@ -397,6 +411,8 @@ def sanitize_driver(args) -> int:
             seg = store.select(7, scores)                                # top-k
             grp, _ = store.select(7 * heads, scores, grouped=True)
             store.compact(seg)                                           # compaction again
+            keep = (torch.rand(store.capacity, generator=gen) < 0.6).to(dev)
+            store.compact(keep, stable=False)                            # compaction, unordered
             one = more[:, :, :1].contiguous().to(dev)
             store.replace(torch.zeros(batch, heads, dtype=torch.long), one, one, torch.full((batch,), 10**6))
 

@@ -21,6 +21,9 @@ The baselines (issue 42: like for like):
   ``compact(keep)``, which reads the new lengths back (a host sync on CUDA), and
   ``compact(keep, lens=...)`` with the lengths likewise computed outside its timing, as the
   engine's per-step eviction has them (a top-k of k per head keeps min(len, k)): no sync;
+- per-step eviction's compaction (``evict_one``: one token out of every segment, the lengths
+  given): ours unordered (``compact(stable=False)``, what H2O and StreamingLLM run) against the
+  same ``index_select`` baseline and ours stable;
 - append: ``torch.cat`` of the dense K and V with the new token.
 """
 from __future__ import annotations
@@ -92,6 +95,32 @@ def bench_compact(segments: int, length: int, keep_fraction: float, device: str)
             "baseline": "index_select of K, V, pos and the score channel by the kept slots"}
 
 
+def bench_evict_one(segments: int, length: int, device: str):
+    """Per-step eviction's compaction: one token out of every segment (a random place), the
+    lengths given. Ours unordered (``stable=False``: the segment's last token fills the place)
+    against ours stable (every later token moves) and ``index_select`` of the kept tokens of
+    every part (a dense cache's way)."""
+    ref_store = filled_store(1, segments, length, device)
+    gen = torch.Generator().manual_seed(9)
+    out_at = torch.randint(0, length, (segments,), generator=gen)
+    keep = ref_store.from_padded((torch.arange(length) != out_at[:, None]).view(1, segments, length).to(device),
+                                 False)
+    idx = keep.nonzero().squeeze(1)
+    parts = (ref_store.k, ref_store.v, ref_store.pos, ref_store.scores)
+    lens = torch.full((1, segments), length - 1)
+
+    def fresh():
+        return filled_store(1, segments, length, device)
+    t = timings(lambda store: store.compact(keep, lens=lens, stable=False),
+                lambda: [p.index_select(0, idx) for p in parts], device, setup=fresh, repeats=5)
+    stable = time_op(lambda store: store.compact(keep, lens=lens), device, setup=fresh, repeats=5)
+    stable_kernel = kernel_time(lambda store: store.compact(keep, lens=lens), device, setup=fresh, repeats=5)
+    return {"op": "evict_one", "segments": segments, "length": length, **t, "stable_seconds": stable,
+            "stable_kernel_seconds": stable_kernel, "stable_over_unordered": stable / t["seconds"],
+            "stable_kernel_over_unordered": stable_kernel / t["kernel_seconds"] if t["kernel_seconds"] else None,
+            "baseline": "index_select of K, V, pos and the score channel by the kept slots"}
+
+
 def bench_append(segments: int, length: int, n: int, device: str):
     """Appending n tokens per segment vs torch.cat of the dense cache (what a dense cache does)."""
     store = filled_store(1, segments, length, device)
@@ -155,6 +184,7 @@ def run_all(device: str, quick: bool = False) -> tuple[list[dict], float]:
     rows = []
     for keep in (0.5, 0.125):
         rows.append(bench_compact(32, L, keep, device))
+    rows.append(bench_evict_one(32, max(64, int(4096 * scale)), device))
     for n in (1, 512 if not quick else 8):
         rows.append(bench_append(32, L // 2, n, device))
     for batch, heads, length, k in TOPK_CASES:
@@ -162,7 +192,8 @@ def run_all(device: str, quick: bool = False) -> tuple[list[dict], float]:
         for grouped in (False, True):
             rows.append(bench_topk(batch, heads, length, k, device, grouped))
     for row in rows:
-        row["fraction_of_copy"] = row["GBps"] / copy_gbps
+        if "GBps" in row:   # evict_one moves a token per segment: no bandwidth to speak of
+            row["fraction_of_copy"] = row["GBps"] / copy_gbps
     return rows, copy_gbps
 
 
@@ -177,8 +208,10 @@ def main(argv=None):
           + ("" if args.device.startswith("cuda") else "; on CPU kernel time is the wall time"))
     for row in rows:
         size = {k: row[k] for k in ("batch", "heads", "segments", "length", "keep", "n", "k") if k in row}
+        bandwidth = (f"{row['GBps']:7.2f} GB/s = {row['fraction_of_copy']:6.1%} of copy" if "GBps" in row else
+                     f"stable compaction {row['stable_over_unordered']:.1f}x as long")
         print(f"{row['op']:>15} {size}: {row['seconds'] * 1e3:9.3f} ms wall, {row['kernel_seconds'] * 1e3:9.3f} "
-              f"ms kernel  {row['GBps']:7.2f} GB/s = {row['fraction_of_copy']:6.1%} of copy  |  "
+              f"ms kernel  {bandwidth}  |  "
               f"{row['speedup_vs_torch']:6.2f}x vs torch ({row['baseline']})"
               + (f"; lengths given {row['lens_given_seconds'] * 1e3:.3f} ms wall, "
                  f"{row['lens_given_speedup_vs_torch']:.2f}x" if "lens_given_seconds" in row else ""))

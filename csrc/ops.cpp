@@ -443,7 +443,7 @@ void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::
 
 void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                    const at::Tensor& keep, int64_t page_size, int64_t head_dim,
-                   int64_t score_channels, at::ScalarType dtype) {
+                   int64_t score_channels, at::ScalarType dtype, bool stable) {
   const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
   check_defined(keep, "keep");
   check_dtype(keep, at::kBool, "keep");
@@ -452,7 +452,11 @@ void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::
                     st.capacity, "] bool mask in the store's slot layout, got shape ", keep.sizes());
   check_contiguous(keep, "keep");
   if (st.capacity == 0 || st.segments == 0) return;
-  KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
+  if (stable) {
+    KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact, st.view, len, keep);
+  } else {
+    KVCACHE_DEVICE_DISPATCH(page_table.device(), store::compact_unordered, st.view, len, keep);
+  }
 }
 
 void store_add_scores(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
@@ -785,7 +789,9 @@ at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, co
   at::Tensor kept_per_segment = at::zeros({S}, on_device.dtype(at::kInt));
   KVCACHE_DEVICE_DISPATCH(device, select::paged_topk, st.view, len, at::Tensor(), 1, k32, keep,
                           kept_per_segment, &slot_rule);
-  KVCACHE_DEVICE_DISPATCH(device, store::compact, st.view, len, keep);
+  // Unordered: one token moves per token evicted (a slot rule's scores do not depend on
+  // the order, and the engine's views sort by position: RaggedLayerKV).
+  KVCACHE_DEVICE_DISPATCH(device, store::compact_unordered, st.view, len, keep);
   allocator.finish_compact(kept);
   return out;
 }
@@ -805,7 +811,7 @@ TORCH_LIBRARY(kvcache_ext, m) {
         "Tensor v, Tensor pos, int page_size, int head_dim, int score_channels, ScalarType dtype, "
         "bool check_bounds) -> ()");
   m.def("store_compact(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor keep, "
-        "int page_size, int head_dim, int score_channels, ScalarType dtype) -> ()");
+        "int page_size, int head_dim, int score_channels, ScalarType dtype, bool stable=True) -> ()");
   m.def("store_add_scores(Tensor(a!)[] pool, Tensor page_table, Tensor len, Tensor values, int channel, "
         "int page_size, int head_dim, int score_channels, ScalarType dtype) -> ()");
   m.def("store_topk(Tensor[] pool, Tensor page_table, Tensor len, Tensor? scores, Tensor k, "

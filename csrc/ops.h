@@ -79,11 +79,14 @@ void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::
                    const at::Tensor& pos, int64_t page_size, int64_t head_dim,
                    int64_t score_channels, at::ScalarType dtype, bool check_bounds);
 
-// store_compact: keeps, in order, the live tokens whose flag in keep ([capacity] bool, slot
-// layout) is set; writes the new lengths into len. Frees no page (the allocator does).
+// store_compact: keeps the live tokens whose flag in keep ([capacity] bool, slot layout) is
+// set; writes the new lengths into len. Frees no page (the allocator does). stable: in their
+// order (every token after the first evicted one moves); else the kept tokens among a
+// segment's first new-length ones stay where they are and the kept ones past them fill the
+// evicted places, in token order (a token moves per place filled: store/store_kernels.h).
 void store_compact(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                    const at::Tensor& keep, int64_t page_size, int64_t head_dim,
-                   int64_t score_channels, at::ScalarType dtype);
+                   int64_t score_channels, at::ScalarType dtype, bool stable = true);
 
 // store_add_scores: score channel `channel` of every slot += values ([capacity] float32,
 // slot layout), in place in the pages (a policy's channel update: H2O's accumulated
@@ -188,7 +191,7 @@ at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, cons
 //   + (rule "mass") score channel 0 += that mass, in every slot (store_add_scores)
 //   + when budget is given and a segment holds more than its budget[b, h] tokens:
 //       store_topk of budget[b, h] per segment by the rule (its rule, sinks, recent and
-//       last_pos arguments) + store_compact
+//       last_pos arguments) + store_compact (stable = false: one token moves per evicted one)
 //       + allocator.finish_compact(min(len, budget[b, h])): the new lengths known, no read-back
 // through the functions those ops run past their checks, on the allocator's own state view.
 // budget [B, H] integers on the store's device (int32: taken as it is, no conversion; a

@@ -79,7 +79,7 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     doc = json.loads(table_json.read_text())
     assert doc["kernel_time"] == "wall time (CPU)" and doc["commit"] and doc["device"]
     ops = [r["op"] for r in doc["kernels"]]
-    assert ops.count("compact") == 2 and ops.count("append") == 2
+    assert ops.count("compact") == 2 and ops.count("append") == 2 and ops.count("evict_one") == 1
     assert ops.count("segmented_topk") == ops.count("grouped_topk") == 3
     for r in doc["kernels"]:   # on CPU the kernel time is the wall time, measured apart
         assert r["kernel_seconds"] > 0 and r["torch_kernel_seconds"] > 0

@@ -54,8 +54,8 @@ def random_scores(gen, shape):
     return torch.where(pick < special.numel(), special[pick.clamp(max=special.numel() - 1)], base)
 
 
-OPS = ["append", "append_masked", "replace", "set_scores", "compact", "topk", "grouped", "reserve",
-       "shrink"]
+OPS = ["append", "append_masked", "replace", "set_scores", "compact", "compact_unordered", "topk", "grouped",
+       "reserve", "shrink"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,10 +93,11 @@ def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, s
             padded = random_scores(gen, ref.scores.shape)
             store.set_scores(store.from_padded(padded.to(device)))
             ref.scores = padded.masked_fill(~ref.mask[..., None], 0)
-        elif op == "compact":
+        elif op in ("compact", "compact_unordered"):
             keep = torch.rand(ref.mask.shape, generator=gen) < 0.5
-            store.compact(store.from_padded(keep.to(device), False))
-            ref.compact(keep)
+            stable = op == "compact"
+            store.compact(store.from_padded(keep.to(device), False), stable=stable)
+            (ref.compact if stable else ref.compact_unordered)(keep)
         elif op in ("topk", "grouped"):
             scores = random_scores(gen, ref.mask.shape)
             flat = store.from_padded(scores.to(device), 0.0)
@@ -610,7 +611,8 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
     step through the ops (their selection against ``reference.segmented_topk``), as the engine's
     Python step runs it: append, the attention with the
     mass, channel 0 += mass ("mass"), then the scores (channel 0 or the position) with the
-    protected tokens at +inf, select k[b] per head and compact. Ragged segments (empty ones
+    protected tokens at +inf, select k[b] per head and compact (unordered: one token moved per
+    token evicted, as the compiled step compacts). Ragged segments (empty ones
     before the append, single-slot ones), ties, NaN and infinite channel values, budgets below,
     at and above the lengths, k = 0; every step kept bit for bit (on CUDA the mass may sum in
     another order: close, and the same tokens kept)."""
@@ -663,7 +665,7 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
                                                     dense.pos.cpu().reshape(S, L), dense.lens.cpu().reshape(S),
                                                     budget[:, None].expand(B, H).reshape(S))
             assert torch.equal(ops_store.to_padded(keep, False).cpu().reshape(S, L), by_reference)
-            ops_store.compact(keep, lens=torch.minimum(ops_store.lens, budget[:, None]))
+            ops_store.compact(keep, lens=torch.minimum(ops_store.lens, budget[:, None]), stable=False)
         expected = torch.minimum(expected + 1, budget[:, None])   # every segment: min(len, k[b])
         assert fused.lens.tolist() == ops_store.lens.tolist() == expected.tolist()
         a, b = fused.to_dense(), ops_store.to_dense()

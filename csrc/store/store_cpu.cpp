@@ -149,4 +149,26 @@ void compact_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor&
   });
 }
 
+void compact_unordered_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& keep) {
+  int32_t* len_p = len.data_ptr<int32_t>();
+  const bool* keep_p = keep.data_ptr<bool>();
+  int64_t live = 0;  // flags read, at most; the tokens moved are fewer than the evicted
+  for (int64_t s = 0; s < len.numel(); ++s) live += len_p[s];
+  for_each_segment(len.numel(), live, [&](int64_t s) {
+    const int64_t n = len_p[s];
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; ++i) kept += keep_p[view.slot(s, i)] ? 1 : 0;
+    // The r-th kept token of [kept, n) fills the r-th evicted place of [0, kept): the two
+    // ranges are apart, so no move reads what another wrote.
+    int64_t hole = 0;
+    for (int64_t i = kept; i < n; ++i) {
+      if (!keep_p[view.slot(s, i)]) continue;
+      while (keep_p[view.slot(s, hole)]) ++hole;
+      move_rows(view, view.slot(s, i), view.slot(s, hole), 1);
+      ++hole;
+    }
+    len_p[s] = static_cast<int32_t>(kept);
+  });
+}
+
 }  // namespace kvcache_ext::store

@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -600,6 +601,79 @@ __global__ void __launch_bounds__(kCompactThreads)
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// compact_unordered: one block per segment (looping over the segments past the grid). The
+// block counts the kept tokens (kept), numbers the evicted places among the first kept
+// tokens (holes) and the kept tokens past them (movers), both in token order, with block
+// scans over chunks of the segment, and the r-th mover fills the r-th hole. The hole of rank
+// r is noted in `hole_of` at the slot of the segment's token r (r < kept: the segment's own
+// slots, so segments never share scratch); the movers then read it, after a barrier. Holes
+// lie below kept and movers at or past it: no copy reads a row another writes.
+
+constexpr int kUnorderedThreads = 256;  // also the most moves copied together
+
+// Rows of part b of the moves of a chunk: from[i] to to[i] (slots, in shared memory).
+struct MoveRows {
+  PartRows part;
+  const int64_t* from;
+  const int64_t* to;
+  __device__ bool operator()(int i, char*& d, const char*& s) const {
+    d = part(to[i]);
+    s = part(from[i]);
+    return true;
+  }
+};
+
+__global__ void __launch_bounds__(kUnorderedThreads)
+    compact_unordered_kernel(PagedView view, CompactWidths width, int32_t* len, const bool* keep,
+                             int32_t* hole_of, int64_t segments) {
+  using Scan = cub::BlockScan<int, kUnorderedThreads>;
+  using Reduce = cub::BlockReduce<int, kUnorderedThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } temp;
+  __shared__ int kept_in_block;
+  __shared__ int64_t from[kUnorderedThreads], to[kUnorderedThreads];
+  for (int64_t s = blockIdx.x; s < segments; s += gridDim.x) {
+    const int n = len[s];
+    int mine = 0;
+    for (int i = threadIdx.x; i < n; i += kUnorderedThreads) mine += keep[view.slot(s, i)] ? 1 : 0;
+    const int total = Reduce(temp.reduce).Sum(mine);
+    if (threadIdx.x == 0) kept_in_block = total;
+    __syncthreads();
+    const int kept = kept_in_block;
+    int base = 0;  // holes (then movers) numbered in the chunks before
+    for (int c = 0; c < kept; c += kUnorderedThreads) {
+      const int i = c + threadIdx.x;
+      const int hole = i < kept && !keep[view.slot(s, i)] ? 1 : 0;
+      int rank, count;
+      Scan(temp.scan).ExclusiveSum(hole, rank, count);
+      if (hole) hole_of[view.slot(s, base + rank)] = i;
+      base += count;
+      __syncthreads();  // the scan's storage is reused; the holes are read below
+    }
+    base = 0;
+    for (int c = kept; c < n; c += kUnorderedThreads) {
+      const int i = c + threadIdx.x;
+      const int mover = i < n && keep[view.slot(s, i)] ? 1 : 0;
+      int rank, count;
+      Scan(temp.scan).ExclusiveSum(mover, rank, count);
+      if (mover) {
+        from[rank] = view.slot(s, i);
+        to[rank] = view.slot(s, hole_of[view.slot(s, base + rank)]);
+      }
+      __syncthreads();
+      for (int b = 0; b < 4; ++b)
+        copy_rows(MoveRows{part_rows(view, b), from, to}, count, view.record.row_bytes[b], width.w[b]);
+      base += count;
+      __syncthreads();  // from/to and the scan's storage are reused
+    }
+    if (threadIdx.x == 0) len[s] = kept;
+    __syncthreads();  // kept_in_block is reused by the next segment
+  }
+}
+
 }  // namespace
 
 void append_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& new_k,
@@ -716,6 +790,24 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
   const auto blocks = static_cast<unsigned int>(std::min(max_tiles, resident));
   compact_kernel<<<blocks, kCompactThreads, static_cast<size_t>(smem), stream>>>(
       view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), CompactPlan{segments, span, cap}, sc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void compact_unordered_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& keep) {
+  const int64_t segments = len.numel();
+  if (segments == 0 || keep.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(len.device());
+  check_record(view.record);
+  CompactWidths width{};
+  for (int b = 0; b < 4; ++b) {
+    check_row_bytes(view.record.row_bytes[b]);
+    width.w[b] = vec_width(view.record.row_bytes[b], {});  // rows are 16-byte aligned: the size counts
+  }
+  // Written before it is read (hole r of a segment at the slot of its token r): not zeroed.
+  const at::Tensor hole_of = at::empty({keep.numel()}, len.options());
+  const auto blocks = static_cast<unsigned int>(std::min<int64_t>(segments, INT32_MAX));
+  compact_unordered_kernel<<<blocks, kUnorderedThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      view, width, len.data_ptr<int32_t>(), keep.data_ptr<bool>(), hole_of.data_ptr<int32_t>(), segments);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -25,12 +25,20 @@ void replace_cpu(const PagedView& view, const at::Tensor& slot, const at::Tensor
 // layout) is false. Writes the new lengths into len; frees no page (the page allocator does).
 void compact_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& keep);
 
+// The same removal without keeping the order: a segment keeping `kept` of its tokens keeps
+// those among its first `kept` where they lie, and the r-th kept token past them fills the
+// r-th evicted place among them (token order, both). Moves one token per evicted place that
+// a later token fills, not every token after the first evicted one: what per-step eviction
+// (one token out, one in) needs. Writes the new lengths into len; frees no page.
+void compact_unordered_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& keep);
+
 #ifdef KVCACHE_EXT_WITH_CUDA
 void append_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& new_k,
                  const at::Tensor& new_v, const at::Tensor& new_pos, const at::Tensor& rank);
 void replace_cuda(const PagedView& view, const at::Tensor& slot, const at::Tensor& new_k,
                   const at::Tensor& new_v, const at::Tensor& new_pos);
 void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& keep);
+void compact_unordered_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor& keep);
 #endif
 
 }  // namespace kvcache_ext::store

@@ -38,10 +38,11 @@ class OpStore : public PageAllocator {
     kvcache_ext::ops::store_replace(pool(), page_table_device(), len_device(), slot, k, v, pos,
                                     page_size(), head_dim(), score_channels(), dtype(), check_bounds);
   }
-  // RaggedKVStore.compact: the store_compact op, then the allocator's finish_compact.
-  void compact(const at::Tensor& keep) {
+  // RaggedKVStore.compact: the store_compact op (stable, or unordered), then the allocator's
+  // finish_compact.
+  void compact(const at::Tensor& keep, bool stable = true) {
     kvcache_ext::ops::store_compact(pool(), page_table_device(), len_device(), keep, page_size(),
-                                    head_dim(), score_channels(), dtype());
+                                    head_dim(), score_channels(), dtype(), stable);
     finish_compact();
   }
   // RaggedKVStore.select: the store_topk op, k per segment or (grouped) per

@@ -189,14 +189,27 @@ class StoreHarness {
   }
 
   // keep [capacity] bool in the slot layout (identical on every store: verify checks it).
-  void compact(const at::Tensor& keep) {
+  // Unordered (stable false): a segment keeping m tokens keeps those among its first m where
+  // they are, and the r-th kept token past them takes the r-th evicted place among them.
+  void compact(const at::Tensor& keep, bool stable = true) {
     const auto slots = kvtest::live_slots(cpu());
-    for (size_t i = 0; i < stores_.size(); ++i) stores_[i]->compact(keep.to(devices_[i]));
+    for (size_t i = 0; i < stores_.size(); ++i) stores_[i]->compact(keep.to(devices_[i]), stable);
     const std::vector<bool> flags = kvtest::to_bools(keep);
     for (int64_t s = 0; s < S(); ++s) {
+      const auto kept_at = [&](size_t j) { return flags[slots[s][j]]; };
       std::vector<Token> kept;
       for (size_t j = 0; j < segs_[s].size(); ++j) {
-        if (flags[slots[s][j]]) kept.push_back(segs_[s][j]);
+        if (kept_at(j)) kept.push_back(segs_[s][j]);
+      }
+      if (!stable) {
+        const size_t m = kept.size();
+        kept.assign(segs_[s].begin(), segs_[s].begin() + static_cast<std::ptrdiff_t>(m));
+        size_t hole = 0;
+        for (size_t j = m; j < segs_[s].size(); ++j) {
+          if (!kept_at(j)) continue;
+          while (kept_at(hole)) ++hole;
+          kept[hole++] = segs_[s][j];
+        }
       }
       segs_[s] = std::move(kept);
     }
@@ -729,6 +742,34 @@ STORE_SCENARIO(CompactLongSegments) {
     KVTEST_STEP(::testing::Message() << "after compact round " << round, h.verify());
     // Regrow into the freed pages, so that the next round compacts fragmented segments.
     const int64_t m = kvtest::uniform_int(rng, 1, 60);
+    KVTEST_STEP("regrow", h.append(rand_tokens(c, m, rng), rand_tokens(c, m, rng),
+                                   make_pos(c, m, n + 100 * round, 0),
+                                   kvtest::random_mask({c.B, c.H, m}, 0.8, rng)));
+    KVTEST_STEP("after regrow", h.verify());
+  }
+}
+
+// Unordered compaction (store_compact with stable false, per-step eviction's): random flags,
+// nothing evicted, almost everything evicted, and one token evicted per segment (a decode
+// step's eviction: one token moves, the segment's last kept one, into the evicted place).
+STORE_SCENARIO(CompactUnordered) {
+  StoreHarness h(c, cuda);
+  std::mt19937 rng(c.seed + 20);
+  const int64_t n = 300;
+  KVTEST_STEP("fill", h.append(rand_tokens(c, n, rng), rand_tokens(c, n, rng), make_pos(c, n, 0, 0),
+                               kvtest::random_mask({c.B, c.H, n}, 0.9, rng)));
+  if (c.C > 0) KVTEST_STEP("scores", h.set_scores(h.random_scores(rng)));
+  const std::vector<double> p_keep = {0.5, 1.0, 0.05, -1.0, 0.9};  // -1: one evicted per segment
+  for (size_t round = 0; round < p_keep.size(); ++round) {
+    const std::vector<int64_t> lens = h.lens();
+    std::vector<int64_t> evicted(lens.size());
+    for (size_t s = 0; s < lens.size(); ++s) evicted[s] = lens[s] ? kvtest::uniform_int(rng, 0, lens[s] - 1) : -1;
+    const at::Tensor keep = h.keep_mask(rng, [&](int64_t s, int64_t j) {
+      return p_keep[round] < 0 ? j != evicted[s] : std::bernoulli_distribution(p_keep[round])(rng);
+    });
+    KVTEST_STEP(::testing::Message() << "unordered compact round " << round, h.compact(keep, false));
+    KVTEST_STEP(::testing::Message() << "after unordered compact round " << round, h.verify());
+    const int64_t m = kvtest::uniform_int(rng, 1, 40);
     KVTEST_STEP("regrow", h.append(rand_tokens(c, m, rng), rand_tokens(c, m, rng),
                                    make_pos(c, m, n + 100 * round, 0),
                                    kvtest::random_mask({c.B, c.H, m}, 0.8, rng)));
@@ -1458,7 +1499,7 @@ TEST(StoreGraphStep, AppendsInHeldPagesCuda) {
 
 // H2O's decode step with eviction as a CUDA graph replays it: the ops alone (store_append into
 // held pages, attention_run with the plan of those pages and the mass, store_add_scores,
-// store_topk by the slot rule, store_compact) and the host halves after (note_appended,
+// store_topk by the slot rule, store_compact unordered) and the host halves after (note_appended,
 // note_kept_in_pages), against append_attend_evict's one call on a twin: the same kept tokens
 // and lengths at every step, every page still held.
 void evict_in_held_pages(const at::Device& d) {
@@ -1491,7 +1532,7 @@ void evict_in_held_pages(const at::Device& d) {
                                                              1, P, D, 1, at::kFloat, std::string("mass"), sinks,
                                                              recent, last_pos);
     kvcache_ext::ops::store_compact(held.pool(), held.page_table_device(), held.len_device(), keep, P, D, 1,
-                                    at::kFloat);
+                                    at::kFloat, /*stable=*/false);
     held.note_appended(1);
     held.note_kept_in_pages(budget_host.view({-1}));
     const at::Tensor want = kvcache_ext::ops::append_attend_evict(twin, q, t, t, pos, 0.5, "mass", sinks, recent,

@@ -28,16 +28,34 @@ class RaggedLayerKV:
         self._hold(RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device, score_channels=channels,
                                  page_size=page_size))
 
-    def _hold(self, store: RaggedKVStore) -> None:
+    def _hold(self, store: RaggedKVStore, in_position_order: bool = True) -> None:
         self.store = store
         # The compiled decode step's per-head budgets, made from the row budgets they came from.
         self._budget_source, self._per_head_budget = None, None
+        # Whether each segment's tokens lie in the store in position order: false once an
+        # eviction compacted without keeping the order (``compact(stable=False)``: per-step
+        # eviction by a slot rule, whose scores do not depend on it). The padded views the
+        # policies read are in position order either way (``padded_index``).
+        self._in_position_order = in_position_order
 
     def fork(self) -> "RaggedLayerKV":
         """The same tokens on the same pages, later tokens in pages of its own (``RaggedKVStore.fork``)."""
         other = object.__new__(type(self))
-        other._hold(self.store.fork())
+        other._hold(self.store.fork(), self._in_position_order)
         return other
+
+    def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [B, H, L], mask [B, H, L])``: the slot of each head's token l in position
+        order (``RaggedKVStore.slot_index`` sorted by position when the store's order is not)."""
+        index, mask = self.store.slot_index()
+        if not self._in_position_order and index.shape[-1]:
+            pos = self.store.pos[index].masked_fill(~mask, torch.iinfo(torch.int32).max)
+            index = index.gather(-1, pos.argsort(dim=-1, stable=True))   # the live tokens stay first
+        return index, mask
+
+    def _to_slots(self, padded: torch.Tensor, fill=0) -> torch.Tensor:
+        """A [B, H, L, ...] tensor in the order of ``padded_index`` as [capacity, ...]."""
+        return self.store.from_padded(padded, fill, index=None if self._in_position_order else self.padded_index())
 
     # --- storage -------------------------------------------------------------------------
     def append(self, k, v, pos, keep) -> None:
@@ -62,7 +80,7 @@ class RaggedLayerKV:
 
     def set_channels(self, padded: torch.Tensor) -> None:
         """Channels of the cached tokens from a padded [B, H, L, C] tensor (as ``view`` gives)."""
-        self.store.set_scores(self.store.from_padded(padded.float()))
+        self.store.set_scores(self._to_slots(padded.float()))
 
     def append_and_attend(self, k, v, pos, q, scale):
         """``append(k, v, pos, None)`` then ``attend(q, scale, None, ())``'s output: in one host
@@ -99,6 +117,7 @@ class RaggedLayerKV:
             per_head = self._per_head(*budget)[0].view(-1)
             store.evict_in_pages(per_head, rule=rule, sinks=protection.sinks, recent=protection.recent,
                                  last_pos=last_pos if protection.recent else None)
+            self._in_position_order = False
         return out
 
     def note_kept_in_pages(self, budget) -> None:
@@ -110,6 +129,8 @@ class RaggedLayerKV:
         ``torch.compile``, which traces the general path's ops."""
         if torch.compiler.is_compiling():
             return None
+        if budget is not None:   # its compaction, if any, is unordered
+            self._in_position_order = False
         return self.store.append_attend_evict(q, k.contiguous(), v.contiguous(), pos, scale, rule=rule,
                                               sinks=protection.sinks, recent=protection.recent,
                                               last_pos=last_pos,
@@ -134,7 +155,7 @@ class RaggedLayerKV:
 
     # --- views and selection -------------------------------------------------------------
     def view(self, stats: dict | None, need_kv: bool) -> dict:
-        index, mask = self.store.slot_index()
+        index, mask = self.padded_index()
         parts = dict(pos=self.store.pos[index].long().masked_fill(~mask, 0), mask=mask,
                      channels=self.store.scores[index].masked_fill(~mask[..., None], 0))
         padded = {}
@@ -147,7 +168,12 @@ class RaggedLayerKV:
 
     def evict(self, scores: torch.Tensor, k: torch.Tensor) -> None:
         """scores [B, H, L] of the cached tokens (padded view), k [B, H]: keep k per head."""
-        self.store.compact(self.store.select(k.to(self.store.device), scores))
+        self.store.compact(self.store.select(k.to(self.store.device), self._scores_for_select(scores)))
+
+    def _scores_for_select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Padded view scores as the store's select takes them: padded by token order (the
+        view's, while the store is in position order), else in slot layout."""
+        return scores if self._in_position_order else self._to_slots(scores.float())
 
     def evict_in_slots(self, scorer, protection, stats: dict, last_pos, k, k_host) -> bool:
         """Keeps the k [B] (on the device; ``k_host`` its host copy) best tokens of each head of
@@ -160,11 +186,13 @@ class RaggedLayerKV:
             scores = scores.masked_fill(protection.mask(pos, last_pos[store.slot_rows()]), float("inf"))
         per_head = k[:, None].expand(store.batch, store.heads)
         kept = torch.minimum(store.lens, k_host.long()[:, None])
-        store.compact(store.select(per_head, scores), lens=kept)
+        # Unordered: one token moves per evicted one (a slot score does not depend on the order).
+        store.compact(store.select(per_head, scores), lens=kept, stable=False)
+        self._in_position_order = False
         return True
 
     def grouped_counts(self, scores, mask, k):
-        _, counts = self.store.select(k.to(self.store.device), scores, grouped=True)
+        _, counts = self.store.select(k.to(self.store.device), self._scores_for_select(scores), grouped=True)
         return counts.long()
 
     @staticmethod

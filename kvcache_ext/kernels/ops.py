@@ -18,7 +18,8 @@ op                    what it does
 ``store_append``      writes k, v [B, H, n, D] (and pos) after each segment's tokens; len += n
 ``store_check``       per segment, whether len and page_table are consistent with the pool (no sync)
 ``store_replace``     overwrites token slot[b, h] of each segment with one new token
-``store_compact``     stable in-place removal of the slots whose keep flag is False; new len
+``store_compact``     in-place removal of the slots whose keep flag is False (stable, or one move
+                      per evicted token); new len
 ``store_add_scores``  adds [capacity] values to one score channel of every slot, in the pages
 ``store_topk``        keep mask and counts of the k best tokens per segment or group, through the
                       pages (scores given, channel 0, or a slot rule with protected tokens)
@@ -94,7 +95,7 @@ def _store_replace_fake(pool, page_table, len, slot, k, v, pos, page_size, head_
 
 
 @torch.library.register_fake("kvcache_ext::store_compact")
-def _store_compact_fake(pool, page_table, len, keep, page_size, head_dim, score_channels, dtype):
+def _store_compact_fake(pool, page_table, len, keep, page_size, head_dim, score_channels, dtype, stable=True):
     _refuse_meta_mix(page_table=page_table, pool=pool, len=len, keep=keep)
     return None
 

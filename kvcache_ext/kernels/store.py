@@ -197,7 +197,7 @@ class RaggedKVStore:
         than its k[b, h] tokens every segment keeps its k[b, h] best, the protected ones first
         (position < ``sinks``, or position > last_pos[b] - ``recent``; ``last_pos`` [B] on the
         device, each row's newest position), as ``select(k, scores)`` +
-        ``compact(keep, lens=min(len, k))`` would. No host sync.
+        ``compact(keep, lens=min(len, k), stable=False)`` would. No host sync.
         Returns out [B, Hq, n, D]. Nothing changes when an argument is refused."""
         k_device, k_host = (None, None) if budget is None else budget
         out = _C.append_attend_evict(self._allocator, checks.tensor(q, "q"), checks.tensor(k, "k"),
@@ -221,14 +221,15 @@ class RaggedKVStore:
     def evict_in_pages(self, k: torch.Tensor, *, rule: str, sinks: int = 0, recent: int = 0,
                        last_pos: torch.Tensor | None = None) -> None:
         """Keeps the k[s] best tokens of every segment by ``rule`` (``select(k, rule=...)``)
-        and compacts them, through the store_topk and store_compact ops alone: no host step, so
-        a CUDA graph can capture it. Every page stays held; the caller notes the new host
-        lengths after each run (``note_kept_in_pages``). k: [S] integers on the store's device."""
+        and compacts them unordered (``compact(stable=False)``), through the store_topk and
+        store_compact ops alone: no host step, so a CUDA graph can capture it. Every page stays
+        held; the caller notes the new host lengths after each run (``note_kept_in_pages``).
+        k: [S] integers on the store's device."""
         self._allocator.check_writable("evict_in_pages")
         state = self._current()
         keep, _ = ops.store_topk(*state, None, k, 1, self._page_size, self._head_dim, self._channels,
                                  self._dtype, rule, sinks, recent, last_pos)
-        ops.store_compact(*state, keep, self._page_size, self._head_dim, self._channels, self._dtype)
+        ops.store_compact(*state, keep, self._page_size, self._head_dim, self._channels, self._dtype, False)
 
     def note_kept_in_pages(self, k_host: torch.Tensor) -> None:
         """The host lengths after ``evict_in_pages`` of k_host ([S] integers on the host): min(len, k)."""
@@ -275,8 +276,12 @@ class RaggedKVStore:
                           self._page_size, self._head_dim, self._channels, self._dtype,
                           checks.boolean(check_bounds, "check_bounds"))
 
-    def compact(self, keep: torch.Tensor, lens: torch.Tensor | None = None) -> None:
-        """Keeps, in order, the live slots whose flag in ``keep`` ([capacity] bool) is set.
+    def compact(self, keep: torch.Tensor, lens: torch.Tensor | None = None, *, stable: bool = True) -> None:
+        """Keeps the live slots whose flag in ``keep`` ([capacity] bool) is set: in their order
+        (``stable``), or, with ``stable=False``, the kept tokens among a segment's first
+        new-length ones where they lie and the kept ones past them in the evicted places, in
+        token order (one token moves per place filled, not every token after the first
+        evicted one: per-step eviction's compaction; the tokens' positions say their order).
         On CUDA this reads the new lengths back: the one host sync of an eviction. ``lens``
         ([B, H] integers on the host), when the caller knows them (``select``'s k per segment
         keeps ``min(len, k)``), are taken instead: no sync. A CPU store checks them against
@@ -295,7 +300,7 @@ class RaggedKVStore:
                 raise ValueError(f"lens must be between 0 and each segment's length "
                                  f"{self.lens.tolist()}, got {lens.tolist()}")
         ops.store_compact(*self._current(), keep, self._page_size, self._head_dim, self._channels,
-                          self._dtype)
+                          self._dtype, checks.boolean(stable, "stable"))
         self._allocator.finish_compact(None if lens is None else lens.reshape(-1))
 
     @_host
@@ -410,15 +415,17 @@ class RaggedKVStore:
         shape = (self.batch, self.heads, max_len)
         return index.view(shape), mask.view(shape)
 
-    def to_padded(self, slots: torch.Tensor, fill=0) -> torch.Tensor:
-        """A [capacity, ...] slot-layout tensor as [B, H, L, ...] (``fill`` beyond each len)."""
-        index, mask = self.slot_index()
+    def to_padded(self, slots: torch.Tensor, fill=0, *, index=None) -> torch.Tensor:
+        """A [capacity, ...] slot-layout tensor as [B, H, L, ...] (``fill`` beyond each len).
+        ``index``: the ``(index, mask)`` to lay the tokens out by (default ``slot_index()``)."""
+        index, mask = self.slot_index() if index is None else index
         out = slots[index]
         return out.masked_fill(~mask.view(mask.shape + (1,) * (out.dim() - 3)), fill)
 
-    def from_padded(self, padded: torch.Tensor, fill=0) -> torch.Tensor:
-        """A [B, H, L, ...] tensor (L = max len) in slot layout [capacity, ...]."""
-        index, mask = self.slot_index()
+    def from_padded(self, padded: torch.Tensor, fill=0, *, index=None) -> torch.Tensor:
+        """A [B, H, L, ...] tensor (L = max len) in slot layout [capacity, ...]. ``index``: the
+        ``(index, mask)`` it is laid out by (default ``slot_index()``)."""
+        index, mask = self.slot_index() if index is None else index
         rest = tuple(padded.shape[3:])
         out = padded.new_full((self.capacity + 1,) + rest, fill)
         # Entries past a segment's length go to a spare row past the end (no host sync).

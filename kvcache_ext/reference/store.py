@@ -70,3 +70,19 @@ class ReferenceStore:
             sel = keep_padded[b, h, : r[0].shape[0]]
             rows[b, h] = tuple(t[sel] for t in r)
         self._rebuild(rows)
+
+    def compact_unordered(self, keep_padded: torch.Tensor) -> None:
+        """``compact`` as ``RaggedKVStore.compact(stable=False)`` does it: a segment keeping
+        ``kept`` tokens keeps those among its first ``kept`` in place, and the r-th kept token
+        past them fills the r-th evicted place among them."""
+        rows = self._rows()
+        for (b, h), r in rows.items():
+            sel = keep_padded[b, h, : r[0].shape[0]].tolist()
+            kept = sum(sel)
+            order = list(range(kept))
+            holes = [i for i in range(kept) if not sel[i]]
+            movers = [i for i in range(kept, len(sel)) if sel[i]]
+            for hole, mover in zip(holes, movers, strict=True):
+                order[hole] = mover
+            rows[b, h] = tuple(t[order] for t in r)
+        self._rebuild(rows)
