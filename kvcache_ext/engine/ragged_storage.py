@@ -210,14 +210,16 @@ class RaggedLayerKV:
         return counts.view(scores.shape[:2]).long()
 
     def drop_before(self, first: torch.Tensor) -> None:
-        """first [B]: keeps the tokens at positions >= first[b] of every head of row b. A
-        compaction: the rest move to the front of their pages and emptied pages are freed
+        """first [B]: keeps the tokens at positions >= first[b] of every head of row b. An
+        unordered compaction (a decode step drops a head's oldest token, at the front: the
+        newest takes its place instead of every token moving up); emptied pages are freed
         (reused by the next appends), so a sliding-window layer holds its window in whole pages."""
         store = self.store
         if store.shares_pages:   # a fork of a shared prefix: the window leaves the prefix, whose
             store.repack(1)      # pages are read-only; its window moves to pages of its own once
         keep = store.pos >= first.to(store.device)[store.slot_rows()]
-        store.compact(keep)
+        store.compact(keep, stable=False)
+        self._in_position_order = False
 
     def trim(self, extra: int) -> None:
         """Holds pages for ``extra`` more tokens per segment and no more: a repack (every
