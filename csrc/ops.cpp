@@ -471,8 +471,7 @@ void store_add_scores(at::TensorList pool, const at::Tensor& page_table, const a
   TORCH_CHECK_VALUE(values.dim() == 1 && values.size(0) == st.capacity, "values must be a [capacity] = [",
                     st.capacity, "] float32 tensor in the store's slot layout, got shape ", values.sizes());
   check_contiguous(values, "values");
-  store::add_to_scores(pool, store::page_record(page_size, head_dim, c10::elementSize(dtype), score_channels),
-                       page_size, channel, values);
+  store::add_to_scores(pool, st.view.record, page_size, channel, values);
 }
 
 at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
@@ -563,17 +562,14 @@ std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Ten
   at::Tensor newest;  // what slot_rule.newest points into
   select::SlotRule slot_rule;
   const bool by_rule = rule.has_value();
+  const bool scores_given = scores.has_value() && scores->defined();
+  TORCH_CHECK_VALUE(by_rule || (sinks == 0 && recent == 0 && !(last_pos.has_value() && last_pos->defined())),
+                    "sinks, recent and last_pos protect tokens under a rule: pass rule");
   if (by_rule) {
-    TORCH_CHECK_VALUE(!(scores.has_value() && scores->defined()), "store_topk takes scores or a rule "
-                      "(which scores each token from its record), not both");
+    TORCH_CHECK_VALUE(!scores_given, "store_topk takes scores or a rule (which scores each token from its "
+                      "record), not both");
     slot_rule = slot_rule_of(*rule, sinks, recent, last_pos, -1, S, score_channels, device, newest);
-  } else {
-    TORCH_CHECK_VALUE(sinks == 0 && recent == 0 && !(last_pos.has_value() && last_pos->defined()),
-                      "sinks, recent and last_pos protect tokens under a rule: pass rule");
-  }
-  if (by_rule) {
-    // scored by the rule
-  } else if (scores.has_value() && scores->defined()) {
+  } else if (scores_given) {
     given = *scores;
     check_dtype(given, at::kFloat, "scores");
     check_device(given, device, "scores");
