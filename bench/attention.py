@@ -49,7 +49,8 @@ STATS_TARGET = 1.15
 # SDPA-packed time / ours that the kernels aim for (issue 18): decode at least as fast as SDPA
 # on the packed dense cache with uniform lengths, 3x with skewed ones; a causal block within
 # 1.3x of SDPA with uniform lengths.
-TC_SWITCH = "KVCACHE_EXT_TC_PREFILL"
+TC_SWITCH = "KVCACHE_EXT_TC_PREFILL"          # the tensor-core prefill: on unless 0
+TC_DECODE_SWITCH = "KVCACHE_EXT_TC_DECODE"    # the tensor-core decode: off unless 1
 SPEED_TARGETS = {("decode", "uniform"): 1.0, ("decode", "skewed"): 3.0, ("prefill", "uniform"): 1 / 1.3}
 
 
@@ -226,24 +227,26 @@ def fmt_pct(value):
 
 
 # --- one case ---------------------------------------------------------------------------------
-def switched(fn, on: bool):
-    """fn run with the tensor-core prefill switch (KVCACHE_EXT_TC_PREFILL, read on every call)
-    at 1 (on, the default) or 0 (the scalar kernel), whatever the environment says."""
+def switched(fn, on: bool, switch: str = TC_SWITCH):
+    """fn run with a tensor-core switch (KVCACHE_EXT_TC_PREFILL or KVCACHE_EXT_TC_DECODE, read
+    on every call) at 1 (the tensor-core kernel) or 0 (the scalar one), whatever the environment
+    says."""
     def call():
-        os.environ[TC_SWITCH] = "1" if on else "0"
+        os.environ[switch] = "1" if on else "0"
         return fn()
     return call
 
 
 def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: int, device: str,
              enable_gqa: bool, repeats: int, n_block: int = 64, heads: int = HKV,
-             tensor_cores: bool = False) -> dict:
+             tensor_cores: bool = False, switch: str = TC_SWITCH) -> dict:
     """kind: 'decode' (n = 1, no q_pos) or 'prefill' (n = n_block new tokens appended to a
     store of mean_len per segment, attended causally by position); `heads` KV heads.
-    tensor_cores: time the tensor-core prefill (the switch at 1, with and without statistics:
-    the tc_* fields) against the same calls with it at 0 (the scalar kernel: `seconds`,
-    `stats_seconds`), in the same interleaved turns; each call sets the switch, which stays as
-    the last one left it."""
+    tensor_cores: time the tensor-core kernel of `switch` (the prefill's or the decode's; at 1,
+    with and without statistics: the tc_* fields) against the same calls with it at 0 (the
+    scalar kernel: `seconds`, `stats_seconds`), in the same interleaved turns; each call sets
+    the switch, which stays as the last one left it. (The decode kernel takes no statistics:
+    with them both calls run the scalar kernel.)"""
     if lengths == "uniform":
         lens, sigma = uniform_lengths(batch, heads, mean_len), None
     else:
@@ -292,8 +295,8 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
     # otherwise: the environment decides, unset meaning the tensor-core prefill where it applies).
     ours, ours_stats, tc = attend, attend_stats, {}
     if tensor_cores:
-        ours, ours_stats = switched(attend, False), switched(attend_stats, False)
-        tc = {"tc": switched(attend, True), "tc_stats": switched(attend_stats, True)}
+        ours, ours_stats = switched(attend, False, switch), switched(attend_stats, False, switch)
+        tc = {"tc": switched(attend, True, switch), "tc_stats": switched(attend_stats, True, switch)}
     out, _ = ours()
     ref = or_none(base.packed, device)
     diff = max_diff(out, ref) if ref is not None else None
@@ -334,6 +337,7 @@ def run_case(kind: str, lengths: str, dtype: torch.dtype, batch: int, mean_len: 
                   "shrunk_stats_overhead": t_s_stats / t_s}
     row = {
         "case": kind, "lengths": lengths, "dtype": str(dtype).replace("torch.", ""),
+        "switch": switch if tensor_cores else None,
         "batch": batch, "kv_heads": heads, "groups": G, "head_dim": D, "n": n,
         "causal_q_pos": q_pos is not None,
         "tokens": tokens, "mean_len": tokens / (batch * heads), "max_len": int(store.lens.max()),

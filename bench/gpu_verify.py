@@ -14,10 +14,12 @@ attention against SDPA, which bench/attention.py measures; its attention runs th
 so on CUDA its prefill row is the tensor-core prefill's). Writes the rows to JSON (default
 bench/results/gpu-verify-<device>-<date>.json, with the device, date and commit).
 
-``tc``: the tensor-core prefill (issue 43; csrc/attention/prefill_cuda.cu, the default on CUDA)
-against the same calls with the switch off (KVCACHE_EXT_TC_PREFILL=0: the scalar kernel) and
-SDPA, in one interleaved run: causal blocks of 64 and 256 queries on a uniform store, with and
-without statistics. Its own process and JSON (default
+``tc``: the tensor-core kernels of issue 43 against the same calls with their switches off (the
+scalar kernel) and SDPA, in interleaved runs: the prefill (csrc/attention/prefill_cuda.cu, the
+default on CUDA; KVCACHE_EXT_TC_PREFILL=0 off) on causal blocks of 64 and 256 queries on a
+uniform store, with and without statistics; the decode (csrc/attention/decode_tc_cuda.cu,
+opt-in: KVCACHE_EXT_TC_DECODE=1) on the table's three decode cases, each as a fraction of the
+copy bandwidth measured in the same process. Its own process and JSON (default
 bench/results/gpu-verify-tc-<device>-<date>.json), so that a fault there cannot take the kernel
 table down with it.
 
@@ -26,7 +28,7 @@ long segments: the multi-tile path; more segments than SMs, short: one tile each
 unordered one, top-k
 (segmented and grouped) and attention with statistics, the last also on a block of 32 rows per
 KV head both by default (the tensor-core prefill) and with KVCACHE_EXT_TC_PREFILL=0 (the scalar
-kernel). Run under compute-sanitizer by gpu_verify.sh; exits non-zero if a result differs from
+kernel), and a decode call on the tensor-core decode (KVCACHE_EXT_TC_DECODE=1). Run under compute-sanitizer by gpu_verify.sh; exits non-zero if a result differs from
 the CPU store's.
 
 ``report``: the one table gpu_verify.sh prints last: metric | ours (wall, kernel) | baseline |
@@ -57,8 +59,13 @@ PER_STEP = {"h2o-step": "snapkv", "h2o-step-graph": "snapkv-graph"}
 # Issue 43's goals for a causal block (SDPA on the packed cache / ours; stats on / stats off).
 HOST_SHARE_GOAL = 0.10     # host time a patched model adds to a decode step, over the step
 TC_SWITCH = "KVCACHE_EXT_TC_PREFILL"
+TC_DECODE_SWITCH = "KVCACHE_EXT_TC_DECODE"
 TC_PREFILL_GOAL = 0.77
 TC_STATS_GOAL = 1.5
+# Issue 43's decode goals, for either kernel: uniform lengths and batch 1 with one KV head as
+# fractions of the copy bandwidth, Ada-KV-skewed lengths as SDPA (padded cache) time / ours.
+DECODE_COPY_GOAL = {"uniform": 0.80, "batch 1": 0.70}
+DECODE_SKEWED_GOAL = 14.0
 
 
 # --- correctness at benchmark scale ---------------------------------------------------------
@@ -190,25 +197,55 @@ def table(args) -> dict:
     return doc
 
 
+def decode_case_name(r: dict) -> str:
+    """'uniform', 'skewed' or 'batch 1': the decode cases of issue 43's table."""
+    return "batch 1" if r["batch"] == 1 and r["kv_heads"] == 1 else r["lengths"]
+
+
 def tc_table(args) -> dict:
+    """The tensor-core kernels against the scalar ones (their switches at 1 and 0) and SDPA: the
+    prefill on causal blocks of 64 and 256 queries, the decode on issue 43's three decode cases
+    (the bench stage's: uniform and skewed lengths, batch 1 with one KV head)."""
     import attention as att
+    from common import copy_bandwidth
     device = args.device
     gpu = device.startswith("cuda")
     dtype = torch.bfloat16 if gpu else torch.float32
-    mean_len = max(64, int((16384 if gpu else 2048) * (1 / 64 if args.quick else 1)))
-    rows = [att.run_case("prefill", "uniform", dtype, 1, mean_len, device, att.has_enable_gqa(device),
-                         repeats=3 if args.quick else 10, n_block=n, heads=att.HKV, tensor_cores=True)
+    scale = 1 / 64 if args.quick else 1
+    mean_len = max(64, int((16384 if gpu else 2048) * scale))
+    decode = max(64, int((65536 if gpu else 8192) * scale))
+    repeats = 3 if args.quick else 10
+    gqa = att.has_enable_gqa(device)
+    rows = [att.run_case("prefill", "uniform", dtype, 1, mean_len, device, gqa, repeats=repeats, n_block=n,
+                         heads=att.HKV, tensor_cores=True)
             for n in (64, 256)]
+    rows += [att.run_case("decode", lengths, dtype, batch, length, device, gqa, repeats=repeats, heads=heads,
+                          tensor_cores=True, switch=att.TC_DECODE_SWITCH)
+             for lengths, batch, length, heads in [("uniform", 4, decode, att.HKV), ("skewed", 4, decode, att.HKV),
+                                                   ("uniform", 1, 4 * att.HKV * decode, 1)]]
+    os.environ.pop(att.TC_DECODE_SWITCH, None)
+    copy_gbps = copy_bandwidth(device, int((1 << 30) * scale))
+    for r in rows:
+        live_gb = r["live_MiB"] * 2**20 / 1e9
+        r["fraction_of_copy"] = live_gb / r["seconds"] / copy_gbps
+        r["tc_fraction_of_copy"] = live_gb / r["tc_seconds"] / copy_gbps
     tol = 3e-2 if gpu else 1e-3
-    # Mass: a sum over G * n probabilities, compared relative to the largest.
-    checks = [{"check": f"tensor-core prefill n={r['n']} = SDPA (diff {_g(r['tc_max_abs_diff_vs_sdpa'])} <= {tol}),"
-                        f" mass = switch off's (diff {_g(r['tc_stats_mass_max_abs_diff_vs_switch_off'])})",
-               "ok": r["tc_max_abs_diff_vs_sdpa"] is not None and r["tc_max_abs_diff_vs_sdpa"] <= tol
-               and r["tc_stats_mass_max_abs_diff_vs_switch_off"] <= 1e-3 * max(1.0, r["tc_stats_mass_max"])}
-              for r in rows]
+    checks = []
+    for r in rows:
+        kernel = "prefill" if r["case"] == "prefill" else "decode"
+        sdpa, off = r["tc_max_abs_diff_vs_sdpa"], r["tc_max_abs_diff_vs_switch_off"]
+        # Mass: a sum over G * n probabilities, compared relative to the largest. Without SDPA
+        # (its padded cache may not fit) the scalar kernel is the baseline.
+        checks.append({"check": f"tensor-core {kernel} {r['lengths']} B={r['batch']} Hkv={r['kv_heads']} n={r['n']} "
+                                f"= SDPA (diff {_g(sdpa)} <= {tol}) and the switch off (diff {_g(off)}), "
+                                f"mass = switch off's (diff {_g(r['tc_stats_mass_max_abs_diff_vs_switch_off'])})",
+                       "ok": (sdpa is not None or kernel == "decode") and (sdpa is None or sdpa <= tol)
+                       and off <= tol
+                       and r["tc_stats_mass_max_abs_diff_vs_switch_off"] <= 1e-3 * max(1.0, r["tc_stats_mass_max"])})
     doc = {"benchmark": "gpu-verify-tc", "device": device_name(device), "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "torch": torch.__version__, "build": build_description(),
-           "switch": att.TC_SWITCH, "attention": rows, "checks": checks}
+           "switch": att.TC_SWITCH, "decode_switch": att.TC_DECODE_SWITCH, "copy_GBps": copy_gbps,
+           "attention": rows, "checks": checks}
     if not args.quick or args.out:
         out = args.out or os.path.join(RESULTS, f"gpu-verify-tc-{device_name(device).replace(' ', '-')}"
                                                 f"-{doc['date']}.json")
@@ -285,10 +322,13 @@ def report_rows(doc: dict | None, e2e: dict | None, stages: dict | None, tc: dic
 
 
 def tc_rows(tc: dict) -> list[tuple]:
-    """The tensor-core prefill against SDPA and against the switch off (KVCACHE_EXT_TC_PREFILL=0:
-    the scalar kernel), same run, same card."""
+    """The tensor-core prefill and decode against SDPA and against their switches off (the scalar
+    kernel), same run, same card."""
     out = []
     for r in tc["attention"]:
+        if r["case"] == "decode":
+            out.extend(tc_decode_rows(r, tc.get("copy_GBps")))
+            continue
         name = f"tensor-core prefill B={r['batch']} Hkv={r['kv_heads']} n={r['n']}"
         ratio = r["sdpa_packed_over_tc"]
         out.append((name + " vs SDPA", _ms(r["tc_seconds"]), _ms(r["sdpa_packed_seconds"]),
@@ -364,6 +404,28 @@ def print_report(doc=None, e2e=None, stages=None, tc=None) -> None:
     print(f"goals missed: {len(missed)} of {sum(r[5] is not None for r in rows)}")
 
 
+def tc_decode_rows(r: dict, copy_gbps: float | None) -> list[tuple]:
+    """One decode case: the tensor-core decode against the switch off, and both against issue
+    43's goal for the case (of copy, or SDPA on the padded cache for skewed lengths)."""
+    case = decode_case_name(r)
+    name = f"decode {case} B={r['batch']} Hkv={r['kv_heads']}"
+    rows = [(f"tensor-core {name} vs switch off", _ms(r["tc_seconds"]), _ms(r["seconds"]),
+             f"{r['tc_speedup']:.2f}x", "—", None)]
+    for kernel, seconds, fraction, over in (("tensor-core", r["tc_seconds"], r.get("tc_fraction_of_copy"),
+                                             r.get("sdpa_packed_over_tc")),
+                                            ("scalar", r["seconds"], r.get("fraction_of_copy"),
+                                             r.get("sdpa_packed_over_ours"))):
+        if case in DECODE_COPY_GOAL and fraction is not None:
+            goal = DECODE_COPY_GOAL[case]
+            rows.append((f"{kernel} {name} of copy", _ms(seconds), "—" if copy_gbps is None else f"{copy_gbps:.0f} GB/s",
+                         f"{fraction:.0%}", f">= {goal:.0%}", fraction >= goal))
+        elif case == "skewed":
+            rows.append((f"{kernel} {name} vs SDPA (padded)", _ms(seconds), _ms(r["sdpa_packed_seconds"]),
+                         "—" if over is None else f"{over:.2f}x", f">= {DECODE_SKEWED_GOAL}x",
+                         None if over is None else over >= DECODE_SKEWED_GOAL))
+    return rows
+
+
 # --- the sanitizers' driver -----------------------------------------------------------------
 def sanitize_driver(args) -> int:
     """Every store op on small stores, and the compiled decode step, on the device and on the CPU;
@@ -402,8 +464,14 @@ def sanitize_driver(args) -> int:
                     tc_plain, _ = kvcache_ext.ragged_attention(q_tc, store)
                     outs += [tc_out.flatten(), tc_plain.flatten()]
                     masses.append(tc_stats.mass)
+                # A decode call (4 rows per KV head) on the tensor-core decode (the CPU reads
+                # no switch): its copies, fragments and the merge of its warps.
+                os.environ[TC_DECODE_SWITCH] = "1"
+                q_dec = torch.randn(batch, heads * 4, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
+                outs.append(kvcache_ext.ragged_attention(q_dec, store, q_pos=torch.full((batch, 1), length + 4).to(dev))[0].flatten())
             finally:
                 os.environ.pop(TC_SWITCH, None)
+                os.environ.pop(TC_DECODE_SWITCH, None)
                 if saved is not None:
                     os.environ[TC_SWITCH] = saved
             out, mass = torch.cat(outs), torch.cat(masses)

@@ -16,14 +16,17 @@
 #   bench     bench/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
 #             and prefill attention, each against its torch baseline (wall and kernel time), and
 #             the checks against the reference at benchmark scale
-#   tc        the tensor-core prefill (issue 43; the default on CUDA, KVCACHE_EXT_TC_PREFILL=0
-#             the scalar kernel): tests/test_prefill_tc.py (both paths; it sets the switch per
-#             test), then bench/gpu_verify.py tc (blocks of 64 and 256 causal queries, against
-#             the switch at 0 and SDPA, with and without statistics), in processes of their own
-#             so that a fault there leaves the other stages' results whole
+#   tc        the tensor-core kernels (issue 43): the prefill (the default on CUDA,
+#             KVCACHE_EXT_TC_PREFILL=0 the scalar kernel) and the decode (opt-in,
+#             KVCACHE_EXT_TC_DECODE=1): tests/test_prefill_tc.py and tests/test_decode_tc.py
+#             (both paths; they set the switches per test), then bench/gpu_verify.py tc (blocks
+#             of 64 and 256 causal queries, and the three decode cases, against the switch at 0
+#             and SDPA), in processes of their own so that a fault there leaves the other
+#             stages' results whole
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/gpu_verify.py
 #             sanitize-driver (small stores through every op, both compaction paths, a prefill
-#             block by default and with KVCACHE_EXT_TC_PREFILL=0)
+#             block by default and with KVCACHE_EXT_TC_PREFILL=0, a decode call with
+#             KVCACHE_EXT_TC_DECODE=1)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 1 and 4, one-shot
 #             SnapKV at 1024 tokens per head and H2O evicting every step (each eager, and with
 #             its decode steps in a CUDA graph: snapkv-graph, h2o-step-graph) and the full
@@ -80,9 +83,10 @@ logs="$results/gpu-verify"
 # (sm_90, no gtest binary) took 109 s, bench about 40, tc 38, sanitize 41 (three tools over the
 # small driver, most of it torch's start-up under the sanitizer), e2e 40 (an 8B model's random
 # weights, three methods at 8K x 4, 36 decode steps; the default now adds snapkv-graph,
-# h2o-step-graph and batch 1), pytest's CUDA files 133 s (2026-11-26); memcheck over 346 gtest cases ran past 4 min
+# h2o-step-graph and batch 1; tc now adds tests/test_decode_tc.py and three decode cases of
+# 1 GiB), pytest's CUDA files 133 s (2026-11-26); memcheck over 346 gtest cases ran past 4 min
 # (2026-11-26). Rounded up, for a GPU or a machine slower than that one.
-declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=60 [sanitize]=80 [e2e]=120
+declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=100 [sanitize]=80 [e2e]=120
                      [test]=180 [gtest]=240 [probe]=60 [ncu]=200)
 
 die() { echo "gpu_verify.sh: error: $*" >&2; exit 2; }
@@ -250,7 +254,7 @@ stage_tc() {
   if [ "$device" = cuda ]; then
     # At most 5 failures listed: a kernel that is wrong is wrong in most of the ~200 cases.
     # Every test sets the switch itself (unset, 1, 0): the environment here does not matter.
-    "$PYTHON" -m pytest -q -p no:cacheprovider -rfE --maxfail=5 tests/test_prefill_tc.py || rc=1
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rfE --maxfail=5 tests/test_prefill_tc.py tests/test_decode_tc.py || rc=1
   fi
   # shellcheck disable=SC2086  # quick is empty or one flag
   "$PYTHON" bench/gpu_verify.py tc --device "$device" $quick --out "$tc_json" || rc=1
@@ -328,7 +332,7 @@ describe() {
     env) echo "nvidia-smi; torch, nvcc and compute-sanitizer versions" ;;
     build) echo "TORCH_CUDA_ARCH_LIST=<gpu arch> $PYTHON setup.py build_ext --inplace (or .gpucarry/build when its key matches)" ;;
     bench) echo "$PYTHON bench/gpu_verify.py table --device $device $quick --out $table_json" ;;
-    tc) echo "$PYTHON -m pytest tests/test_prefill_tc.py; $PYTHON bench/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
+    tc) echo "$PYTHON -m pytest tests/test_prefill_tc.py tests/test_decode_tc.py; $PYTHON bench/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
     sanitize) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PYTHON bench/gpu_verify.py sanitize-driver" ;;
     e2e) echo "$PYTHON bench/e2e.py --no-progress --device $device --out $e2e_json" $e2e_args ;;
     test) echo "for f in" $TEST_FILES "; do $PYTHON -m pytest \$f -k 'cuda or build' $pytest_args; done" ;;

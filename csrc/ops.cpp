@@ -660,8 +660,8 @@ at::Tensor attention_plan(const at::Tensor& lens, int64_t rows, const c10::Devic
   const int32_t* p = host.data_ptr<int32_t>();
   std::vector<int32_t> len(p, p + host.numel());
   // Blocks the tensor-core prefill may take (unless KVCACHE_EXT_TC_PREFILL=0): splits sized for
-  // its tiles. The switch is read (and a bad value refused) only for such blocks: a decode
-  // plan, every layer and step, reads no environment.
+  // its tiles. The prefill switch is read (and a bad value refused) only for such blocks; a
+  // decode plan reads KVCACHE_EXT_TC_DECODE instead (plan_cuda: the tensor-core decode's plan).
   if (rows >= attention::kPrefillTcMinRows && attention::prefill_tc_enabled())
     return attention::plan_prefill_cuda(len, rows, device);
   return attention::plan_cuda(len, rows, device);

@@ -73,9 +73,13 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
         out.stdout
     table_json = next(tmp_path.glob("gpu-verify-cpu-*[0-9].json"))
     tc = json.loads(next(tmp_path.glob("gpu-verify-tc-cpu-*[0-9].json")).read_text())
-    assert [r["n"] for r in tc["attention"]] == [64, 256] and all(c["ok"] for c in tc["checks"]), tc["checks"]
+    assert [(r["case"], r["n"]) for r in tc["attention"]] == [("prefill", 64), ("prefill", 256)] + [("decode", 1)] * 3
+    assert all(c["ok"] for c in tc["checks"]), tc["checks"]
+    assert [r["switch"] for r in tc["attention"]] == ["KVCACHE_EXT_TC_PREFILL"] * 2 + ["KVCACHE_EXT_TC_DECODE"] * 3
+    assert tc["copy_GBps"] > 0
     for r in tc["attention"]:
         assert r["tc_seconds"] > 0 and r["tc_stats_seconds"] > 0 and r["tc_max_abs_diff_vs_switch_off"] == 0
+        assert 0 < r["tc_fraction_of_copy"] and 0 < r["fraction_of_copy"]
     doc = json.loads(table_json.read_text())
     assert doc["kernel_time"] == "wall time (CPU)" and doc["commit"] and doc["device"]
     ops = [r["op"] for r in doc["kernels"]]
@@ -88,6 +92,9 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     tail = out.stdout[out.stdout.rindex("| metric"):]
     assert "e2e h2o-step (per-step eviction) / snapkv (one-shot) decode tok/s (ctx 256 x 1)" in tail
     assert "tensor-core prefill B=1 Hkv=8 n=256 vs SDPA" in tail and "stage tc " in tail
+    for line in ("tensor-core decode uniform B=4 Hkv=8 vs switch off", "tensor-core decode uniform B=4 Hkv=8 of copy",
+                 "scalar decode skewed B=4 Hkv=8 vs SDPA (padded)", "tensor-core decode batch 1 B=1 Hkv=1 of copy"):
+        assert line in tail, line
     assert tail.rstrip().splitlines()[-1].startswith("goals missed:")
     e2e = {"rows": [{"method": m, "context": 64, "batch": 1, "budget": 16, "status": "ok", "prefill_s": 0.5,
                      "decode_tokens_per_s": tps, "host_s_per_step": host, "synced_step_s": 0.1}

@@ -7,7 +7,7 @@ Builds a bf16 store of about --gib GiB of live K+V (8 KV heads, head_dim 128), r
 decode attention (G = 4 query heads per KV head, n = 1) --warmup times unprofiled, then
 between cudaProfilerStart/Stop (what ``ncu --profile-from-start off`` and
 ``nsys --capture-range=cudaProfilerApi`` wait for): --iters decode calls without statistics,
-one with stats=True, the segmented and grouped top-k of a quarter of each segment's tokens
+one with stats=True, one on the tensor-core decode (KVCACHE_EXT_TC_DECODE=1 for that call), the segmented and grouped top-k of a quarter of each segment's tokens
 (--no-select skips them), and one in-place compaction keeping half of the slots at random. Each
 step sits in an NVTX range. bench/nsight/profile.sh runs it under ncu or nsys.
 """
@@ -22,7 +22,8 @@ import torch
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
 import kvcache_ext  # noqa: E402
-from attention import D, G, HKV, build_store, skewed_lengths, uniform_lengths  # noqa: E402  (bench/attention.py)
+from attention import (D, G, HKV, TC_DECODE_SWITCH, build_store, skewed_lengths,  # noqa: E402  (bench/attention.py)
+                       uniform_lengths)
 
 
 def main(argv=None):
@@ -64,8 +65,20 @@ def main(argv=None):
     scores = torch.rand(store.capacity, device=device, generator=gen)
     budget = max(1, int(lens.float().mean()) // 4)
 
+    def tensor_core_decode():
+        saved = os.environ.get(TC_DECODE_SWITCH)
+        os.environ[TC_DECODE_SWITCH] = "1"
+        try:
+            kvcache_ext.ragged_attention(q, store)
+        finally:
+            if saved is None:
+                os.environ.pop(TC_DECODE_SWITCH)
+            else:
+                os.environ[TC_DECODE_SWITCH] = saved
+
     for _ in range(args.warmup):
         kvcache_ext.ragged_attention(q, store)
+        tensor_core_decode()
         if not args.no_stats:
             kvcache_ext.ragged_attention(q, store, stats=True)
     torch.cuda.synchronize()
@@ -76,6 +89,9 @@ def main(argv=None):
         nvtx.range_push(f"decode attention {i}")
         kvcache_ext.ragged_attention(q, store)
         nvtx.range_pop()
+    nvtx.range_push("decode attention, tensor cores")
+    tensor_core_decode()
+    nvtx.range_pop()
     if not args.no_stats:
         nvtx.range_push("decode attention, stats=True")
         kvcache_ext.ragged_attention(q, store, stats=True)
@@ -93,7 +109,7 @@ def main(argv=None):
         nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"profiled: {args.iters} decode call(s)" + ("" if args.no_stats else ", 1 with stats")
+    print(f"profiled: {args.iters} decode call(s), 1 on tensor cores" + ("" if args.no_stats else ", 1 with stats")
           + ("" if args.no_select else ", 2 top-k (segmented, grouped)")
           + ("" if args.no_compact else f", 1 compaction ({store.num_tokens} tokens kept)"), flush=True)
 

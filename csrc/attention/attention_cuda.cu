@@ -53,6 +53,7 @@
 #include "attention/attention_kernels.h"
 #include "attention/attention_plan.h"
 #include "attention/cuda_head_dims.h"
+#include "attention/decode_tc.h"
 #include "attention/merge_states.h"
 #include "common/occupancy.h"
 
@@ -673,14 +674,22 @@ int attend_blocks_per_sm(int device) {
   return std::max(resident_blocks_per_sm(attend_split<at::BFloat16, 128, RB>, device, kThreads), 1);
 }
 
+// Whether a call of at most `rows` query rows per KV head a pass goes to the tensor-core decode
+// kernel (decode_tc.h) when T and D allow it: switched on, and few enough rows. The plan asks
+// the same (without T and D) to size its splits for that kernel.
+bool decode_tc_rows(int64_t rows) { return rows <= kDecodeTcMaxRows && decode_tc_enabled(); }
+
 // The plan of attention_plan (ops.h) on the device (layout: attention/attention_plan.h); one
 // host-to-device copy from pinned memory, no sync.
 at::Tensor make_plan(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
-  const int rb = rows_per_block(rows);
-  const int64_t row_tiles = (rows + rb - 1) / rb;
   const int index = c10::cuda::current_device();
-  const int resident = rb == 1   ? attend_blocks_per_sm<1>(index)
+  // The tensor-core decode takes every row of a split in one block: one row tile.
+  const bool tc = decode_tc_rows(rows);
+  const int rb = tc ? static_cast<int>(rows) : rows_per_block(rows);
+  const int64_t row_tiles = (rows + rb - 1) / rb;
+  const int resident = tc        ? decode_tc_blocks_per_sm(index)
+                       : rb == 1 ? attend_blocks_per_sm<1>(index)
                        : rb == 2 ? attend_blocks_per_sm<2>(index)
                                  : attend_blocks_per_sm<4>(index);
   std::vector<Split> splits;
@@ -704,6 +713,33 @@ void launch_attend(int rb, const Params<T>& prm, int64_t blocks, cudaStream_t st
     default: attend_split<T, D, 4><<<grid, kThreads, 0, stream>>>(prm); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The tensor-core decode's arguments: the call's own (one pass: i0 = 0, n = n_total).
+template <typename T>
+DecodeTcArgs decode_tc_args(const Params<T>& prm) {
+  DecodeTcArgs a;
+  a.q = prm.q;
+  a.view = prm.view;
+  a.q_pos = prm.q_pos;
+  a.len = prm.len;
+  a.splits = prm.splits;
+  a.seg_first_split = prm.seg_first_split;
+  a.plan_segments = prm.plan_segments;
+  a.segments = prm.segments;
+  a.heads = prm.heads;
+  a.groups = prm.groups;
+  a.n_total = prm.n_total;
+  a.i0 = prm.i0;
+  a.n = prm.n;
+  a.rows = prm.rows;
+  a.scale_log2 = prm.scale_log2;
+  a.capacity = prm.capacity;
+  a.logits = prm.logits;
+  a.part_m = prm.part_m;
+  a.part_l = prm.part_l;
+  a.part_o = prm.part_o;
+  return a;
 }
 
 // With statistics the raw logits of a pass are kept ([G * queries, capacity] floats): block
@@ -743,10 +779,15 @@ void run(const Problem& p, Result& r) {
   TORCH_CHECK_VALUE(W >= 0, "the attention plan (", plan.numel(), " words) does not fit ", S,
                     " segments: make it with attention_plan");
 
+  // The tensor-core decode (decode_tc.h) for 16-bit K and V, head_dim 64 or 128 and at most 16
+  // rows a pass, when switched on; it writes the logits buffer as attend_split does.
+  constexpr bool kTcTypes = sizeof(T) == 2 && (D == 64 || D == 128);
+  const bool tc = kTcTypes && decode_tc_rows(max_rows);
+
   for (int64_t i0 = 0; i0 < n_total; i0 += chunk) {
     const int64_t n = std::min(chunk, n_total - i0);
     const int64_t rows = p.groups * n;
-    const int rb = rows_per_block(rows);
+    const int rb = tc ? static_cast<int>(rows) : rows_per_block(rows);
     const int64_t row_tiles = (rows + rb - 1) / rb;
     // Grid x of attend_split and the merge (at most kMergeThreads / 4 rows per block, and at
     // most W * rows groups of merge_runs); slot_stats has W blocks.
@@ -784,7 +825,11 @@ void run(const Problem& p, Result& r) {
     prm.part_l = part_l.data_ptr<float>();
     prm.part_o = part_o.data_ptr<float>();
 
-    if (W > 0) launch_attend<T, D>(rb, prm, W * row_tiles, stream);
+    if (tc) {
+      if constexpr (kTcTypes) launch_decode_tc<T, D>(decode_tc_args(prm), W, stream);
+    } else if (W > 0) {
+      launch_attend<T, D>(rb, prm, W * row_tiles, stream);
+    }
     // The merge: level 1 only when some segment may have many splits (merge_states.h).
     using ML = MergeLayout<D>;
     const int run = merge_run_length(W, S, ML::kLanes);

@@ -46,6 +46,8 @@ void ragged_attention_cpu(const Problem& p, Result& r);
 void ragged_attention_cuda(const Problem& p, Result& r);
 // The CUDA work partition of ops::attention_plan for segments of lengths len and `rows`
 // query rows per segment: [3 W] splits then [S + 1] first split per segment, on the device.
+// Sized for the tensor-core decode (decode_tc.h: one block per split) when KVCACHE_EXT_TC_DECODE
+// is 1 and rows <= 16, else for the scalar kernel's row tiles.
 at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device);
 
 // The tensor-core prefill kernel (prefill_cuda.cu), on by default: attention_run sends it the

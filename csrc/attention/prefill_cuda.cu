@@ -47,12 +47,14 @@
 #include "attention/attention_kernels.h"
 #include "attention/attention_plan.h"
 #include "attention/prefill_tiles.h"
+#include "attention/tc_common.cuh"
 
 namespace kvcache_ext::attention {
 
 namespace {
 
 namespace pf = prefill;
+using namespace tc;  // PTX wrappers, product_tile, pack2, KvTileCopy
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -74,105 +76,6 @@ struct PrefillParams {
 };
 
 // ---------------------------------------------------------------------------------------
-// PTX wrappers
-
-__device__ inline uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; live = false writes 16 zero bytes (src unread, but
-// it must still be a valid address).
-__device__ inline void cp_async_16(uint32_t dst, const void* src, bool live) {
-  const int bytes = live ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ inline void cp_async_4(uint32_t dst, const void* src, bool live) {
-  const int bytes = live ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int Pending>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
-}
-
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c += a b, m16n8k16, fp32 accumulators; T is the 16-bit type of a and b.
-template <typename T>
-__device__ inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-
-template <>
-__device__ inline void mma_16816<at::BFloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ inline void mma_16816<at::Half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                           uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// acc = A B^T for one warp: A its 16 rows as mma fragments (D / 16 k-steps), B the 8 NB rows
-// of a swizzled shared-memory tile of D columns (one ldmatrix.x4 gives b0 b1 of two k-steps of
-// an n-block). The attention's S = Q K^T and the statistics pass's S^T = K Q^T.
-template <typename T, int D, int NB>
-__device__ inline void product_tile(float (&acc)[NB][4], const uint32_t (&a)[D / 16][4],
-                                    const uint8_t* b_tile, int lane) {
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[nb][c] = 0.f;
-#pragma unroll
-  for (int k2 = 0; k2 < D / 32; ++k2) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      uint32_t b[4];
-      const pf::RowCol at = pf::ldmatrix_k(lane, 8 * nb, 32 * k2);
-      ldmatrix_x4(b, shared_address(b_tile + pf::smem_offset(at.row, at.col, D)));
-      mma_16816<T>(acc[nb], a[2 * k2], b[0], b[1]);
-      mma_16816<T>(acc[nb], a[2 * k2 + 1], b[2], b[3]);
-    }
-  }
-}
-
-// Two floats rounded to T in one register, lo in the lower half (element e = 0 of a fragment
-// register).
-template <typename T>
-__device__ inline uint32_t pack2(float lo, float hi);
-template <>
-__device__ inline uint32_t pack2<at::BFloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-template <>
-__device__ inline uint32_t pack2<at::Half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-
-// ---------------------------------------------------------------------------------------
 // Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
 // pos tiles, kStages lists of a KV tile's page addresses. Tiles are rows of D 16-bit elements,
 // swizzled (prefill_tiles.h).
@@ -180,7 +83,7 @@ __device__ inline uint32_t pack2<at::Half>(float lo, float hi) {
 template <int D>
 struct SmemLayout {
   static constexpr int kQBytes = pf::kTileM * D * 2;
-  static constexpr int kKVBytes = pf::kTileN * D * 2;
+  static constexpr int kKVBytes = KvTileCopy<D, pf::kThreads>::kKVBytes;
   static constexpr int kK = kQBytes;
   static constexpr int kV = kK + pf::kStages * kKVBytes;
   static constexpr int kPos = kV + pf::kStages * kKVBytes;
@@ -206,9 +109,6 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
   const int b = s / p.heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = tile * pf::kTileM;
-  const int32_t* table = p.view.table + static_cast<int64_t>(s) * p.view.width;
-  const int64_t in_page_mask = p.view.page_size() - 1;
-  constexpr int64_t kRowBytes = D * 2;
 
   // 1. Q tile, rows past R zero-filled (their results are never stored).
   for (int idx = threadIdx.x; idx < pf::kTileM * D / pf::kChunkElems; idx += pf::kThreads) {
@@ -238,58 +138,12 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
     for (int off = 16; off > 0; off /= 2) max_query_pos = max(max_query_pos, __shfl_xor_sync(0xffffffffu, max_query_pos, off));
   }
 
-  // 2. The page addresses of the KV tile at token t0 (when it is in the split) into list
-  // `stage`, one table and one page-base load per page: plain stores, read by load_tile after
-  // the next barrier.
-  const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
-  auto stage_pages = [&](int t0, int stage) {
-    if (t0 >= split.end) return;
-    const pf::TilePages tp = pf::tile_pages(t0, min(pf::kTileN, split.end - t0), p.view.shift);
-    for (int c = threadIdx.x; c < tp.count; c += pf::kThreads)
-      pages[stage * pf::kTileN + c] = reinterpret_cast<const char*>(p.view.page_base[table[tp.first + c]]);
-  };
-  // Issues the copies of the KV tile at token t0 into stage `stage` (one commit group), its
-  // rows' pages from list `stage`.
-  auto load_tile = [&](int t0, int stage) {
-    const int tile_len = min(pf::kTileN, split.end - t0);
-    const int64_t first_page = t0 >> p.view.shift;
-    const char* const* page_of_tile = pages + stage * pf::kTileN;
-    uint8_t* k_dst = smem + L::kK + stage * L::kKVBytes;
-    uint8_t* v_dst = smem + L::kV + stage * L::kKVBytes;
-    for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
-      const pf::RowCol at = pf::copy_chunk(idx, D);
-      const bool live = at.row < tile_len;
-      // A dead row reads nothing but still names a valid address: the tile's first token.
-      const int64_t token = t0 + (live ? at.row : 0);
-      const char* page = page_of_tile[pf::tile_page_of(t0, live ? at.row : 0, first_page, p.view.shift)];
-      const int64_t row = (token & in_page_mask) * kRowBytes + at.col * 2;
-      const int off = pf::smem_offset(at.row, at.col, D);
-      cp_async_16(shared_address(k_dst + off), page + p.view.record.offset[store::kK] + row, live);
-      cp_async_16(shared_address(v_dst + off), page + p.view.record.offset[store::kV] + row, live);
-    }
-    if (p.q_pos) {
-      int32_t* pos_dst = reinterpret_cast<int32_t*>(smem + L::kPos) + stage * pf::kTileN;
-      for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
-        const bool live = j < tile_len;
-        const int64_t token = t0 + (live ? j : 0);
-        const char* page = page_of_tile[pf::tile_page_of(t0, live ? j : 0, first_page, p.view.shift)];
-        cp_async_4(shared_address(pos_dst + j),
-                   page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4, live);
-      }
-    }
-    cp_async_commit();
-  };
+  // 2. The paged copies of the KV tiles (tc_common.cuh): page lists two tiles ahead, tiles one.
+  const KvTileCopy<D, pf::kThreads> kv(p.view, s, split.end, p.q_pos != nullptr, smem + L::kK, smem + L::kV,
+                                       reinterpret_cast<int32_t*>(smem + L::kPos),
+                                       reinterpret_cast<const char**>(smem + L::kPages));
 
-  if (split.begin < split.end) {  // block-uniform
-    stage_pages(split.begin, 0);
-    stage_pages(split.begin + pf::kTileN, 1);
-    __syncthreads();
-    load_tile(split.begin, 0);
-    cp_async_wait<1>();  // the Q group (the older one) has landed
-  } else {
-    cp_async_wait<0>();
-  }
-  __syncthreads();
+  kv.start(split.begin);
 
   // Q as A fragments, one set per k-step of 16.
   uint32_t qf[D / 16][4];
@@ -310,85 +164,20 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
   int stage = 0;
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN, stage ^= 1) {
     const int tile_len = min(pf::kTileN, split.end - t0);
-    if (t0 + pf::kTileN < split.end) {
-      load_tile(t0 + pf::kTileN, stage ^ 1);  // read by the previous iteration, which ended in a barrier
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // tile t0 visible to every warp
-    // Every thread has issued tile t0's copies (before the barrier of the previous iteration)
-    // and tile t0 + kTileN's (above): page list `stage` is free for tile t0 + 2 kTileN, which
-    // the next iteration copies after this iteration's closing barrier.
-    stage_pages(t0 + 2 * pf::kTileN, stage);
-
-    const uint8_t* k_tile = smem + L::kK + stage * L::kKVBytes;
-    const uint8_t* v_tile = smem + L::kV + stage * L::kKVBytes;
-    const int32_t* pos = reinterpret_cast<const int32_t*>(smem + L::kPos) + stage * pf::kTileN;
+    kv.advance(t0, stage);
+    const uint8_t* k_tile = kv.k_tile(stage);
+    const uint8_t* v_tile = kv.v_tile(stage);
+    const int32_t* pos = p.q_pos ? kv.pos_tile(stage) : nullptr;
 
     // 3. The skip rule, the same in every warp (block-uniform: no barrier inside it).
-    bool needed = true;
-    if (p.q_pos) {
-      int32_t min_pos = INT32_MAX;
-      for (int j = lane; j < tile_len; j += 32) min_pos = min(min_pos, pos[j]);
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) min_pos = min(min_pos, __shfl_xor_sync(0xffffffffu, min_pos, off));
-      needed = pf::tile_needed(min_pos, max_query_pos);
-    }
-    if (needed) {
-      // S = Q K^T: 8 n-blocks of 8 tokens.
-      float sc[pf::kTileN / 8][4];
+    if (!pos || pf::tile_needed(tile_min_pos(pos, tile_len, lane), max_query_pos)) {
+      // S = Q K^T over 8 n-blocks of 8 tokens, masked; the online softmax; O += P V.
+      float sc[pf::kTileN / 8][4], tile_max[2];
       product_tile<T, D>(sc, qf, k_tile, lane);
-      // Mask and the rows' maxima (c / 2 is the lane's row h).
-      float tile_max[2] = {pf::neg_inf(), pf::neg_inf()};
-#pragma unroll
-      for (int nb = 0; nb < pf::kTileN / 8; ++nb)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int j = 8 * nb + pf::mma_c(lane, c).col;
-          const bool live = j < tile_len && (!p.q_pos || pf::visible(pos[j], row_pos[c / 2]));
-          sc[nb][c] = live ? sc[nb][c] * p.scale_log2 : pf::neg_inf();
-          tile_max[c / 2] = fmaxf(tile_max[c / 2], sc[nb][c]);
-        }
-      pf::SoftmaxStep step[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        step[h] = pf::softmax_step(m[h], tile_max[h]);
-        m[h] = step[h].m_new;
-        l[h] *= step[h].alpha;
-      }
-#pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[nb][c] *= step[c / 2].alpha;
-      // P, summed in fp32, then rounded to T as A fragments: the C fragments of n-blocks
-      // 2j and 2j + 1 are the A fragment of k-step j (c0 c1 -> a0 / a2, c2 c3 -> a1 / a3).
+      mask_tile(sc, 0, tile_len, pos, row_pos, p.scale_log2, lane, tile_max);
       uint32_t pa[pf::kTileN / 16][4];
-#pragma unroll
-      for (int nb = 0; nb < pf::kTileN / 8; ++nb) {
-        float prob[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          prob[c] = pf::softmax_weight(sc[nb][c], step[c / 2].m_new);
-          l[c / 2] += prob[c];
-        }
-        pa[nb / 2][2 * (nb % 2)] = pack2<T>(prob[0], prob[1]);
-        pa[nb / 2][2 * (nb % 2) + 1] = pack2<T>(prob[2], prob[3]);
-      }
-      // O += P V: one ldmatrix.x4.trans gives b0 b1 of n-blocks 2 n2 and 2 n2 + 1.
-#pragma unroll
-      for (int j = 0; j < pf::kTileN / 16; ++j) {
-#pragma unroll
-        for (int n2 = 0; n2 < D / 16; ++n2) {
-          uint32_t vb[4];
-          const pf::RowCol at = pf::ldmatrix_v(lane, 16 * j, 16 * n2);
-          ldmatrix_x4_trans(vb, shared_address(v_tile + pf::smem_offset(at.row, at.col, D)));
-          mma_16816<T>(o[2 * n2], pa[j], vb[0], vb[1]);
-          mma_16816<T>(o[2 * n2 + 1], pa[j], vb[2], vb[3]);
-        }
-      }
+      softmax_tile<T>(sc, tile_max, m, l, o, pa);
+      accumulate_pv<T, D>(o, pa, v_tile, 0, lane);
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
   }
@@ -396,8 +185,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
   // 4. The split state of the lane's rows.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    l[h] = quad_sum(l[h]);
     const int prow = row0 + warp * pf::kWarpRows + lane / 4 + 8 * h;
     if (prow >= p.rows) continue;
     const int64_t pr = w * p.rows + prow;

@@ -19,10 +19,12 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "attention/attention_plan.h"
+#include "attention/decode_tiles.h"
 #include "attention/prefill_tiles.h"
 #include "store/paged_layout.h"
 #include "tests/test_util.h"
@@ -30,6 +32,7 @@
 namespace {
 
 namespace pf = kvcache_ext::attention::prefill;
+namespace dt = kvcache_ext::attention::decode_tc;
 using kvcache_ext::attention::effective_split;
 using kvcache_ext::attention::plan_splits;
 using kvcache_ext::attention::Split;
@@ -268,6 +271,57 @@ std::vector<double> reference(const Problem& p) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Pieces both kernels' emulations share
+
+// The cp.async copy of the KV tile at t0 (tile_len live tokens) of segment s into swizzled K and
+// V tiles (rows past the split zero-filled) and its positions; returns their smallest.
+int32_t copy_kv_tile(const Problem& p, int s, int64_t t0, int tile_len, Smem& k_smem, Smem& v_smem,
+                     std::vector<int32_t>& pos) {
+  const int D = p.D;
+  const StagedPages pages(p, s, t0, tile_len);
+  for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
+    const pf::RowCol at = pf::copy_chunk(idx, D);
+    const int off = pf::smem_offset(at.row, at.col, D);
+    if (at.row < tile_len) {
+      std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
+      std::memcpy(v_smem.data() + off, pages.row(store::kV, at.row) + at.col * 2, 16);
+    } else {
+      std::memset(k_smem.data() + off, 0, 16);
+      std::memset(v_smem.data() + off, 0, 16);
+    }
+  }
+  int32_t min_pos = INT32_MAX;
+  for (int j = 0; j < tile_len; ++j) {
+    std::memcpy(&pos[j], pages.row(store::kPos, j), 4);
+    min_pos = std::min(min_pos, pos[j]);
+  }
+  return min_pos;
+}
+
+// A warp's Q fragments (rows row0 .. row0 + 15 of the swizzled Q tile), one set per k-step.
+template <typename T>
+std::vector<std::vector<AFrag>> q_fragments(const Smem& q_smem, int D, int row0) {
+  std::vector<std::vector<AFrag>> qf(D / 16, std::vector<AFrag>(32));
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const auto regs = ldmatrix_x4(q_smem, D, false, [&](int l) { return pf::ldmatrix_q(l, row0, 16 * kk); });
+    for (int lane = 0; lane < 32; ++lane)
+      for (int j = 0; j < 4; ++j)
+        for (int e = 0; e < 2; ++e) qf[kk][lane][j][e] = from_bits<T>(regs[lane][j][e]);
+  }
+  return qf;
+}
+
+// The B fragments (b0, b1) of one ldmatrix.x4's registers 2 half and 2 half + 1.
+template <typename T>
+std::vector<BFrag> b_fragments(const std::vector<std::array<std::array<uint16_t, 2>, 4>>& regs, int half) {
+  std::vector<BFrag> bf(32);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < 2; ++r)
+      for (int e = 0; e < 2; ++e) bf[lane][r][e] = from_bits<T>(regs[lane][2 * half + r][e]);
+  return bf;
+}
+
+// ---------------------------------------------------------------------------------------
 // The kernel's block, emulated: split `split` of segment s for M tile `tile`. Writes the
 // split states of its rows (packed order) into part_m, part_l, part_o ([rows], [rows, D]).
 
@@ -299,16 +353,9 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
     max_query_pos = std::max(max_query_pos, row_pos[r]);
   }
 
-  const int ksteps = D / 16;
   // Per warp, per lane: Q fragments, O accumulators, m and partial l of rows grp and grp + 8.
-  std::vector<std::vector<std::vector<AFrag>>> qf(pf::kWarps, std::vector<std::vector<AFrag>>(ksteps, std::vector<AFrag>(32)));
-  for (int w = 0; w < pf::kWarps; ++w)
-    for (int kk = 0; kk < ksteps; ++kk) {
-      const auto regs = ldmatrix_x4(q_smem, D, false, [&](int l) { return pf::ldmatrix_q(l, 16 * w, 16 * kk); });
-      for (int lane = 0; lane < 32; ++lane)
-        for (int j = 0; j < 4; ++j)
-          for (int e = 0; e < 2; ++e) qf[w][kk][lane][j][e] = from_bits<T>(regs[lane][j][e]);
-    }
+  std::vector<std::vector<std::vector<AFrag>>> qf;
+  for (int w = 0; w < pf::kWarps; ++w) qf.push_back(q_fragments<T>(q_smem, D, 16 * w));
   std::vector<std::vector<std::vector<CFrag>>> o(pf::kWarps, std::vector<std::vector<CFrag>>(D / 8, std::vector<CFrag>(32, CFrag{})));
   std::vector<std::vector<std::array<float, 2>>> m(pf::kWarps, std::vector<std::array<float, 2>>(32, {pf::neg_inf(), pf::neg_inf()}));
   std::vector<std::vector<std::array<float, 2>>> l(pf::kWarps, std::vector<std::array<float, 2>>(32, {0.f, 0.f}));
@@ -318,24 +365,7 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN) {
     const int tile_len = std::min(pf::kTileN, split.end - t0);
     ++count.tiles;
-    const StagedPages pages(p, s, t0, tile_len);
-    // cp.async: live rows copied, rows past the split zero-filled.
-    for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
-      const pf::RowCol at = pf::copy_chunk(idx, D);
-      const int off = pf::smem_offset(at.row, at.col, D);
-      if (at.row < tile_len) {
-        std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
-        std::memcpy(v_smem.data() + off, pages.row(store::kV, at.row) + at.col * 2, 16);
-      } else {
-        std::memset(k_smem.data() + off, 0, 16);
-        std::memset(v_smem.data() + off, 0, 16);
-      }
-    }
-    int32_t min_pos = INT32_MAX;
-    for (int j = 0; j < pf::kTileN; ++j) {
-      if (j < tile_len) std::memcpy(&pos[j], pages.row(store::kPos, j), 4);
-      if (j < tile_len) min_pos = std::min(min_pos, pos[j]);
-    }
+    const int32_t min_pos = copy_kv_tile(p, s, t0, tile_len, k_smem, v_smem, pos);
     if (p.causal && !pf::tile_needed(min_pos, max_query_pos)) {
       ++count.skipped;
       continue;
@@ -347,11 +377,7 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
         for (int nb = 0; nb < pf::kTileN / 8; ++nb) {
           const auto regs = ldmatrix_x4(k_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, 8 * nb, 32 * k2); });
           for (int half = 0; half < 2; ++half) {
-            std::vector<BFrag> bf(32);
-            for (int lane = 0; lane < 32; ++lane)
-              for (int r = 0; r < 2; ++r)
-                for (int e = 0; e < 2; ++e) bf[lane][r][e] = from_bits<T>(regs[lane][2 * half + r][e]);
-            mma(sc[nb], qf[w][2 * k2 + half], bf);
+            mma(sc[nb], qf[w][2 * k2 + half], b_fragments<T>(regs, half));
           }
         }
       // Mask, online softmax per row (a lane's two rows; a quad shares a row).
@@ -393,11 +419,7 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
         for (int n2 = 0; n2 < D / 16; ++n2) {
           const auto regs = ldmatrix_x4(v_smem, D, true, [&](int lane) { return pf::ldmatrix_v(lane, 16 * j, 16 * n2); });
           for (int half = 0; half < 2; ++half) {
-            std::vector<BFrag> bf(32);
-            for (int lane = 0; lane < 32; ++lane)
-              for (int r = 0; r < 2; ++r)
-                for (int e = 0; e < 2; ++e) bf[lane][r][e] = from_bits<T>(regs[lane][2 * half + r][e]);
-            mma(o[w][2 * n2 + half], pfrag_all[j], bf);
+            mma(o[w][2 * n2 + half], pfrag_all[j], b_fragments<T>(regs, half));
           }
         }
     }
@@ -630,13 +652,7 @@ void emulate_stats_block(const Problem& p, int s, Split split, int first_tile, i
         for (int k2 = 0; k2 < D / 32; ++k2)
           for (int nb = 0; nb < pf::kTileM / 8; ++nb) {
             const auto regs = ldmatrix_x4(q_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, 8 * nb, 32 * k2); });
-            for (int half = 0; half < 2; ++half) {
-              std::vector<BFrag> bf(32);
-              for (int lane = 0; lane < 32; ++lane)
-                for (int r = 0; r < 2; ++r)
-                  for (int e = 0; e < 2; ++e) bf[lane][r][e] = from_bits<T>(regs[lane][2 * half + r][e]);
-              mma(sc[nb], kf[w][2 * k2 + half], bf);
-            }
+            for (int half = 0; half < 2; ++half) mma(sc[nb], kf[w][2 * k2 + half], b_fragments<T>(regs, half));
           }
         for (int lane = 0; lane < 32; ++lane)
           for (int nb = 0; nb < pf::kTileM / 8; ++nb)
@@ -966,5 +982,286 @@ TEST(PrefillTiles, StatsRowsPadEachQueryToAPowerOfTwo) {
     EXPECT_EQ(pf::last_query_tile(n, lp), ((n - 1) * Gp) / pf::kTileM);
   }
 }
+
+// ---------------------------------------------------------------------------------------
+// The tensor-core decode kernel (decode_tc_cuda.cu, decode_tiles.h), emulated: one block per
+// split, the segment's R <= 16 rows (scalar order r = g n + i) as one M tile, warp w over
+// tokens [16 w, 16 w + 16) of each KV tile with a state of its own, the warps folded in warp
+// order at the end. Writes the split's states into part_m, part_l, part_o ([R], [R, D]).
+
+// With statistics (logits non-null: [R, capacity], writes counted in `writes`) the block also
+// writes every row's base-2 logit of each token of its split, at the token's slot, and skips no
+// KV tile.
+template <typename T>
+void emulate_decode_block(const Problem& p, int s, Split split, float* part_m, float* part_l, float* part_o,
+                          Counters& count, float* logits = nullptr, int* writes = nullptr) {
+  const int D = p.D, R = p.rows(), b = s / p.H;
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  EXPECT_LE(R, dt::kRows);
+
+  Smem q_smem(dt::kRows * D * 2, 0);
+  std::vector<int32_t> row_pos(dt::kRows, INT32_MAX);
+  int32_t max_query_pos = INT32_MIN;
+  for (int idx = 0; idx < dt::kRows * D / pf::kChunkElems; ++idx) {
+    const pf::RowCol at = pf::copy_chunk(idx, D);
+    if (at.row >= R) continue;
+    const uint16_t* src = p.q.data() + dt::q_row(s, at.row, p.G, p.n, p.n, 0) * D + at.col;
+    std::memcpy(q_smem.data() + pf::smem_offset(at.row, at.col, D), src, 16);
+  }
+  for (int r = 0; r < R; ++r) {
+    row_pos[r] = p.query_pos(b, dt::query_of(r, p.n, 0));
+    max_query_pos = std::max(max_query_pos, row_pos[r]);
+  }
+  const std::vector<std::vector<AFrag>> qf = q_fragments<T>(q_smem, D, 0);  // the same in every warp
+  std::vector<std::vector<std::vector<CFrag>>> o(dt::kWarps, std::vector<std::vector<CFrag>>(D / 8, std::vector<CFrag>(32, CFrag{})));
+  std::vector<std::vector<std::array<float, 2>>> m(dt::kWarps, std::vector<std::array<float, 2>>(32, {pf::neg_inf(), pf::neg_inf()}));
+  std::vector<std::vector<std::array<float, 2>>> l(dt::kWarps, std::vector<std::array<float, 2>>(32, {0.f, 0.f}));
+
+  Smem k_smem(pf::kTileN * D * 2), v_smem(pf::kTileN * D * 2);
+  std::vector<int32_t> pos(pf::kTileN);
+  for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN) {
+    const int tile_len = std::min(pf::kTileN, split.end - t0);
+    ++count.tiles;
+    const int32_t min_pos = copy_kv_tile(p, s, t0, tile_len, k_smem, v_smem, pos);
+    if (p.causal && !logits && !pf::tile_needed(min_pos, max_query_pos)) {
+      ++count.skipped;
+      continue;
+    }
+    for (int w = 0; w < dt::kWarps; ++w) {
+      const int first = dt::warp_first_token(w);
+      if (first >= tile_len) continue;
+      // S = Q K^T over the warp's tokens: 2 n-blocks of 8.
+      std::vector<std::vector<CFrag>> sc(2, std::vector<CFrag>(32, CFrag{}));
+      for (int k2 = 0; k2 < D / 32; ++k2)
+        for (int nb = 0; nb < 2; ++nb) {
+          const auto regs = ldmatrix_x4(k_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, first + 8 * nb, 32 * k2); });
+          for (int half = 0; half < 2; ++half) {
+            mma(sc[nb], qf[2 * k2 + half], b_fragments<T>(regs, half));
+          }
+        }
+      std::vector<std::array<float, 2>> tile_max(32, {pf::neg_inf(), pf::neg_inf()});
+      for (int lane = 0; lane < 32; ++lane)
+        for (int nb = 0; nb < 2; ++nb)
+          for (int c = 0; c < 4; ++c) {
+            const pf::RowCol rc = pf::mma_c(lane, c);
+            const int j = first + 8 * nb + rc.col;
+            float& x = sc[nb][lane][c];
+            const bool live = j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[rc.row]));
+            x = live ? x * scale_log2 : pf::neg_inf();
+            tile_max[lane][c / 2] = std::max(tile_max[lane][c / 2], x);
+            if (logits && j < tile_len && rc.row < R) {  // the kernel's slot: page id from the table
+              const int64_t t = t0 + j;
+              const int64_t slot = (static_cast<int64_t>(p.table[s * p.width + (t >> p.shift)]) << p.shift) |
+                                   (t & ((int64_t{1} << p.shift) - 1));
+              logits[rc.row * capacity_of(p) + slot] = x;
+              ++writes[rc.row * capacity_of(p) + slot];
+            }
+          }
+      for (int lane = 0; lane < 32; ++lane)
+        for (int h = 0; h < 2; ++h)
+          for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) tile_max[lane][h] = std::max(tile_max[lane][h], tile_max[q][h]);
+      std::vector<AFrag> pa(32, AFrag{});
+      for (int lane = 0; lane < 32; ++lane) {
+        pf::SoftmaxStep step[2];
+        for (int h = 0; h < 2; ++h) {
+          step[h] = pf::softmax_step(m[w][lane][h], tile_max[lane][h]);
+          m[w][lane][h] = step[h].m_new;
+          l[w][lane][h] *= step[h].alpha;
+        }
+        for (int nb = 0; nb < D / 8; ++nb)
+          for (int c = 0; c < 4; ++c) o[w][nb][lane][c] *= step[c / 2].alpha;
+        for (int nb = 0; nb < 2; ++nb)
+          for (int c = 0; c < 4; ++c) {
+            const float prob = pf::softmax_weight(sc[nb][lane][c], step[c / 2].m_new);
+            l[w][lane][c / 2] += prob;
+            // pa[2 nb] = pack2(c0, c1), pa[2 nb + 1] = pack2(c2, c3), as the kernel packs them.
+            pa[lane][2 * nb + c / 2][c % 2] = from_bits<T>(to_bits<T>(prob));
+          }
+      }
+      for (int n2 = 0; n2 < D / 16; ++n2) {
+        const auto regs = ldmatrix_x4(v_smem, D, true, [&](int lane) { return pf::ldmatrix_v(lane, first, 16 * n2); });
+        for (int half = 0; half < 2; ++half) {
+          mma(o[w][2 * n2 + half], pa, b_fragments<T>(regs, half));
+        }
+      }
+    }
+  }
+  // The warps' states through "shared memory" ([kWarps, kRows(, D)], l summed over the quad),
+  // then folded in warp order.
+  std::vector<float> warp_m(dt::kWarps * dt::kRows, NAN), warp_l(warp_m.size(), NAN);
+  std::vector<float> warp_o(warp_m.size() * D, NAN);
+  for (int w = 0; w < dt::kWarps; ++w)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int h = 0; h < 2; ++h) {
+        const int wr = w * dt::kRows + lane / 4 + 8 * h;
+        float lsum = 0.f;
+        for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) lsum += l[w][q][h];
+        if (lane % 4 == 0) {
+          warp_m[wr] = m[w][lane][h];
+          warp_l[wr] = lsum;
+        }
+        for (int nb = 0; nb < D / 8; ++nb)
+          for (int c = 2 * h; c < 2 * h + 2; ++c) warp_o[static_cast<int64_t>(wr) * D + 8 * nb + pf::mma_c(lane, c).col] = o[w][nb][lane][c];
+      }
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < D; ++d) {
+      const kvcache_ext::attention::MergeState<1> st = dt::merge_warps(warp_m.data(), warp_l.data(), warp_o.data(), r, D, d);
+      part_o[static_cast<int64_t>(r) * D + d] = st.o[0];
+      if (d == 0) {
+        part_m[r] = st.m;
+        part_l[r] = st.l;
+      }
+    }
+}
+
+// The decode call: the plan of one row tile (attention_cuda.cu's make_plan for this kernel),
+// every split's block, then the splits folded in order per (segment, row), as merge_segments.
+template <typename T>
+std::vector<float> emulate_decode(const Problem& p, int64_t sms, Counters& count, float* logits = nullptr,
+                                  int* writes = nullptr) {
+  std::vector<Split> splits;
+  std::vector<int32_t> first;
+  const int R = p.rows(), D = p.D;
+  plan_splits(p.len, 1, sms, splits, first);
+  const auto W = static_cast<int>(splits.size());
+  std::vector<float> part_m(static_cast<size_t>(W) * R, NAN), part_l(part_m.size(), NAN);
+  std::vector<float> part_o(part_m.size() * D, NAN);
+  for (int w = 0; w < W; ++w) {
+    const int s = splits[w].segment;
+    emulate_decode_block<T>(p, s, effective_split(splits[w], w, first.data(), p.len[s]),
+                            part_m.data() + static_cast<int64_t>(w) * R, part_l.data() + static_cast<int64_t>(w) * R,
+                            part_o.data() + static_cast<int64_t>(w) * R * D, count, logits, writes);
+  }
+  std::vector<float> out(p.q.size(), NAN);
+  for (int s = 0; s < p.S(); ++s) {
+    count.merged_segments += first[s + 1] - first[s] > 1 ? 1 : 0;
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; ++d)
+        out[dt::q_row(s, r, p.G, p.n, p.n, 0) * D + d] =
+            pf::merge_element(part_m.data(), part_l.data(), part_o.data(), first[s], first[s + 1], R, r, D, d).out(0);
+  }
+  return out;
+}
+
+TEST(DecodeTiles, RowsRoundTripAndWarpsCoverATile) {
+  for (int G : {1, 2, 4, 8, 16})
+    for (int n = 1; G * n <= dt::kRows; ++n) {
+      std::set<int64_t> seen;
+      for (int r = 0; r < G * n; ++r) {
+        const int64_t row = dt::q_row(3, r, G, n, n, 0);
+        EXPECT_EQ(row, (3 * G + r / n) * n + dt::query_of(r, n, 0));  // attention_kernels.h's r = g n + i
+        // A pass over queries [i0, i0 + n) of n_total: the same head, query i0 + i.
+        EXPECT_EQ(dt::q_row(3, r, G, n, n + 5, 2), (3 * G + r / n) * (n + 5) + 2 + r % n);
+        EXPECT_EQ(dt::query_of(r, n, 2), 2 + r % n);
+        EXPECT_GE(row, int64_t{3} * G * n);
+        EXPECT_LT(row, int64_t{4} * G * n);
+        seen.insert(row);
+      }
+      EXPECT_EQ(static_cast<int>(seen.size()), G * n);
+    }
+  std::set<int> tokens;
+  for (int w = 0; w < dt::kWarps; ++w)
+    for (int j = 0; j < dt::kWarpTokens; ++j) tokens.insert(dt::warp_first_token(w) + j);
+  EXPECT_EQ(static_cast<int>(tokens.size()), pf::kTileN);
+  EXPECT_EQ(*tokens.rbegin(), pf::kTileN - 1);
+}
+
+TEST(DecodeTiles, WarpMergeOfEmptyWarpsIsEmpty) {
+  // Warps that saw no visible token (m = -inf, l = 0) change nothing; all empty: a zero row.
+  std::vector<float> m(dt::kWarps * dt::kRows, -INFINITY), l(m.size(), 0.f), o(m.size() * 8, 0.f);
+  EXPECT_EQ(dt::merge_warps(m.data(), l.data(), o.data(), 3, 8, 5).out(0), 0.f);
+  m[2 * dt::kRows + 3] = 1.f;
+  l[2 * dt::kRows + 3] = 2.f;
+  o[(2 * dt::kRows + 3) * 8 + 5] = 6.f;
+  const auto st = dt::merge_warps(m.data(), l.data(), o.data(), 3, 8, 5);
+  EXPECT_EQ(st.m, 1.f);
+  EXPECT_FLOAT_EQ(st.out(0), 3.f);
+}
+
+template <typename T>
+void run_decode_cases(uint32_t seed) {
+  std::mt19937 rng(seed);
+  Counters count;
+  struct Case {
+    int B, H, G, n, D, shift;
+    bool causal, shuffled;
+    int64_t sms;
+    int max_len;
+  };
+  const Case cases[] = {
+      {3, 2, 4, 1, 128, 4, true, false, 1, 400},    // GQA decode, batch 3, pages of 16
+      {2, 3, 1, 1, 64, 0, true, false, 2, 300},     // G = 1: 15 dead rows, pages of one token
+      {2, 2, 8, 2, 64, 5, true, true, 1, 500},      // 16 rows (G 8 x n 2), positions out of order
+      {1, 2, 3, 5, 128, 3, false, false, 1, 400},   // no q_pos, G = 3, n = 5
+      {2, 1, 4, 3, 64, 2, true, false, 1, 200},     // a causal step of 3 queries (some tiles skipped)
+      {1, 1, 4, 1, 128, 6, true, false, 8, 3000},   // batch 1, one KV head: many splits
+  };
+  for (const Case& c : cases) {
+    const Problem p = make_problem<T>(rng, c.B, c.H, c.G, c.n, c.D, c.shift, c.causal, c.shuffled, c.max_len,
+                                      /*edge_segments=*/true);
+    const std::vector<double> want = reference<T>(p);
+    const std::vector<float> got = emulate_decode<T>(p, c.sms, count);
+    const double tol = std::is_same_v<T, c10::BFloat16> ? 1e-2 : 2e-3;  // P rounded to T (above)
+    double worst = 0.0;
+    for (size_t e = 0; e < want.size(); ++e) {
+      const double err = std::abs(double(got[e]) - want[e]);
+      worst = std::isnan(err) ? INFINITY : std::max(worst, err);
+    }
+    EXPECT_LE(worst, tol) << "B " << c.B << " H " << c.H << " G " << c.G << " n " << c.n << " D " << c.D;
+  }
+  EXPECT_GT(count.tiles, 0);
+  EXPECT_GT(count.merged_segments, 0) << "no segment had several splits: the merge is untested";
+  EXPECT_GT(count.skipped, 0) << "no KV tile was skipped by the causal rule: the rule is untested";
+}
+
+// With statistics: every (row, live slot) gets its logit once, the reference's q.k * scale in
+// base 2 (-inf where the row does not see the token), and the output is the same.
+template <typename T>
+void run_decode_logits_cases(uint32_t seed) {
+  std::mt19937 rng(seed);
+  Counters count;
+  for (const auto& [G, n, causal, shift] : {std::tuple{4, 1, true, 4}, std::tuple{8, 2, true, 0}, std::tuple{3, 5, false, 6},
+                                          std::tuple{1, 1, true, 2}}) {
+    const Problem p = make_problem<T>(rng, 2, 3, G, n, 64, shift, causal, /*shuffled_positions=*/true, 700,
+                                      /*edge_segments=*/true);
+    const int64_t capacity = capacity_of(p);
+    const int R = p.rows();
+    std::vector<float> logits(static_cast<size_t>(R) * capacity, NAN);
+    std::vector<int> writes(logits.size(), 0);
+    const std::vector<float> with = emulate_decode<T>(p, 2, count, logits.data(), writes.data());
+    const std::vector<float> without = emulate_decode<T>(p, 2, count);
+    EXPECT_EQ(with, without) << "statistics changed the output";
+    const store::PagedView v = p.view();
+    int64_t live_writes = 0;
+    for (int s = 0; s < p.S(); ++s)
+      for (int l = 0; l < p.len[s]; ++l) {
+        const int64_t slot = v.slot(s, l);
+        int32_t pos;
+        std::memcpy(&pos, v.token(store::kPos, s, l), 4);
+        const auto* k = reinterpret_cast<const uint16_t*>(v.token(store::kK, s, l));
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = r * capacity + slot;
+          ASSERT_EQ(writes[at], 1) << "segment " << s << " token " << l << " row " << r;
+          ++live_writes;
+          const int64_t qrow = dt::q_row(s, r, G, n, n, 0);
+          if (!pf::visible(pos, p.query_pos(s / p.H, dt::query_of(r, n, 0)))) {
+            EXPECT_EQ(logits[at], -INFINITY);
+            continue;
+          }
+          double dot = 0.0;
+          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[qrow * p.D + d])) * from_bits<T>(k[d]);
+          EXPECT_NEAR(logits[at], dot * p.scale * 1.4426950408889634, 1e-4);
+        }
+      }
+    int64_t all_writes = 0;
+    for (int w : writes) all_writes += w;
+    EXPECT_EQ(all_writes, live_writes) << "a write to a slot no live token holds";
+  }
+}
+
+TEST(DecodeTiles, EmulatedKernelMatchesFloat64ReferenceBf16) { run_decode_cases<c10::BFloat16>(47); }
+TEST(DecodeTiles, LogitsForStatisticsCoverEveryLiveSlotOnceBf16) { run_decode_logits_cases<c10::BFloat16>(49); }
+TEST(DecodeTiles, LogitsForStatisticsCoverEveryLiveSlotOnceFp16) { run_decode_logits_cases<c10::Half>(50); }
+TEST(DecodeTiles, EmulatedKernelMatchesFloat64ReferenceFp16) { run_decode_cases<c10::Half>(48); }
 
 }  // namespace
