@@ -409,8 +409,11 @@ def tc_decode_rows(r: dict, copy_gbps: float | None) -> list[tuple]:
     43's goal for the case (of copy, or SDPA on the padded cache for skewed lengths)."""
     case = decode_case_name(r)
     name = f"decode {case} B={r['batch']} Hkv={r['kv_heads']}"
+    import attention as att
     rows = [(f"tensor-core {name} vs switch off", _ms(r["tc_seconds"]), _ms(r["seconds"]),
-             f"{r['tc_speedup']:.2f}x", "—", None)]
+             f"{r['tc_speedup']:.2f}x", "—", None),
+            (f"tensor-core {name} stats overhead", _ms(r["tc_stats_seconds"]), _ms(r["tc_seconds"]),
+             f"{r['tc_stats_overhead']:.2f}x", f"<= {att.STATS_TARGET}x", r["tc_stats_overhead"] <= att.STATS_TARGET)]
     for kernel, seconds, fraction, over in (("tensor-core", r["tc_seconds"], r.get("tc_fraction_of_copy"),
                                              r.get("sdpa_packed_over_tc")),
                                             ("scalar", r["seconds"], r.get("fraction_of_copy"),

@@ -93,6 +93,7 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     assert "e2e h2o-step (per-step eviction) / snapkv (one-shot) decode tok/s (ctx 256 x 1)" in tail
     assert "tensor-core prefill B=1 Hkv=8 n=256 vs SDPA" in tail and "stage tc " in tail
     for line in ("tensor-core decode uniform B=4 Hkv=8 vs switch off", "tensor-core decode uniform B=4 Hkv=8 of copy",
+                 "tensor-core decode skewed B=4 Hkv=8 stats overhead",
                  "scalar decode skewed B=4 Hkv=8 vs SDPA (padded)", "tensor-core decode batch 1 B=1 Hkv=1 of copy"):
         assert line in tail, line
     assert tail.rstrip().splitlines()[-1].startswith("goals missed:")
