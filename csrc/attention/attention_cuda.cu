@@ -55,6 +55,7 @@
 #include "attention/cuda_head_dims.h"
 #include "attention/decode_tc.h"
 #include "attention/merge_states.h"
+#include "attention/split_args.h"
 #include "common/occupancy.h"
 
 namespace kvcache_ext::attention {
@@ -67,7 +68,6 @@ constexpr int kTile = kPlanTile;  // slots whose logits sit in shared memory at 
 constexpr int kUnroll = 4;     // K or V rows a lane has in flight
 constexpr int kMaxRows = 4;    // query rows per block: RB is 1, 2 or 4 (more rows: more
                                // blocks on the same split, which meet in L2)
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
 
 // ---------------------------------------------------------------------------------------
@@ -158,27 +158,11 @@ __device__ inline void slice_to_float(const uint4 (&w)[RowLayout<T, D>::kWords],
 // ---------------------------------------------------------------------------------------
 // Kernel parameters
 
+// SplitArgs (split_args.h) with the scalar kernels' views of it.
 template <typename T>
-struct Params {
-  const T* q;             // [B, Hq, n, D]
-  store::PagedView view;  // K, V and pos of every live token
-  const int32_t* q_pos;   // [B, n] or null
-  const int32_t* len;     // [S] live tokens: a split ends there at the latest
-  const Split* splits;    // [W]
-  const int32_t* seg_first_split;  // [S + 1]: splits of segment s are [first[s], first[s+1])
-  const int32_t* plan_segments;    // the plan's S (its last word): != segments refuses it
-  int32_t segments;                // S of the store
-  // Queries [i0, i0 + n) of the n_total in q are attended in this pass (see run()); the
-  // rows of a segment in this pass are r = g * n + i for i < n.
-  int32_t heads, groups, n_total, i0, n, rows, row_tiles;
-  float scale_log2;
-  int64_t capacity;
-  float* logits;          // [rows, capacity] (slot layout) or null (no statistics)
-  float* part_m;          // [W, rows]
-  float* part_l;          // [W, rows]
-  float* part_o;          // [W, rows, D]
-
-  // Row of q and out ([B, Hq, n_total, D] as rows of D) of segment s's row r.
+struct Params : SplitArgs {
+  __device__ const T* queries() const { return static_cast<const T*>(q); }
+  // Row of q and out ([B, Hq, n_total, D] as rows of D) of segment s's row r = g * n + i.
   __device__ int64_t q_row(int64_t s, int r) const {
     return (s * groups + r / n) * n_total + i0 + r % n;
   }
@@ -250,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
     const int row = row0 + min(r, nrows - 1);  // rows past the end repeat the last one
-    const T* src = p.q + p.q_row(s, row) * D + lane_in_group * L::EPL;
+    const T* src = p.queries() + p.q_row(s, row) * D + lane_in_group * L::EPL;
 #pragma unroll
     for (int e = 0; e < L::EPL; ++e) q[r][e] = active ? static_cast<float>(src[e]) * p.scale_log2 : 0.f;
     q_pos[r] = p.q_pos ? p.query_pos(b, row) : INT32_MAX;
@@ -715,40 +699,13 @@ void launch_attend(int rb, const Params<T>& prm, int64_t blocks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The tensor-core decode's arguments: the call's own (one pass: i0 = 0, n = n_total).
-template <typename T>
-DecodeTcArgs decode_tc_args(const Params<T>& prm) {
-  DecodeTcArgs a;
-  a.q = prm.q;
-  a.view = prm.view;
-  a.q_pos = prm.q_pos;
-  a.len = prm.len;
-  a.splits = prm.splits;
-  a.seg_first_split = prm.seg_first_split;
-  a.plan_segments = prm.plan_segments;
-  a.segments = prm.segments;
-  a.heads = prm.heads;
-  a.groups = prm.groups;
-  a.n_total = prm.n_total;
-  a.i0 = prm.i0;
-  a.n = prm.n;
-  a.rows = prm.rows;
-  a.scale_log2 = prm.scale_log2;
-  a.capacity = prm.capacity;
-  a.logits = prm.logits;
-  a.part_m = prm.part_m;
-  a.part_l = prm.part_l;
-  a.part_o = prm.part_o;
-  return a;
-}
-
 // With statistics the raw logits of a pass are kept ([G * queries, capacity] floats): block
 // prefill runs in passes over chunks of queries so that this stays under the bound.
 constexpr int64_t kMaxLogitsBytes = int64_t{256} << 20;
 
 template <typename T, int D>
 void run(const Problem& p, Result& r) {
-  const int64_t B = p.q.size(0), n_total = p.q.size(2);
+  const int64_t n_total = p.q.size(2);
   const int64_t S = p.segments;
   const int64_t capacity = p.capacity;
   TORCH_INTERNAL_ASSERT(p.plan.defined() ||
@@ -802,31 +759,18 @@ void run(const Problem& p, Result& r) {
     at::Tensor final_m = stats ? at::empty({S, rows}, f32) : at::Tensor();
     at::Tensor final_inv_l = stats ? at::empty({S, rows}, f32) : at::Tensor();
 
-    Params<T> prm;
-    prm.q = p.q.data_ptr<T>();
-    prm.view = p.view;
-    prm.q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() : nullptr;
-    prm.len = p.len.data_ptr<int32_t>();
-    prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
-    prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
-    prm.plan_segments = plan.data_ptr<int32_t>() + plan.numel() - 1;
-    prm.segments = static_cast<int32_t>(S);
-    prm.heads = static_cast<int32_t>(S / B);
-    prm.groups = static_cast<int32_t>(p.groups);
-    prm.n_total = static_cast<int32_t>(n_total);
+    Params<T> prm{split_args(p, plan, W)};
     prm.i0 = static_cast<int32_t>(i0);
     prm.n = static_cast<int32_t>(n);
     prm.rows = static_cast<int32_t>(rows);
     prm.row_tiles = static_cast<int32_t>(row_tiles);
-    prm.scale_log2 = p.scale * kLog2e;
-    prm.capacity = capacity;
     prm.logits = logits.defined() ? logits.data_ptr<float>() : nullptr;
     prm.part_m = part_m.data_ptr<float>();
     prm.part_l = part_l.data_ptr<float>();
     prm.part_o = part_o.data_ptr<float>();
 
     if (tc) {
-      if constexpr (kTcTypes) launch_decode_tc<T, D>(decode_tc_args(prm), W, stream);
+      if constexpr (kTcTypes) launch_decode_tc<T, D>(prm, W, stream);
     } else if (W > 0) {
       launch_attend<T, D>(rb, prm, W * row_tiles, stream);
     }

@@ -9,8 +9,7 @@
 
 #include <cstdint>
 
-#include "attention/attention_plan.h"
-#include "store/paged_layout.h"
+#include "attention/split_args.h"
 
 namespace kvcache_ext::attention {
 
@@ -24,27 +23,9 @@ bool decode_tc_enabled();
 // At most this many query rows per KV head (G * n: one mma M tile).
 constexpr int64_t kDecodeTcMaxRows = 16;
 
-struct DecodeTcArgs {
-  const void* q;                   // [B, Hq, n, D] of T
-  store::PagedView view;
-  const int32_t* q_pos;            // [B, n] or null
-  const int32_t* len;              // [S]
-  const Split* splits;             // [W]
-  const int32_t* seg_first_split;  // [S + 1]
-  const int32_t* plan_segments;    // the plan's S
-  int32_t segments, heads, groups;
-  int32_t n_total, i0, n, rows;    // this pass: queries [i0, i0 + n) of n_total, rows = G * n
-  float scale_log2;
-  int64_t capacity;
-  float* logits;  // [rows, capacity] (slot layout) or null (no statistics)
-  float* part_m;  // [W, rows]
-  float* part_l;  // [W, rows]
-  float* part_o;  // [W, rows, D]
-};
-
 // T is at::Half or at::BFloat16, D 64 or 128 (the instantiations decode_tc_cuda.cu makes).
 template <typename T, int D>
-void launch_decode_tc(const DecodeTcArgs& a, int64_t splits, cudaStream_t stream);
+void launch_decode_tc(const SplitArgs& a, int64_t splits, cudaStream_t stream);
 
 // Blocks of the kernel (bf16, head_dim 128) an SM holds: the plan's waves.
 int decode_tc_blocks_per_sm(int device);

@@ -58,7 +58,7 @@ struct DecodeSmem {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(dt::kThreads) decode_tc_split(DecodeTcArgs p) {
+__global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
   using L = DecodeSmem<D>;
   extern __shared__ __align__(128) uint8_t smem[];
   if (*p.plan_segments != p.segments) return;  // a foreign plan: merge_segments writes NaN
@@ -203,7 +203,7 @@ bool decode_tc_enabled() {
 }
 
 template <typename T, int D>
-void launch_decode_tc(const DecodeTcArgs& a, int64_t splits, cudaStream_t stream) {
+void launch_decode_tc(const SplitArgs& a, int64_t splits, cudaStream_t stream) {
   using L = DecodeSmem<D>;
   TORCH_INTERNAL_ASSERT(a.rows >= 1 && a.rows <= dt::kRows, "decode_tc takes 1 to ", dt::kRows, " rows, got ",
                         a.rows);
@@ -214,10 +214,10 @@ void launch_decode_tc(const DecodeTcArgs& a, int64_t splits, cudaStream_t stream
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_decode_tc<at::Half, 64>(const DecodeTcArgs&, int64_t, cudaStream_t);
-template void launch_decode_tc<at::Half, 128>(const DecodeTcArgs&, int64_t, cudaStream_t);
-template void launch_decode_tc<at::BFloat16, 64>(const DecodeTcArgs&, int64_t, cudaStream_t);
-template void launch_decode_tc<at::BFloat16, 128>(const DecodeTcArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::Half, 64>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::Half, 128>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::BFloat16, 64>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::BFloat16, 128>(const SplitArgs&, int64_t, cudaStream_t);
 
 int decode_tc_blocks_per_sm(int device) {
   using L = DecodeSmem<128>;

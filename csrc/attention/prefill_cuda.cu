@@ -47,6 +47,7 @@
 #include "attention/attention_kernels.h"
 #include "attention/attention_plan.h"
 #include "attention/prefill_tiles.h"
+#include "attention/split_args.h"
 #include "attention/tc_common.cuh"
 
 namespace kvcache_ext::attention {
@@ -55,25 +56,6 @@ namespace {
 
 namespace pf = prefill;
 using namespace tc;  // PTX wrappers, product_tile, pack2, KvTileCopy
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-template <typename T>
-struct PrefillParams {
-  const T* q;             // [B, Hq, n, D]
-  store::PagedView view;  // K, V and pos of every live token
-  const int32_t* q_pos;   // [B, n] or null (every live token visible)
-  const int32_t* len;     // [S]
-  const Split* splits;    // [W]
-  const int32_t* seg_first_split;  // [S + 1]
-  const int32_t* plan_segments;    // the plan's S: != segments refuses it (NaN rows)
-  int32_t segments, heads, groups, n, rows, row_tiles;
-  float scale_log2;
-  float* part_m;  // [W, rows] (packed rows)
-  float* part_l;  // [W, rows]
-  float* part_o;  // [W, rows, D]
-  float* lse;     // [S, rows] (packed rows): each row's merged log-sum-exp, or null (no statistics)
-};
 
 // ---------------------------------------------------------------------------------------
 // Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
@@ -97,7 +79,7 @@ struct SmemLayout {
 // of a split are neighbours in the grid, so they read its K and V together from L2).
 
 template <typename T, int D>
-__global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p) {
+__global__ void __launch_bounds__(pf::kThreads) prefill_split(SplitArgs p) {
   using L = SmemLayout<D>;
   extern __shared__ __align__(128) uint8_t smem[];
   if (*p.plan_segments != p.segments) return;  // a foreign plan: merge_splits writes NaN
@@ -115,7 +97,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
     const pf::RowCol at = pf::copy_chunk(idx, D);
     const int prow = row0 + at.row;
     const bool live = prow < p.rows;
-    const T* src = p.q + (live ? pf::q_row(s, prow, p.groups, p.n) * D + at.col : 0);
+    const T* src = static_cast<const T*>(p.q) + (live ? pf::q_row(s, prow, p.groups, p.n) * D + at.col : 0);
     cp_async_16(shared_address(smem + pf::smem_offset(at.row, at.col, D)), src, live);
   }
   cp_async_commit();
@@ -207,7 +189,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(PrefillParams<T> p
 // (merge_states.h, the decode kernel's arithmetic).
 
 template <typename T, int D>
-__global__ void __launch_bounds__(256) merge_splits(PrefillParams<T> p, T* out) {
+__global__ void __launch_bounds__(256) merge_splits(SplitArgs p, T* out) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.segments) * p.rows * D) return;
   const int d = static_cast<int>(idx % D);
@@ -260,7 +242,7 @@ struct StatsSmem {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p, StatsOut st) {
+__global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, StatsOut st) {
   using L = StatsSmem<D>;
   extern __shared__ __align__(128) uint8_t smem[];
   if (*p.plan_segments != p.segments) return;  // a foreign plan: out is NaN, statistics zeros
@@ -289,7 +271,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
     for (int idx = threadIdx.x; idx < pf::kTileM * D / pf::kChunkElems; idx += pf::kThreads) {
       const pf::RowCol at = pf::copy_chunk(idx, D);
       const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + at.row, lp, G, p.n);
-      const T* src = p.q + (row.live ? pf::q_row(s, pf::packed_row(row.g, row.i, G), G, p.n) * D + at.col : 0);
+      const T* src = static_cast<const T*>(p.q) + (row.live ? pf::q_row(s, pf::packed_row(row.g, row.i, G), G, p.n) * D + at.col : 0);
       cp_async_16(shared_address(q_dst + pf::smem_offset(at.row, at.col, D)), src, row.live);
     }
     cp_async_commit();
@@ -458,7 +440,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(PrefillParams<T> p
 template <typename T, int D>
 void run_prefill(const Problem& p, Result& r) {
   using L = SmemLayout<D>;
-  const int64_t B = p.q.size(0), n = p.q.size(2), S = p.segments;
+  const int64_t n = p.q.size(2), S = p.segments;
   const int64_t rows = p.groups * n;
   const store::PageRecord& rec = p.view.record;
   TORCH_INTERNAL_ASSERT(rec.row_bytes[store::kK] == D * 2 && rec.row_bytes[store::kV] == D * 2 &&
@@ -478,21 +460,9 @@ void run_prefill(const Problem& p, Result& r) {
   const bool stats = r.mass.defined() || r.last.defined() || r.sum_sq.defined() || r.count.defined();
   const at::Tensor lse = stats ? at::empty({S, rows}, f32) : at::Tensor();
 
-  PrefillParams<T> prm;
-  prm.q = p.q.data_ptr<T>();
-  prm.view = p.view;
-  prm.q_pos = p.q_pos.defined() ? p.q_pos.data_ptr<int32_t>() : nullptr;
-  prm.len = p.len.data_ptr<int32_t>();
-  prm.splits = reinterpret_cast<const Split*>(plan.data_ptr<int32_t>());
-  prm.seg_first_split = plan.data_ptr<int32_t>() + 3 * W;
-  prm.plan_segments = plan.data_ptr<int32_t>() + plan.numel() - 1;
-  prm.segments = static_cast<int32_t>(S);
-  prm.heads = static_cast<int32_t>(S / B);
-  prm.groups = static_cast<int32_t>(p.groups);
-  prm.n = static_cast<int32_t>(n);
+  SplitArgs prm = split_args(p, plan, W);
   prm.rows = static_cast<int32_t>(rows);
   prm.row_tiles = static_cast<int32_t>(row_tiles);
-  prm.scale_log2 = p.scale * kLog2e;
   prm.part_m = part_m.data_ptr<float>();
   prm.part_l = part_l.data_ptr<float>();
   prm.part_o = part_o.data_ptr<float>();
