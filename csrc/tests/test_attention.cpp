@@ -12,13 +12,17 @@
 // Every case runs on the CPU and is checked against the reference, asking for every
 // statistic, for none and for a subset. Its *Cuda twin builds a CUDA store by the same
 // operations, runs the same inputs on it and compares the CUDA result with the CPU result
-// (counts exactly). The CUDA kernel takes the head_dim sizes of attention/cuda_head_dims.h only
+// (counts exactly), by default and with the tensor-core decode switched on
+// (KVCACHE_EXT_TC_DECODE=1). The CUDA kernel takes the head_dim sizes of attention/cuda_head_dims.h only
 // (kvcache_ext.kernels.attention.CUDA_HEAD_DIMS): for other sizes the twin checks that it raises a
 // ValueError instead.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <iomanip>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "attention/attention_cpu_tiles.h"
@@ -466,6 +470,46 @@ double out_rtol(at::ScalarType t) {
   }
 }
 
+// The CUDA tensor-core kernels (prefill_cuda.cu, decode_tc_cuda.cu) round each probability to
+// the 16-bit type before P V: up to half an ulp of it per weight, so an output element may be off
+// by that fraction of sum p |v| (its mag), beyond the rounding of the output itself.
+double p_round_rtol(at::ScalarType t, const at::Device& d) {
+  if (!d.is_cuda()) return 0.0;
+  switch (t) {
+    case at::kHalf: return std::ldexp(1.0, -11);
+    case at::kBFloat16: return std::ldexp(1.0, -8);
+    default: return 0.0;
+  }
+}
+
+// Sets an environment variable for a scope (the CUDA kernels' switches, read on every call).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old) old_ = old;
+    had_ = old != nullptr;
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
 std::string index_str(int64_t e, const std::vector<int64_t>& shape) {
   std::vector<int64_t> idx(shape.size());
   for (int64_t k = static_cast<int64_t>(shape.size()) - 1; k >= 0; --k) {
@@ -538,7 +582,7 @@ void expect_result(const Result& res, const Store& st, const at::Tensor& q, cons
   const std::string vs = cpu ? " (vs the CPU result)" : " (vs the reference)";
   // Output.
   const std::vector<double> want_out = cpu ? doubles(std::get<0>(*cpu)) : ref.out;
-  const double rtol = out_rtol(q.scalar_type()), prtol = prob_rtol(ref);
+  const double rtol = out_rtol(q.scalar_type()), prtol = prob_rtol(ref) + p_round_rtol(q.scalar_type(), d);
   std::vector<double> tol(want_out.size());
   for (size_t e = 0; e < tol.size(); ++e) {
     tol[e] = ref.mag[e] == 0 ? 0.0 : kAtol + rtol * std::fabs(want_out[e]) + prtol * ref.mag[e];
@@ -656,6 +700,10 @@ void matches_reference(const AttnCase& c, bool cuda) {
     }
     const Result res_g = attend(gst, q_g, q_pos_g, sc.scale, w);
     KVTEST_STEP("CUDA result", expect_result(res_g, gst, q_g, w, kCuda, ref, &res));
+    // The tensor-core decode (opt-in) on the calls it takes, the scalar kernel on the others.
+    const ScopedEnv tc_decode("KVCACHE_EXT_TC_DECODE", "1");
+    const Result res_tc = attend(gst, q_g, q_pos_g, sc.scale, w);
+    KVTEST_STEP("CUDA result, KVCACHE_EXT_TC_DECODE=1", expect_result(res_tc, gst, q_g, w, kCuda, ref, &res));
   }
   for (size_t i = 0; i < sc.stores.size(); ++i) {
     EXPECT_TRUE(Unchanged(*sc.stores[i], before[i])) << "store on " << sc.devices[i];
