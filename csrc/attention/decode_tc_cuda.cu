@@ -21,12 +21,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "attention/decode_tc.h"
 #include "attention/decode_tiles.h"
 #include "attention/tc_common.cuh"
+#include "common/kernel_switch.h"
 #include "common/occupancy.h"
 
 namespace kvcache_ext::attention {
@@ -35,7 +34,7 @@ namespace {
 
 namespace pf = prefill;
 namespace dt = decode_tc;
-using namespace tc;  // PTX wrappers, product_tile, pack2, KvTileCopy
+using namespace tc;  // PTX wrappers, the paged copy, the warp step (tc_common.cuh)
 
 // Shared memory of a block (dynamic): the Q tile, kStages K, V and pos tiles and page lists,
 // the warps' m and l. The warps' o ([kWarps, kRows, D] floats) reuse the K and V stages after
@@ -101,21 +100,11 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
                                        reinterpret_cast<const char**>(smem + L::kPages));
   kv.start(split.begin);
 
-  // Q as A fragments, one set per k-step of 16: the block's 16 rows in every warp.
+  // Q as A fragments, one set per k-step of 16: the block's 16 rows in every warp; the warp's
+  // running state over its tokens.
   uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const pf::RowCol at = pf::ldmatrix_q(lane, 0, 16 * kk);
-    ldmatrix_x4(qf[kk], shared_address(smem + pf::smem_offset(at.row, at.col, D)));
-  }
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int nb = 0; nb < D / 8; ++nb)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[nb][c] = 0.f;
-  float m[2] = {pf::neg_inf(), pf::neg_inf()};
-  float l[2] = {0.f, 0.f};  // this lane's part of the row sums over the warp's tokens
+  load_a_fragments<D>(qf, smem, lane, 0);
+  WarpState<D> st;
   const int first = dt::warp_first_token(warp);
 
   int stage = 0;
@@ -152,8 +141,8 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
       }
       // The online softmax; O += P V over the same tokens (one k-step).
       uint32_t pa[1][4];
-      softmax_tile<T>(sc, tile_max, m, l, o, pa);
-      accumulate_pv<T, D>(o, pa, v_tile, first, lane);
+      softmax_tile<T>(sc, tile_max, st, pa);
+      accumulate_pv<T, D>(st.o, pa, v_tile, first, lane);
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
   }
@@ -164,29 +153,16 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
   float* warp_m = reinterpret_cast<float*>(smem + L::kWarpM);
   float* warp_l = reinterpret_cast<float*>(smem + L::kWarpL);
   float* warp_o = reinterpret_cast<float*>(smem + L::kWarpO);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] = quad_sum(l[h]);
-    const int wr = warp * dt::kRows + lane / 4 + 8 * h;
-    if (lane % 4 == 0) {
-      warp_m[wr] = m[h];
-      warp_l[wr] = l[h];
-    }
-#pragma unroll
-    for (int nb = 0; nb < D / 8; ++nb) {
-      const int col = 8 * nb + pf::mma_c(lane, 2 * h).col;  // even: 8-byte aligned
-      *reinterpret_cast<float2*>(warp_o + static_cast<int64_t>(wr) * D + col) = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
-    }
-  }
+  st.store(lane, [&](int h) { return int64_t{warp * dt::kRows + lane / 4 + 8 * h}; }, warp_m, warp_l, warp_o);
   __syncthreads();
   const int64_t part_row0 = w * p.rows;
   for (int idx = threadIdx.x; idx < p.rows * D; idx += dt::kThreads) {
     const int r = idx / D, d = idx % D;
-    const MergeState<1> st = dt::merge_warps(warp_m, warp_l, warp_o, r, D, d);
-    p.part_o[(part_row0 + r) * D + d] = st.o[0];
+    const MergeState<1> merged = dt::merge_warps(warp_m, warp_l, warp_o, r, D, d);
+    p.part_o[(part_row0 + r) * D + d] = merged.o[0];
     if (d == 0) {
-      p.part_m[part_row0 + r] = st.m;
-      p.part_l[part_row0 + r] = st.l;
+      p.part_m[part_row0 + r] = merged.m;
+      p.part_l[part_row0 + r] = merged.l;
     }
   }
 }
@@ -194,12 +170,7 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
 }  // namespace
 
 bool decode_tc_enabled() {
-  const char* flag = std::getenv(kDecodeTcSwitch);
-  const bool on = flag != nullptr && std::strcmp(flag, "1") == 0;
-  TORCH_CHECK_VALUE(flag == nullptr || on || std::strcmp(flag, "0") == 0, "the environment variable ",
-                    kDecodeTcSwitch, " must be 1 (the tensor-core decode) or 0 or unset (the scalar "
-                    "decode kernel, the default), got '", flag, "'");
-  return on;
+  return kernel_switch(kDecodeTcSwitch, false, "the tensor-core decode", "the scalar decode kernel");
 }
 
 template <typename T, int D>

@@ -41,7 +41,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "attention/attention_kernels.h"
@@ -49,13 +48,14 @@
 #include "attention/prefill_tiles.h"
 #include "attention/split_args.h"
 #include "attention/tc_common.cuh"
+#include "common/kernel_switch.h"
 
 namespace kvcache_ext::attention {
 
 namespace {
 
 namespace pf = prefill;
-using namespace tc;  // PTX wrappers, product_tile, pack2, KvTileCopy
+using namespace tc;  // PTX wrappers, the paged copy, the warp step (tc_common.cuh)
 
 // ---------------------------------------------------------------------------------------
 // Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
@@ -127,21 +127,10 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(SplitArgs p) {
 
   kv.start(split.begin);
 
-  // Q as A fragments, one set per k-step of 16.
+  // Q as A fragments, one set per k-step of 16; the warp's running state.
   uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const pf::RowCol at = pf::ldmatrix_q(lane, warp * pf::kWarpRows, 16 * kk);
-    ldmatrix_x4(qf[kk], shared_address(smem + pf::smem_offset(at.row, at.col, D)));
-  }
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int nb = 0; nb < D / 8; ++nb)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[nb][c] = 0.f;
-  float m[2] = {pf::neg_inf(), pf::neg_inf()};
-  float l[2] = {0.f, 0.f};  // this lane's part of the row sums (the quad adds them at the end)
+  load_a_fragments<D>(qf, smem, lane, warp * pf::kWarpRows);
+  WarpState<D> st;
 
   int stage = 0;
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN, stage ^= 1) {
@@ -158,29 +147,20 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(SplitArgs p) {
       product_tile<T, D>(sc, qf, k_tile, lane);
       mask_tile(sc, 0, tile_len, pos, row_pos, p.scale_log2, lane, tile_max);
       uint32_t pa[pf::kTileN / 16][4];
-      softmax_tile<T>(sc, tile_max, m, l, o, pa);
-      accumulate_pv<T, D>(o, pa, v_tile, 0, lane);
+      softmax_tile<T>(sc, tile_max, st, pa);
+      accumulate_pv<T, D>(st.o, pa, v_tile, 0, lane);
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
   }
 
   // 4. The split state of the lane's rows.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] = quad_sum(l[h]);
-    const int prow = row0 + warp * pf::kWarpRows + lane / 4 + 8 * h;
-    if (prow >= p.rows) continue;
-    const int64_t pr = w * p.rows + prow;
-    if (lane % 4 == 0) {
-      p.part_m[pr] = m[h];
-      p.part_l[pr] = l[h];
-    }
-#pragma unroll
-    for (int nb = 0; nb < D / 8; ++nb) {
-      const int col = 8 * nb + pf::mma_c(lane, 2 * h).col;  // even: 8-byte aligned
-      *reinterpret_cast<float2*>(p.part_o + pr * D + col) = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
-    }
-  }
+  st.store(
+      lane,
+      [&](int h) {
+        const int prow = row0 + warp * pf::kWarpRows + lane / 4 + 8 * h;
+        return prow < p.rows ? w * p.rows + prow : int64_t{-1};
+      },
+      p.part_m, p.part_l, p.part_o);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -320,11 +300,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
     // The warp's 16 tokens as A fragments, once per KV tile; the lane's two tokens (h = 0:
     // row lane / 4, h = 1: + 8), their slots and positions; the warp's smallest position.
     uint32_t kf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const pf::RowCol at = pf::ldmatrix_q(lane, warp * pf::kWarpRows, 16 * kk);
-      ldmatrix_x4(kf[kk], shared_address(smem + L::kK + pf::smem_offset(at.row, at.col, D)));
-    }
+    load_a_fragments<D>(kf, smem + L::kK, lane, warp * pf::kWarpRows);
     bool token_live[2];
     int32_t token_pos[2];
     int64_t slot[2];
@@ -531,14 +507,7 @@ at::Tensor plan_prefill_cuda(const std::vector<int32_t>& len, int64_t rows, cons
 }
 
 bool prefill_tc_enabled() {
-  // Read on every call (one getenv, no lock): the benchmarks flip it between calls to time both
-  // kernels in one process.
-  const char* flag = std::getenv(kPrefillTcSwitch);
-  const bool off = flag != nullptr && std::strcmp(flag, "0") == 0;
-  TORCH_CHECK_VALUE(flag == nullptr || off || std::strcmp(flag, "1") == 0, "the environment variable ",
-                    kPrefillTcSwitch, " must be 0 (the scalar prefill kernel) or 1 or unset (the "
-                    "tensor-core prefill, the default), got '", flag, "'");
-  return !off;
+  return kernel_switch(kPrefillTcSwitch, true, "the tensor-core prefill", "the scalar prefill kernel");
 }
 
 bool prefill_tc_applies(const Problem& p, const Result& r) {

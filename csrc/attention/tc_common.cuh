@@ -2,7 +2,7 @@
 // PTX wrappers (cp.async, ldmatrix, mma.sync m16n8k16), the warp's product of an A fragment
 // set with a swizzled shared tile, the paged copy of KV tiles into shared memory in stages (its
 // pipeline's start and per-tile head), and a warp's step of the attention over one KV tile
-// (mask, online softmax, P V). The maps they follow (fragments, ldmatrix addresses, swizzle, copy order, a tile's
+// (its fragments of Q, its running state, mask, online softmax, P V). The maps they follow (fragments, ldmatrix addresses, swizzle, copy order, a tile's
 // pages) are prefill_tiles.h's, emulated on the host by csrc/tests/test_prefill_tiles.cpp.
 // sm_80 and newer (cp.async, bf16 mma); included by .cu files only.
 #pragma once
@@ -243,6 +243,64 @@ struct KvTileCopy {
 // lane / 4 + 8, h = 0 and 1, a quad of lanes a row) against NB n-blocks of 8 of the tile's tokens
 // starting at tile token `first`. Logits in base 2; prefill_tiles.h's mask and softmax.
 
+// A warp's A fragments of rows row0 .. row0 + 15 of a swizzled shared tile of D columns, one set
+// per k-step of 16 (the attention's Q, the statistics pass's K).
+template <int D>
+__device__ inline void load_a_fragments(uint32_t (&a)[D / 16][4], const uint8_t* tile, int lane, int row0) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const pf::RowCol at = pf::ldmatrix_q(lane, row0, 16 * kk);
+    ldmatrix_x4(a[kk], shared_address(tile + pf::smem_offset(at.row, at.col, D)));
+  }
+}
+
+// A warp's running softmax state for the lane's two rows: the unnormalised output (C fragments
+// of D / 8 n-blocks), the running max m and this lane's part of the sum l (its quad adds them).
+template <int D>
+struct WarpState {
+  float o[D / 8][4];
+  float m[2], l[2];
+
+  __device__ WarpState() {
+#pragma unroll
+    for (int nb = 0; nb < D / 8; ++nb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[nb][c] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[h] = pf::neg_inf();
+      l[h] = 0.f;
+    }
+  }
+
+  // Stores the state of the lane's rows h (row index(h), skipped when negative) into row-major
+  // m, l ([rows]) and o ([rows, D]), l summed over the quad first. Every lane of the warp calls it.
+  template <typename RowIndex>
+  __device__ void store(int lane, RowIndex index, float* m_out, float* l_out, float* o_out) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = quad_sum(l[h]);
+      const int64_t row = index(h);
+      if (row < 0) continue;
+      if (lane % 4 == 0) {
+        m_out[row] = m[h];
+        l_out[row] = l[h];
+      }
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb) {
+        const int col = 8 * nb + pf::mma_c(lane, 2 * h).col;  // even: 8-byte aligned
+        *reinterpret_cast<float2*>(o_out + row * D + col) = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
+      }
+    }
+  }
+
+ private:
+  __device__ static float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+  }
+};
+
 // The smallest position among the tile's tokens (every lane of the warp gets it): the skip rule.
 __device__ inline int32_t tile_min_pos(const int32_t* pos, int tile_len, int lane) {
   int32_t min_pos = INT32_MAX;
@@ -275,31 +333,31 @@ __device__ inline void mask_tile(float (&sc)[NB][4], int first, int tile_len, co
   }
 }
 
-// The online softmax step of the tile: the rows' running max m and this lane's part of their
-// sums l, o rescaled; P summed in fp32, then rounded to T as A fragments: the C fragments of
+// The online softmax step of the tile: the rows' running max and this lane's part of their
+// sums, o rescaled; P summed in fp32, then rounded to T as A fragments: the C fragments of
 // n-blocks 2j and 2j + 1 are the A fragment of k-step j (c0 c1 -> a0 / a2, c2 c3 -> a1 / a3), so
 // P never passes through shared memory.
-template <typename T, int NB, int NO>
-__device__ inline void softmax_tile(const float (&sc)[NB][4], const float (&tile_max)[2], float (&m)[2], float (&l)[2],
-                                    float (&o)[NO][4], uint32_t (&pa)[NB / 2][4]) {
+template <typename T, int NB, int D>
+__device__ inline void softmax_tile(const float (&sc)[NB][4], const float (&tile_max)[2], WarpState<D>& st,
+                                    uint32_t (&pa)[NB / 2][4]) {
   pf::SoftmaxStep step[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    step[h] = pf::softmax_step(m[h], tile_max[h]);
-    m[h] = step[h].m_new;
-    l[h] *= step[h].alpha;
+    step[h] = pf::softmax_step(st.m[h], tile_max[h]);
+    st.m[h] = step[h].m_new;
+    st.l[h] *= step[h].alpha;
   }
 #pragma unroll
-  for (int nb = 0; nb < NO; ++nb)
+  for (int nb = 0; nb < D / 8; ++nb)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) o[nb][c] *= step[c / 2].alpha;
+    for (int c = 0; c < 4; ++c) st.o[nb][c] *= step[c / 2].alpha;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     float prob[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       prob[c] = pf::softmax_weight(sc[nb][c], step[c / 2].m_new);
-      l[c / 2] += prob[c];
+      st.l[c / 2] += prob[c];
     }
     pa[nb / 2][2 * (nb % 2)] = pack2<T>(prob[0], prob[1]);
     pa[nb / 2][2 * (nb % 2) + 1] = pack2<T>(prob[2], prob[3]);
@@ -322,12 +380,6 @@ __device__ inline void accumulate_pv(float (&o)[D / 8][4], const uint32_t (&pa)[
       mma_16816<T>(o[2 * n2 + 1], pa[j], vb[2], vb[3]);
     }
   }
-}
-
-// A row's sum over its quad (every lane of the quad gets it).
-__device__ inline float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 }  // namespace kvcache_ext::attention::tc

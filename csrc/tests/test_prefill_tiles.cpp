@@ -321,6 +321,74 @@ std::vector<BFrag> b_fragments(const std::vector<std::array<std::array<uint16_t,
   return bf;
 }
 
+// A warp's running state, lane by lane: O accumulators ([D / 8] n-blocks of C fragments), the
+// running max m and this lane's part of the sum l of its rows lane / 4 and lane / 4 + 8 (h = 0, 1).
+struct WarpState {
+  std::vector<std::vector<CFrag>> o;
+  std::vector<std::array<float, 2>> m, l;
+  explicit WarpState(int D)
+      : o(D / 8, std::vector<CFrag>(32, CFrag{})), m(32, {pf::neg_inf(), pf::neg_inf()}), l(32, {0.f, 0.f}) {}
+  // Row h's sum over the lane's quad (shfl_xor 1, 2).
+  float quad_l(int lane, int h) const {
+    float sum = 0.f;
+    for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) sum += l[q][h];
+    return sum;
+  }
+};
+
+// One warp's step over a KV tile, as tc_common.cuh runs it (product_tile, mask_tile,
+// softmax_tile, accumulate_pv): S = Q K^T over `blocks` n-blocks of 8 tokens from tile token
+// `first`, scaled to base 2, masked (live(row of the warp, token of the tile)), the online
+// softmax (a quad shares a row; P summed in fp32, then rounded to T as A fragments), O += P V.
+// Returns the masked logits ([blocks][32] C fragments).
+template <typename T, typename Live>
+std::vector<std::vector<CFrag>> warp_tile_step(WarpState& st, const std::vector<std::vector<AFrag>>& qf,
+                                               const Smem& k_smem, const Smem& v_smem, int D, int first, int blocks,
+                                               float scale_log2, Live live) {
+  std::vector<std::vector<CFrag>> sc(blocks, std::vector<CFrag>(32, CFrag{}));
+  for (int k2 = 0; k2 < D / 32; ++k2)
+    for (int nb = 0; nb < blocks; ++nb) {
+      const auto regs = ldmatrix_x4(k_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, first + 8 * nb, 32 * k2); });
+      for (int half = 0; half < 2; ++half) mma(sc[nb], qf[2 * k2 + half], b_fragments<T>(regs, half));
+    }
+  std::vector<std::array<float, 2>> tile_max(32, {pf::neg_inf(), pf::neg_inf()});
+  for (int lane = 0; lane < 32; ++lane)
+    for (int nb = 0; nb < blocks; ++nb)
+      for (int c = 0; c < 4; ++c) {
+        const pf::RowCol rc = pf::mma_c(lane, c);
+        float& x = sc[nb][lane][c];
+        x = live(rc.row, first + 8 * nb + rc.col) ? x * scale_log2 : pf::neg_inf();
+        tile_max[lane][c / 2] = std::max(tile_max[lane][c / 2], x);
+      }
+  for (int lane = 0; lane < 32; ++lane)  // shfl_xor 1, 2 within the quad
+    for (int h = 0; h < 2; ++h)
+      for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) tile_max[lane][h] = std::max(tile_max[lane][h], tile_max[q][h]);
+  std::vector<std::vector<AFrag>> pa(blocks / 2, std::vector<AFrag>(32, AFrag{}));  // per k-step of 16 tokens
+  for (int lane = 0; lane < 32; ++lane) {
+    pf::SoftmaxStep step[2];
+    for (int h = 0; h < 2; ++h) {
+      step[h] = pf::softmax_step(st.m[lane][h], tile_max[lane][h]);
+      st.m[lane][h] = step[h].m_new;
+      st.l[lane][h] *= step[h].alpha;
+    }
+    for (auto& nb_frags : st.o)
+      for (int c = 0; c < 4; ++c) nb_frags[lane][c] *= step[c / 2].alpha;
+    for (int nb = 0; nb < blocks; ++nb)
+      for (int c = 0; c < 4; ++c) {
+        const float prob = pf::softmax_weight(sc[nb][lane][c], step[c / 2].m_new);
+        st.l[lane][c / 2] += prob;  // fp32, before the rounding of P (as the kernel)
+        // C of n-blocks 2j, 2j + 1 is A of k-step j: c0 c1 -> a0 / a2, c2 c3 -> a1 / a3.
+        pa[nb / 2][lane][(c / 2) + 2 * (nb % 2)][c % 2] = from_bits<T>(to_bits<T>(prob));
+      }
+  }
+  for (int j = 0; j < blocks / 2; ++j)
+    for (int n2 = 0; n2 < D / 16; ++n2) {
+      const auto regs = ldmatrix_x4(v_smem, D, true, [&](int lane) { return pf::ldmatrix_v(lane, first + 16 * j, 16 * n2); });
+      for (int half = 0; half < 2; ++half) mma(st.o[2 * n2 + half], pa[j], b_fragments<T>(regs, half));
+    }
+  return sc;
+}
+
 // ---------------------------------------------------------------------------------------
 // The kernel's block, emulated: split `split` of segment s for M tile `tile`. Writes the
 // split states of its rows (packed order) into part_m, part_l, part_o ([rows], [rows, D]).
@@ -353,12 +421,10 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
     max_query_pos = std::max(max_query_pos, row_pos[r]);
   }
 
-  // Per warp, per lane: Q fragments, O accumulators, m and partial l of rows grp and grp + 8.
+  // Per warp: Q fragments and the running state.
   std::vector<std::vector<std::vector<AFrag>>> qf;
   for (int w = 0; w < pf::kWarps; ++w) qf.push_back(q_fragments<T>(q_smem, D, 16 * w));
-  std::vector<std::vector<std::vector<CFrag>>> o(pf::kWarps, std::vector<std::vector<CFrag>>(D / 8, std::vector<CFrag>(32, CFrag{})));
-  std::vector<std::vector<std::array<float, 2>>> m(pf::kWarps, std::vector<std::array<float, 2>>(32, {pf::neg_inf(), pf::neg_inf()}));
-  std::vector<std::vector<std::array<float, 2>>> l(pf::kWarps, std::vector<std::array<float, 2>>(32, {0.f, 0.f}));
+  std::vector<WarpState> st(pf::kWarps, WarpState(D));
 
   Smem k_smem(pf::kTileN * D * 2), v_smem(pf::kTileN * D * 2);
   std::vector<int32_t> pos(pf::kTileN);
@@ -370,74 +436,23 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
       ++count.skipped;
       continue;
     }
-    for (int w = 0; w < pf::kWarps; ++w) {
-      // S = Q K^T, 8 n-blocks of 8 tokens.
-      std::vector<std::vector<CFrag>> sc(pf::kTileN / 8, std::vector<CFrag>(32, CFrag{}));
-      for (int k2 = 0; k2 < D / 32; ++k2)
-        for (int nb = 0; nb < pf::kTileN / 8; ++nb) {
-          const auto regs = ldmatrix_x4(k_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, 8 * nb, 32 * k2); });
-          for (int half = 0; half < 2; ++half) {
-            mma(sc[nb], qf[w][2 * k2 + half], b_fragments<T>(regs, half));
-          }
-        }
-      // Mask, online softmax per row (a lane's two rows; a quad shares a row).
-      std::vector<std::array<float, 2>> tile_max(32, {pf::neg_inf(), pf::neg_inf()});
-      for (int lane = 0; lane < 32; ++lane)
-        for (int nb = 0; nb < pf::kTileN / 8; ++nb)
-          for (int c = 0; c < 4; ++c) {
-            const pf::RowCol rc = pf::mma_c(lane, c);
-            const int row = 16 * w + rc.row, j = 8 * nb + rc.col;
-            float& x = sc[nb][lane][c];
-            const bool live = j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[row]));
-            x = live ? x * scale_log2 : pf::neg_inf();
-            tile_max[lane][c / 2] = std::max(tile_max[lane][c / 2], x);
-          }
-      for (int lane = 0; lane < 32; ++lane)  // shfl_xor 1, 2 within the quad
-        for (int h = 0; h < 2; ++h)
-          for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) tile_max[lane][h] = std::max(tile_max[lane][h], tile_max[q][h]);
-      std::vector<AFrag> pfrag_all[pf::kTileN / 16];
-      for (auto& pa : pfrag_all) pa.assign(32, AFrag{});
-      for (int lane = 0; lane < 32; ++lane) {
-        pf::SoftmaxStep step[2];
-        for (int h = 0; h < 2; ++h) {
-          step[h] = pf::softmax_step(m[w][lane][h], tile_max[lane][h]);
-          m[w][lane][h] = step[h].m_new;
-          l[w][lane][h] *= step[h].alpha;
-        }
-        for (int nb = 0; nb < D / 8; ++nb)
-          for (int c = 0; c < 4; ++c) o[w][nb][lane][c] *= step[c / 2].alpha;
-        for (int nb = 0; nb < pf::kTileN / 8; ++nb)
-          for (int c = 0; c < 4; ++c) {
-            const float prob = pf::softmax_weight(sc[nb][lane][c], step[c / 2].m_new);
-            l[w][lane][c / 2] += prob;  // fp32, before the rounding of P (as the kernel)
-            // C of n-blocks 2j, 2j + 1 is A of k-step j: c0 c1 -> a0 / a2, c2 c3 -> a1 / a3.
-            pfrag_all[nb / 2][lane][(c / 2) + 2 * (nb % 2)][c % 2] = from_bits<T>(to_bits<T>(prob));
-          }
-      }
-      // O += P V.
-      for (int j = 0; j < pf::kTileN / 16; ++j)
-        for (int n2 = 0; n2 < D / 16; ++n2) {
-          const auto regs = ldmatrix_x4(v_smem, D, true, [&](int lane) { return pf::ldmatrix_v(lane, 16 * j, 16 * n2); });
-          for (int half = 0; half < 2; ++half) {
-            mma(o[w][2 * n2 + half], pfrag_all[j], b_fragments<T>(regs, half));
-          }
-        }
-    }
+    for (int w = 0; w < pf::kWarps; ++w)
+      warp_tile_step<T>(st[w], qf[w], k_smem, v_smem, D, 0, pf::kTileN / 8, scale_log2, [&](int row, int j) {
+        return j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[16 * w + row]));
+      });
   }
-  // Split states of the block's rows: l summed over the quad (shfl_xor 1, 2).
+  // Split states of the block's rows: l summed over the quad.
   for (int w = 0; w < pf::kWarps; ++w)
     for (int lane = 0; lane < 32; ++lane)
       for (int h = 0; h < 2; ++h) {
         const int prow = tile * pf::kTileM + 16 * w + lane / 4 + 8 * h;
         if (prow >= R) continue;
-        float lsum = 0.f;
-        for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) lsum += l[w][q][h];
         if (lane % 4 == 0) {
-          part_m[prow] = m[w][lane][h];
-          part_l[prow] = lsum;
+          part_m[prow] = st[w].m[lane][h];
+          part_l[prow] = st[w].quad_l(lane, h);
         }
         for (int nb = 0; nb < D / 8; ++nb)
-          for (int c = 2 * h; c < 2 * h + 2; ++c) part_o[static_cast<int64_t>(prow) * D + 8 * nb + pf::mma_c(lane, c).col] = o[w][nb][lane][c];
+          for (int c = 2 * h; c < 2 * h + 2; ++c) part_o[static_cast<int64_t>(prow) * D + 8 * nb + pf::mma_c(lane, c).col] = st[w].o[nb][lane][c];
       }
 }
 
@@ -1013,9 +1028,7 @@ void emulate_decode_block(const Problem& p, int s, Split split, float* part_m, f
     max_query_pos = std::max(max_query_pos, row_pos[r]);
   }
   const std::vector<std::vector<AFrag>> qf = q_fragments<T>(q_smem, D, 0);  // the same in every warp
-  std::vector<std::vector<std::vector<CFrag>>> o(dt::kWarps, std::vector<std::vector<CFrag>>(D / 8, std::vector<CFrag>(32, CFrag{})));
-  std::vector<std::vector<std::array<float, 2>>> m(dt::kWarps, std::vector<std::array<float, 2>>(32, {pf::neg_inf(), pf::neg_inf()}));
-  std::vector<std::vector<std::array<float, 2>>> l(dt::kWarps, std::vector<std::array<float, 2>>(32, {0.f, 0.f}));
+  std::vector<WarpState> st(dt::kWarps, WarpState(D));
 
   Smem k_smem(pf::kTileN * D * 2), v_smem(pf::kTileN * D * 2);
   std::vector<int32_t> pos(pf::kTileN);
@@ -1030,60 +1043,22 @@ void emulate_decode_block(const Problem& p, int s, Split split, float* part_m, f
     for (int w = 0; w < dt::kWarps; ++w) {
       const int first = dt::warp_first_token(w);
       if (first >= tile_len) continue;
-      // S = Q K^T over the warp's tokens: 2 n-blocks of 8.
-      std::vector<std::vector<CFrag>> sc(2, std::vector<CFrag>(32, CFrag{}));
-      for (int k2 = 0; k2 < D / 32; ++k2)
-        for (int nb = 0; nb < 2; ++nb) {
-          const auto regs = ldmatrix_x4(k_smem, D, false, [&](int lane) { return pf::ldmatrix_k(lane, first + 8 * nb, 32 * k2); });
-          for (int half = 0; half < 2; ++half) {
-            mma(sc[nb], qf[2 * k2 + half], b_fragments<T>(regs, half));
-          }
-        }
-      std::vector<std::array<float, 2>> tile_max(32, {pf::neg_inf(), pf::neg_inf()});
-      for (int lane = 0; lane < 32; ++lane)
+      const auto sc = warp_tile_step<T>(st[w], qf, k_smem, v_smem, D, first, 2, scale_log2, [&](int row, int j) {
+        return j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[row]));
+      });
+      if (!logits) continue;
+      for (int lane = 0; lane < 32; ++lane)  // the kernel's slot: page id from the table
         for (int nb = 0; nb < 2; ++nb)
           for (int c = 0; c < 4; ++c) {
             const pf::RowCol rc = pf::mma_c(lane, c);
             const int j = first + 8 * nb + rc.col;
-            float& x = sc[nb][lane][c];
-            const bool live = j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[rc.row]));
-            x = live ? x * scale_log2 : pf::neg_inf();
-            tile_max[lane][c / 2] = std::max(tile_max[lane][c / 2], x);
-            if (logits && j < tile_len && rc.row < R) {  // the kernel's slot: page id from the table
-              const int64_t t = t0 + j;
-              const int64_t slot = (static_cast<int64_t>(p.table[s * p.width + (t >> p.shift)]) << p.shift) |
-                                   (t & ((int64_t{1} << p.shift) - 1));
-              logits[rc.row * capacity_of(p) + slot] = x;
-              ++writes[rc.row * capacity_of(p) + slot];
-            }
+            if (j >= tile_len || rc.row >= R) continue;
+            const int64_t t = t0 + j;
+            const int64_t slot = (static_cast<int64_t>(p.table[s * p.width + (t >> p.shift)]) << p.shift) |
+                                 (t & ((int64_t{1} << p.shift) - 1));
+            logits[rc.row * capacity_of(p) + slot] = sc[nb][lane][c];
+            ++writes[rc.row * capacity_of(p) + slot];
           }
-      for (int lane = 0; lane < 32; ++lane)
-        for (int h = 0; h < 2; ++h)
-          for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) tile_max[lane][h] = std::max(tile_max[lane][h], tile_max[q][h]);
-      std::vector<AFrag> pa(32, AFrag{});
-      for (int lane = 0; lane < 32; ++lane) {
-        pf::SoftmaxStep step[2];
-        for (int h = 0; h < 2; ++h) {
-          step[h] = pf::softmax_step(m[w][lane][h], tile_max[lane][h]);
-          m[w][lane][h] = step[h].m_new;
-          l[w][lane][h] *= step[h].alpha;
-        }
-        for (int nb = 0; nb < D / 8; ++nb)
-          for (int c = 0; c < 4; ++c) o[w][nb][lane][c] *= step[c / 2].alpha;
-        for (int nb = 0; nb < 2; ++nb)
-          for (int c = 0; c < 4; ++c) {
-            const float prob = pf::softmax_weight(sc[nb][lane][c], step[c / 2].m_new);
-            l[w][lane][c / 2] += prob;
-            // pa[2 nb] = pack2(c0, c1), pa[2 nb + 1] = pack2(c2, c3), as the kernel packs them.
-            pa[lane][2 * nb + c / 2][c % 2] = from_bits<T>(to_bits<T>(prob));
-          }
-      }
-      for (int n2 = 0; n2 < D / 16; ++n2) {
-        const auto regs = ldmatrix_x4(v_smem, D, true, [&](int lane) { return pf::ldmatrix_v(lane, first, 16 * n2); });
-        for (int half = 0; half < 2; ++half) {
-          mma(o[w][2 * n2 + half], pa, b_fragments<T>(regs, half));
-        }
-      }
     }
   }
   // The warps' states through "shared memory" ([kWarps, kRows(, D)], l summed over the quad),
@@ -1094,22 +1069,20 @@ void emulate_decode_block(const Problem& p, int s, Split split, float* part_m, f
     for (int lane = 0; lane < 32; ++lane)
       for (int h = 0; h < 2; ++h) {
         const int wr = w * dt::kRows + lane / 4 + 8 * h;
-        float lsum = 0.f;
-        for (int q = lane & ~3; q < (lane & ~3) + 4; ++q) lsum += l[w][q][h];
         if (lane % 4 == 0) {
-          warp_m[wr] = m[w][lane][h];
-          warp_l[wr] = lsum;
+          warp_m[wr] = st[w].m[lane][h];
+          warp_l[wr] = st[w].quad_l(lane, h);
         }
         for (int nb = 0; nb < D / 8; ++nb)
-          for (int c = 2 * h; c < 2 * h + 2; ++c) warp_o[static_cast<int64_t>(wr) * D + 8 * nb + pf::mma_c(lane, c).col] = o[w][nb][lane][c];
+          for (int c = 2 * h; c < 2 * h + 2; ++c) warp_o[static_cast<int64_t>(wr) * D + 8 * nb + pf::mma_c(lane, c).col] = st[w].o[nb][lane][c];
       }
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < D; ++d) {
-      const kvcache_ext::attention::MergeState<1> st = dt::merge_warps(warp_m.data(), warp_l.data(), warp_o.data(), r, D, d);
-      part_o[static_cast<int64_t>(r) * D + d] = st.o[0];
+      const kvcache_ext::attention::MergeState<1> merged = dt::merge_warps(warp_m.data(), warp_l.data(), warp_o.data(), r, D, d);
+      part_o[static_cast<int64_t>(r) * D + d] = merged.o[0];
       if (d == 0) {
-        part_m[r] = st.m;
-        part_l[r] = st.l;
+        part_m[r] = merged.m;
+        part_l[r] = merged.l;
       }
     }
 }
