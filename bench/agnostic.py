@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import choice_list, depth_list, fraction_list, int_list, int_range  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue  # noqa: E402
 from kvcache_ext.evaluation.kvpress_runs import kvpress_missing, kvzip_tokenizer, unmask  # noqa: E402
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                                         "output": r.output, "kv_bytes": r.kv_bytes,
                                         "harness_prefill_s": r.prefill_s})
                     for method in methods:
-                        if make_policy(method, 64).scorer.reconstructs:
+                        if make_policy(method, 64).scorer.capabilities.reconstructs:
                             timing = ours_prefill(model, tokenizer, context, method, min(keeps))
                             for r in records:   # the patched prefill's cost goes with every fraction
                                 if r.get("method") == method and all(r[k] == v for k, v in key.items()):
@@ -221,7 +221,8 @@ def main(argv=None) -> int:
                         for r in records if "correct" in r and all(r[k] == v for k, v in key.items())), flush=True)
                     if args.out:
                         with open(args.out, "w") as f:
-                            json.dump({"records": records, "rows": summarize(records)}, f, indent=1)
+                            json.dump({"meta": {**common.run_metadata("cpu"), "partial": True},
+                                       "records": records, "rows": summarize(records)}, f, indent=1)
     rows = summarize(records)
     print(format_table(rows, records))
     if args.out:

@@ -46,7 +46,7 @@ SKEW_TARGET = 6.0   # max/mean of the skewed lengths
 SKEW_FLOOR = 0.1    # every head keeps at least this fraction of the mean (Ada-KV's safeguard)
 SKEW_SEED = 0
 STATS_TARGET = 1.15
-# SDPA-packed time / ours that the kernels aim for (issue 18): decode at least as fast as SDPA
+# SDPA-packed time / ours that the kernels aim for: decode at least as fast as SDPA
 # on the packed dense cache with uniform lengths, 3x with skewed ones; a causal block within
 # 1.3x of SDPA with uniform lengths.
 TC_SWITCH = "KVCACHE_EXT_TC_PREFILL"          # the tensor-core prefill: on unless 0

@@ -1,7 +1,6 @@
 """Timing, bandwidth and result-file helpers shared by the benchmarks."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import glob
 import json
@@ -124,30 +123,46 @@ def build_description() -> dict:
             "cpu_isa": kvcache_ext._C.cpu_isa(), "cpu_cores": os.cpu_count()}
 
 
-def git_commit() -> str:
-    """HEAD's short hash, or $KVCACHE_EXT_COMMIT where the tree travelled without .git (gpu_verify.sh)."""
-    if os.environ.get("KVCACHE_EXT_COMMIT"):
-        return os.environ["KVCACHE_EXT_COMMIT"]
+def commit_state() -> tuple[str | None, bool | None]:
+    """(HEAD's short hash, whether the tree differs from it), or (None, None) outside a checkout.
+    Where the tree travelled without .git (the GPU check), $KVCACHE_EXT_COMMIT names the commit,
+    a ``+dirty`` suffix saying that the tree differed from it."""
+    given = os.environ.get("KVCACHE_EXT_COMMIT")
+    if given:
+        return given.removesuffix("+dirty"), given.endswith("+dirty")
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        # bench/results is left out: a benchmark's own JSON does not make the code it ran dirty.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!bench/results"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip() != ""
+        return commit or None, dirty if commit else None
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None, None
 
 
-def at_chunk(policy, chunk: int):
-    """``policy`` with its KVzip scorer's reconstruction chunk set to ``chunk`` tokens."""
-    return dataclasses.replace(policy, scorer=dataclasses.replace(policy.scorer, chunk=chunk))
+def git_commit() -> str:
+    """HEAD's short hash (``+dirty`` when the tree differs from it), or "unknown" outside a checkout."""
+    commit, dirty = commit_state()
+    return "unknown" if commit is None else commit + ("+dirty" if dirty else "")
 
 
-def write_out(path: str, args, meta: dict | None = None, **payload) -> None:
-    """Writes a bench's ``--out`` JSON: ``meta`` (its arguments, the commit, torch, the build and
-    ``meta``) and ``payload`` (records, rows), and says where."""
-    import json
+def run_metadata(device: str = "cpu") -> dict:
+    """What every benchmark's JSON records of its run: the device (a GPU's name, or the CPU's
+    model and threads), the date and time (ISO 8601, local), and the commit (HEAD's short hash,
+    None outside a checkout) with ``dirty``, whether the tree differed from it."""
+    commit, dirty = commit_state()
+    return {"device": device_name(device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": commit, "dirty": dirty}
 
-    import torch
-    head = {"args": vars(args), "commit": git_commit(), "torch": torch.__version__,
+
+def write_out(path: str, args, meta: dict | None = None, *, device: str | None = None, **payload) -> None:
+    """Writes a bench's ``--out`` JSON: ``meta`` (the run's metadata, ``run_metadata``: device,
+    date, commit; its arguments, torch, the build and ``meta``) and ``payload`` (records, rows),
+    and says where. ``device`` defaults to ``args.device`` where the bench has one, else the CPU."""
+    device = device or getattr(args, "device", None) or "cpu"
+    head = {**run_metadata(device), "args": vars(args), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "build": build_description(), **(meta or {})}
     with open(path, "w") as f:
         json.dump({"meta": head, **payload}, f, indent=1)
@@ -160,8 +175,8 @@ def write_results(name: str, device: str, rows: list[dict], extra: dict | None =
     today = datetime.date.today().isoformat()
     tag = "cpu" if device == "cpu" else device_name(device).replace(" ", "-")
     path = os.path.join(RESULTS, f"{name}-{tag}-{today}.json")
-    doc = {"benchmark": name, "device": device_name(device), "date": today, "commit": git_commit(),
-           "torch": torch.__version__, **(extra or {}), "rows": rows}
+    doc = {"benchmark": name, **run_metadata(device), "torch": torch.__version__, **(extra or {}),
+           "rows": rows}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
     return path

@@ -66,7 +66,7 @@ Derived, from runs of one process only:
 - ``x full``: decode tokens/s over the full cache's at the same context and batch.
 - ``eviction share`` of ``h2o-step`` and ``caote-step``: 1 - decode time of ``snapkv`` at the
   same budget / theirs (of ``h2o-step-graph``: against ``snapkv-graph``'s; 1 - the share is
-  issue 42's ratio of per-step eviction's tokens/s to one-shot SnapKV's). SnapKV's decode does no scoring, selection or compaction (its cache
+  the ratio of per-step eviction's tokens/s to one-shot SnapKV's). SnapKV's decode does no scoring, selection or compaction (its cache
   grows), so the difference is the eviction work (an estimate: SnapKV's cache is up to
   ``--steps`` tokens per head longer).
 - ``x_eager`` and ``tokens_as_eager`` of a ``-graph`` method: its decode tokens/s over the
@@ -97,9 +97,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, git_commit, sync, write_results  # noqa: E402
+from common import device_name, git_commit, run_metadata, sync, write_results  # noqa: E402
 
-from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import fraction_list, int_list  # noqa: E402
 from kvcache_ext.evaluation.decoding import cache_bytes  # noqa: E402
 from kvcache_ext.evaluation.kvpress_runs import compression_ratio, kvpress_missing  # noqa: E402
@@ -400,7 +400,7 @@ def budgets_of(args, context: int) -> list[int]:
 def run_grid(model, tokenizer, args, device: str, progress: bool, checkpoint=None) -> list[dict]:
     """Every run of the grid; ``checkpoint(rows)``, when given, gets the rows so far (runs of the
     current context and batch as single-run records) after every run, so that a run stopped by a
-    time limit leaves what it measured (bench/gpu_verify.sh)."""
+    time limit leaves what it measured (bench/tools/gpu_verify.sh)."""
     from tqdm.auto import tqdm
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget_methods = [m for m in args.methods if m != "full"]
@@ -689,8 +689,7 @@ def main(argv=None) -> int:
           f"{transformers.__version__}" + (f", kvpress {kvpress}" if kvpress else ""))
     def checkpoint(rows_so_far):   # the rows measured so far, marked partial
         with open(args.out, "w") as f:
-            json.dump(dict(benchmark="e2e", device=device_name(device), partial=True, commit=git_commit(),
-                           rows=rows_so_far), f, indent=2)
+            json.dump(dict(benchmark="e2e", **run_metadata(device), partial=True, rows=rows_so_far), f, indent=2)
     rows = run_grid(model, tokenizer, args, device, progress=not args.no_progress,
                     checkpoint=checkpoint if args.out else None)
     largest = derive(rows)
@@ -704,10 +703,7 @@ def main(argv=None) -> int:
                  largest_fit=largest, kvpress_ratios=kvpress_ratios(rows), table=format_table(rows))
     path = args.out
     if path:
-        import datetime
-        doc = dict(benchmark="e2e", device=device_name(device), date=datetime.date.today().isoformat(),
-                   commit=git_commit(),
-                   torch=torch.__version__, **extra, rows=rows)
+        doc = dict(benchmark="e2e", **run_metadata(device), torch=torch.__version__, **extra, rows=rows)
         with open(path, "w") as f:
             json.dump(doc, f, indent=2)
     elif not quick:

@@ -15,7 +15,7 @@ the eager steps of the same model and policy are timed beside it. The model is
 ``bench/e2e.py``'s ``host``: Llama-3.1-8B's 32 layers and 32 / 8 heads at tiny widths, so that
 an eager step's time is the host's work per layer (HF's and ours). What a real replay adds
 (``cudaGraphLaunch``, the device's own time) is measured by ``bench/e2e.py``'s ``-graph``
-methods on a GPU (bench/gpu_verify.sh).
+methods on a GPU (bench/tools/gpu_verify.sh).
 
 Per method (one-shot SnapKV, H2O evicting every step), eager and graphed steps take turns of
 ``--turn`` steps over caches of their own, prefilled with the same random prompt; printed:
@@ -33,9 +33,8 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.hf import decode_graph
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import H2O, Policy, Schedule, SnapKV
-from common import device_name
 from e2e import build_model
 
 POLICIES = {   # name -> Policy at budget b (bench/e2e.py's snapkv and h2o-step)
@@ -127,7 +126,7 @@ def main(argv=None) -> None:
         print(f"{method}: eager step {e * 1e3:.2f} ms, graphed step's host work {r * 1e3:.3f} ms "
               f"({r / e:.1%} of the eager step)")
     if args.out:
-        common.write_out(args.out, args, {"device": device_name("cpu"), "command": "python bench/graph_host.py "
+        common.write_out(args.out, args, {"command": "python bench/graph_host.py "
                                           + " ".join(argv if argv is not None else sys.argv[1:]),
                                           "backend": "NullGraphs (replays run no device work)"}, rows=rows)
 

@@ -10,7 +10,7 @@ speed-up over a torch baseline doing the same job, wall time against wall time. 
 without launch gaps or host work; on CPU there is no device apart from the host, and kernel time
 is the wall time. Results go to bench/results/kernels-<device>-<date>.json.
 
-The baselines (issue 42: like for like):
+The baselines (like for like):
 - top-k: from the store's slot-layout scores, pad them to [segments, longest] (``to_padded``),
   ``torch.topk``, and scatter the chosen slots into a [capacity] keep mask, all timed, as our
   op returns that mask; grouped (Ada-KV) top-k takes ``torch.topk`` over each batch item's heads
@@ -171,7 +171,7 @@ def bench_topk(batch: int, heads: int, length: int, k: int, device: str, grouped
             "baseline": "pad + torch.topk + scatter into the keep mask"}
 
 
-TOPK_CASES = (  # (batch, KV heads, length, k per head): the issue's sizes, and batch 1 with 2 KV heads
+TOPK_CASES = (  # (batch, KV heads, length, k per head): the goals' sizes, and batch 1 with 2 KV heads
     (4, 8, 4096, 512), (4, 8, 32768, 4096), (1, 2, 32768, 4096))
 
 
@@ -179,7 +179,7 @@ def run_all(device: str, quick: bool = False) -> tuple[list[dict], float]:
     gpu = device.startswith("cuda")
     scale = 1 if not quick else 1 / 64
     copy_gbps = copy_bandwidth(device, int((1 << 30 if gpu else 256 << 20) * scale))
-    # Compaction moves >= 64 MiB on CPU and >= 256 MiB on GPU (the issue's targets).
+    # Compaction moves >= 64 MiB on CPU and >= 256 MiB on GPU (the goals' sizes).
     L = max(64, int((32768 if gpu else 8192) * scale))
     rows = []
     for keep in (0.5, 0.125):

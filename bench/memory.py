@@ -49,7 +49,6 @@ Results go to bench/results/memory-cpu-<date>.json (not with --quick unless ``--
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import importlib.util
 import json
@@ -65,9 +64,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from common import device_name, git_commit, write_results  # noqa: E402
+from common import device_name, run_metadata, write_results  # noqa: E402
 from kvcache_ext.hf.cache import patched_forward  # noqa: E402
-from kvcache_ext.hf.cache_argument import with_cache  # noqa: E402
+from kvcache_ext.cache_argument import with_cache  # noqa: E402
 from kvcache_ext.cli.args import int_list  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402
 
@@ -469,8 +468,7 @@ def main(argv=None) -> dict:
         "load_s": load_s,
         "peak_rss_bytes": peak_rss,
     }
-    doc = {"benchmark": "memory", "device": device_name("cpu"), "date": datetime.date.today().isoformat(),
-           "commit": git_commit(), "torch": torch.__version__, **extra, "rows": rows}
+    doc = {"benchmark": "memory", **run_metadata("cpu"), "torch": torch.__version__, **extra, "rows": rows}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -185,8 +185,10 @@ def main(argv=None) -> int:
             print(f"{r['method']:>14}: {r['running_vs_full']:.2f}x the requests running at once, "
                   f"{(r['tokens_per_s_vs_full'] or 0):.2f}x the tokens/s of HF's paged cache")
     if args.out:
-        write_out(args.out, args, {"command": "python bench/serve.py " + " ".join(argv or sys.argv[1:]),
-                                   "device": args.device}, rows=rows)
+        import torch
+        device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        write_out(args.out, args, {"command": "python bench/serve.py " + " ".join(argv or sys.argv[1:])},
+                  device=device, rows=rows)
     return 0
 
 

@@ -1,7 +1,8 @@
 // The one Python module, kvcache_ext._C, for what is not an op: the host page allocator
-// (store/page_allocator.h), the eager decode fast path over the ops' functions
-// (ops::append_and_attend), the CPU attention's ISA switch and build information. Every
-// kernel is reached through its torch op (ops.h, registered in ops.cpp), never from here.
+// (store/page_allocator.h), the eager decode step over the allocator (ops::decode_step: the
+// store_decode_step op's function with the allocator's host steps), the page layout's sizes,
+// the CPU attention's ISA switch and build information. Every kernel is reached through the
+// functions of its torch op (ops.h, registered in ops.cpp).
 #include <torch/extension.h>
 #include <torch/version.h>
 
@@ -57,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prepare_append", &PageAllocator::prepare_append, py::arg("k"), py::arg("v"),
            py::arg("pos"), py::arg("valid") = py::none())
       .def("finish_compact", &PageAllocator::finish_compact, py::arg("known") = py::none())
+      .def("cancel_append", &PageAllocator::cancel_append, py::arg("lengths"))
       .def("slot_rows", &PageAllocator::slot_rows)
       .def("state", [](const PageAllocator& a) {
         return py::make_tuple(a.pool(), a.page_table_device(), a.len_device());
@@ -96,17 +98,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("score_channels", &PageAllocator::score_channels)
       .def_property_readonly("page_size", &PageAllocator::page_size)
       .def_property_readonly("like", &PageAllocator::like);
-  // The eager decode fast path (ops.h): prepare_append + store_append + attention_plan +
-  // attention_run in one host call, over the functions those ops run.
-  m.def("append_and_attend", &kvcache_ext::ops::append_and_attend, py::arg("allocator"),
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"));
-  // The eager decode step of slot-layout eviction (ops.h): append_and_attend + the channel
-  // update + protection + top-k + compaction in one host call.
-  m.def("append_attend_evict", &kvcache_ext::ops::append_attend_evict, py::arg("allocator"),
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"), py::kw_only(),
-        py::arg("rule"), py::arg("sinks") = 0, py::arg("recent") = 0,
-        py::arg("last_pos") = py::none(), py::arg("budget") = py::none(),
-        py::arg("budget_host") = py::none());
   // The page addresses the ops read on the current stream (ops.h), held by a captured graph.
   m.def("page_addresses",
         [](const std::vector<at::Tensor>& pool, const at::Tensor& page_table, const at::Tensor& len,
@@ -119,6 +110,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dtype"));
   // The page-size rule (ops.h), for the Python checks.
   m.attr("MAX_PAGE_SIZE") = kvcache_ext::ops::kMaxPageSize;
+  // The byte layout of one page (store/paged_layout.h) and the host bookkeeping a store holds
+  // per page and per segment (page_allocator.h), so that Python counts a store's bytes as the
+  // store lays them out (serving's admission) rather than by a copy of the rule.
+  m.def("page_layout",
+        [](int64_t page_size, int64_t head_dim, int64_t element_size, int64_t score_channels) {
+          kvcache_ext::ops::page_shift(page_size);
+          TORCH_CHECK_VALUE(head_dim >= 1, "head_dim must be >= 1, got ", head_dim);
+          TORCH_CHECK_VALUE(element_size >= 1, "element_size must be >= 1, got ", element_size);
+          TORCH_CHECK_VALUE(score_channels >= 0, "score_channels must be >= 0, got ", score_channels);
+          const auto record = kvcache_ext::store::page_record(page_size, head_dim, element_size,
+                                                              score_channels);
+          py::dict layout;
+          layout["page_bytes"] = record.bytes;
+          layout["offsets"] = std::vector<int64_t>(record.offset, record.offset + 4);
+          layout["row_bytes"] = std::vector<int64_t>(record.row_bytes, record.row_bytes + 4);
+          layout["page_address_bytes"] = kvcache_ext::PageAllocator::kPageAddressBytes;
+          layout["table_entry_bytes"] = kvcache_ext::PageAllocator::kTableEntryBytes;
+          layout["length_bytes"] = kvcache_ext::PageAllocator::kLengthBytes;
+          return layout;
+        },
+        py::arg("page_size"), py::arg("head_dim"), py::arg("element_size"),
+        py::arg("score_channels"));
   {
     py::dict faults;  // store_check's codes (ops.h) -> what each says
     namespace ops = kvcache_ext::ops;

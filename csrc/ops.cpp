@@ -1,6 +1,6 @@
 // The kernels as torch custom ops: TORCH_LIBRARY(kvcache_ext) and the functions the ops run,
-// with every input check (see ops.h); then the eager decode fast path over the same
-// functions. The fake implementations, for torch.compile, are in kvcache_ext/kernels/ops.py.
+// with every input check (see ops.h). The fake implementations, for torch.compile, are in
+// kvcache_ext/kernels/ops.py.
 #include "ops.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -21,7 +21,6 @@
 #include "common/device_dispatch.h"
 #include "select/slot_rule.h"
 #include "select/topk.h"
-#include "store/page_allocator.h"
 #include "store/score_channels.h"
 #include "store/store_kernels.h"
 
@@ -36,6 +35,16 @@ int32_t page_shift(int64_t page_size) {
 }
 
 namespace {
+
+// The PagedView of a state, as the kernels take it; `page_base` keeps the view's page
+// addresses alive (a [pages] int64 tensor on the state's device). Each op makes it from the
+// state it is handed (checked, page addresses cached by pool: below).
+struct StateView {
+  store::PagedView view;
+  at::Tensor page_base;
+  int64_t segments = 0;
+  int64_t capacity = 0;  // pages * page_size: the length of slot-layout tensors
+};
 
 // ---------------------------------------------------------------------------------------
 // Page addresses. The kernels find page p at page_base[p]; page_base is a function of the
@@ -254,8 +263,60 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
   return st;
 }
 
+// What store_append (and store_decode_step) write, checked: positions as int32, and the
+// rank and counts of an append of some tokens only (both undefined: every token).
+struct AppendInputs {
+  at::Tensor pos32, rank, counts;
+};
+
+AppendInputs check_append(const StateView& st, const at::Tensor& page_table, const at::Tensor& len,
+                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                          const c10::optional<at::Tensor>& rank_in,
+                          const c10::optional<at::Tensor>& counts_in, int64_t page_size) {
+  const c10::Device device = page_table.device();
+  const int64_t B = k.size(0), H = k.size(1), n = k.size(2), S = st.segments;
+  check_device(k, device, "k");
+  check_contiguous(k, "k");
+  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
+                    " segments but the page table has ", S);
+  check_tokens(v, k, "v");
+  AppendInputs in;
+  in.pos32 = append_positions(pos, device, B, n);
+  const bool has_rank = rank_in.has_value() && rank_in->defined();
+  const bool has_counts = counts_in.has_value() && counts_in->defined();
+  TORCH_CHECK_VALUE(has_rank == has_counts, "rank and counts are given together or not at all");
+  if (has_rank) {
+    in.rank = *rank_in;
+    in.counts = *counts_in;
+    check_dtype(in.rank, at::kInt, "rank");
+    check_device(in.rank, device, "rank");
+    check_shape(in.rank, {S, n}, "rank");
+    check_contiguous(in.rank, "rank");
+    check_dtype(in.counts, at::kInt, "counts");
+    check_device(in.counts, device, "counts");
+    check_shape(in.counts, {S}, "counts");
+    check_contiguous(in.counts, "counts");
+  }
+  if (device.is_cpu()) {
+    if (has_rank) {  // ranks lie in [-1, counts): the tokens stored land on the counted slots
+      const int32_t* r = in.rank.data_ptr<int32_t>();
+      const int32_t* c = in.counts.data_ptr<int32_t>();
+      for (int64_t s = 0; s < S; ++s) {
+        TORCH_CHECK_VALUE(c[s] >= 0 && c[s] <= n, "counts[", s, "] = ", c[s], " is not in [0, ", n, "]");
+        for (int64_t t = 0; t < n; ++t) {
+          TORCH_CHECK_VALUE(r[s * n + t] >= -1 && r[s * n + t] < c[s], "rank[", s, ", ", t, "] = ",
+                            r[s * n + t], " is not in [-1, counts[", s, "] = ", c[s], ")");
+        }
+      }
+    }
+    check_contents_cpu(page_table, len, st.capacity / page_size, st.view.shift,
+                       has_counts ? in.counts.data_ptr<int32_t>() : nullptr, n);
+  }
+  return in;
+}
+
 // The work of store_append and attention_run on a StateView, past the checks of the state:
-// one the ops made with state_view, or the one the page allocator keeps (append_and_attend).
+// one the ops made with state_view.
 // append_tokens: k, v [B, H, n, D] contiguous, pos32 [B, n] int32 contiguous, rank and counts
 // both undefined or as store_append takes them; the pages must hold len + counts tokens.
 void append_tokens(const StateView& st, const at::Tensor& len, const at::Tensor& k,
@@ -354,46 +415,8 @@ void store_append(at::TensorList pool, const at::Tensor& page_table, const at::T
   TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [batch, heads, n, head_dim], got ", k.sizes());
   const StateView st =
       state_view(pool, page_table, len, page_size, k.size(3), score_channels, k.scalar_type());
-  const c10::Device device = page_table.device();
-  const int64_t B = k.size(0), H = k.size(1), n = k.size(2), S = st.segments;
-  check_device(k, device, "k");
-  check_contiguous(k, "k");
-  TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
-                    " segments but the page table has ", S);
-  check_tokens(v, k, "v");
-  const at::Tensor pos32 = append_positions(pos, device, B, n);
-  const bool has_rank = rank_in.has_value() && rank_in->defined();
-  const bool has_counts = counts_in.has_value() && counts_in->defined();
-  TORCH_CHECK_VALUE(has_rank == has_counts, "rank and counts are given together or not at all");
-  at::Tensor rank, counts;
-  if (has_rank) {
-    rank = *rank_in;
-    counts = *counts_in;
-    check_dtype(rank, at::kInt, "rank");
-    check_device(rank, device, "rank");
-    check_shape(rank, {S, n}, "rank");
-    check_contiguous(rank, "rank");
-    check_dtype(counts, at::kInt, "counts");
-    check_device(counts, device, "counts");
-    check_shape(counts, {S}, "counts");
-    check_contiguous(counts, "counts");
-  }
-  if (device.is_cpu()) {
-    if (has_rank) {  // ranks lie in [-1, counts): the tokens stored land on the counted slots
-      const int32_t* r = rank.data_ptr<int32_t>();
-      const int32_t* c = counts.data_ptr<int32_t>();
-      for (int64_t s = 0; s < S; ++s) {
-        TORCH_CHECK_VALUE(c[s] >= 0 && c[s] <= n, "counts[", s, "] = ", c[s], " is not in [0, ", n, "]");
-        for (int64_t t = 0; t < n; ++t) {
-          TORCH_CHECK_VALUE(r[s * n + t] >= -1 && r[s * n + t] < c[s], "rank[", s, ", ", t, "] = ",
-                            r[s * n + t], " is not in [-1, counts[", s, "] = ", c[s], ")");
-        }
-      }
-    }
-    check_contents_cpu(page_table, len, st.capacity / page_size, st.view.shift,
-                       has_counts ? counts.data_ptr<int32_t>() : nullptr, n);
-  }
-  append_tokens(st, len, k, v, pos32, rank, counts);
+  const AppendInputs in = check_append(st, page_table, len, k, v, pos, rank_in, counts_in, page_size);
+  append_tokens(st, len, k, v, in.pos32, in.rank, in.counts);
 }
 
 void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
@@ -497,7 +520,7 @@ at::Tensor store_check(at::TensorList pool, const at::Tensor& page_table, const 
 
 namespace {
 
-// A slot rule (select/slot_rule.h) from the arguments of store_topk and append_attend_evict,
+// A slot rule (select/slot_rule.h) from the arguments of store_topk,
 // checked: rule "mass" (channel 0) or "position"; sinks, recent >= 0; last_pos [rows]
 // integers on `device`, needed when recent > 0 (rows: the batch, or -1 when the caller does
 // not know it: then any B dividing the segments). `newest` receives last_pos as int64
@@ -686,110 +709,126 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
                 want_last, want_sum_sq, want_count);
 }
 
-at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, const at::Tensor& pos, double scale) {
-  const int64_t heads = allocator.heads();
-  check_query(q, allocator.device(), allocator.dtype(), allocator.batch(), heads,
-              allocator.head_dim(), scale);  // before anything is stored
-  const auto [pos32, rank, counts] = allocator.prepare_append(k, v, pos, c10::nullopt);
-  const StateView st = allocator.own_state();
-  append_tokens(st, allocator.len_device(), k, v, pos32, rank, counts);
-  const at::Tensor plan = allocator.attention_plan(q.size(1) / heads * q.size(2));
-  return std::get<0>(attend(st, q, allocator.len_device(), plan, c10::nullopt, scale, heads,
-                            allocator.head_dim(), allocator.dtype(), false, false, false, false));
-}
-
 namespace {
 
-// append_attend_evict's budgets, checked before anything is stored: budget [B, H] integers on
-// the device, budget_host the same on the host (>= 0), both or neither. Returns budget_host as
-// int64 contiguous (undefined when neither is given: no eviction this step).
-at::Tensor check_budgets(const c10::optional<at::Tensor>& budget, const c10::optional<at::Tensor>& budget_host,
-                         int64_t batch, int64_t heads, const c10::Device& device) {
-  const bool on_device = budget.has_value() && budget->defined();
-  const bool on_host = budget_host.has_value() && budget_host->defined();
-  TORCH_CHECK_VALUE(on_device == on_host, "budget and budget_host are given together (an eviction "
-                    "this step) or not at all, got ", on_device ? "budget" : "budget_host", " only");
-  if (!on_device) return at::Tensor();
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{*budget, "budget"},
-                                {*budget_host, "budget_host"}}) {
-    TORCH_CHECK_TYPE(is_integer_dtype(t.scalar_type()), name, " must be an integer tensor, got ",
-                     t.scalar_type());
-    check_shape(t, {batch, heads}, name);
+// What a decode step does besides appending and attending, checked (store_decode_step's and
+// decode_step's arguments past the state): the statistics the attention computes (those asked
+// and those accumulated), and the eviction by a rule (budget as int32 on the device).
+struct DecodeWork {
+  bool wants[4] = {false, false, false, false};  // mass, last, sum_sq, count
+  bool asked[4] = {false, false, false, false};
+  std::vector<int64_t> accumulate;
+  bool evicts = false;
+  select::SlotRule rule;
+  at::Tensor newest;  // what rule.newest points into
+  at::Tensor budget;  // [S] int32 on the device
+};
+
+DecodeWork check_decode_work(const c10::Device& device, int64_t batch, int64_t segments,
+                             int64_t score_channels, bool want_mass, bool want_last,
+                             bool want_sum_sq, bool want_count, at::IntArrayRef accumulate,
+                             const c10::optional<std::string>& rule, int64_t sinks, int64_t recent,
+                             const c10::optional<at::Tensor>& last_pos,
+                             const c10::optional<at::Tensor>& budget) {
+  DecodeWork w;
+  const bool asked[4] = {want_mass, want_last, want_sum_sq, want_count};
+  for (int i = 0; i < 4; ++i) w.asked[i] = w.wants[i] = asked[i];
+  // The statistics each channel accumulates, by their index in (mass, last, sum_sq, count):
+  // one value per slot each (last, [capacity, G], is not a channel's).
+  TORCH_CHECK_VALUE(static_cast<int64_t>(accumulate.size()) <= score_channels, "accumulate names ",
+                    accumulate.size(), " channels but the store has ", score_channels, " score channels");
+  for (const int64_t stat : accumulate) {
+    TORCH_CHECK_VALUE(stat == 0 || stat == 2 || stat == 3, "accumulate takes statistics 0 (mass), 2 "
+                      "(sum_sq) and 3 (count), one value per slot, got ", stat);
+    w.wants[stat] = true;
   }
-  check_device(*budget, device, "budget");
-  TORCH_CHECK_VALUE(budget_host->device().is_cpu(), "budget_host must be on the host, got ",
-                    budget_host->device());
-  const at::Tensor host = budget_host->to(at::kLong).contiguous();
-  for (int64_t s = 0; s < batch * heads; ++s) {
-    TORCH_CHECK_VALUE(host.data_ptr<int64_t>()[s] >= 0, "budget_host must be >= 0, got budget_host[",
-                      s / heads, ", ", s % heads, "] = ", host.data_ptr<int64_t>()[s]);
+  w.accumulate.assign(accumulate.begin(), accumulate.end());
+  if (!rule.has_value()) {
+    TORCH_CHECK_VALUE(sinks == 0 && recent == 0 && !(last_pos.has_value() && last_pos->defined()) &&
+                          !(budget.has_value() && budget->defined()),
+                      "sinks, recent, last_pos and budget belong to an eviction by a rule: pass rule");
+    return w;
   }
-  return host;
+  w.evicts = true;
+  w.rule = slot_rule_of(*rule, sinks, recent, last_pos, batch, segments, score_channels, device, w.newest);
+  TORCH_CHECK_VALUE(budget.has_value() && budget->defined(), "an eviction by a rule needs budget, "
+                    "the tokens each segment keeps");
+  const at::Tensor& b = *budget;
+  TORCH_CHECK_TYPE(is_integer_dtype(b.scalar_type()), "budget must be an integer tensor, got ", b.scalar_type());
+  check_shape(b, {segments}, "budget");
+  check_device_or_cpu(b, device, "budget");
+  // As store_topk takes k: an int32 budget on the device is taken as it is (the caller keeps
+  // one for every step); on CPU a negative one is refused.
+  w.budget = b.scalar_type() == at::kInt && b.device() == device && b.is_contiguous()
+                 ? b
+                 : b.to(device, at::kLong).clamp(0, INT32_MAX).to(at::kInt).contiguous();
+  if (device.is_cpu()) {
+    for (int64_t s = 0; s < segments; ++s)
+      TORCH_CHECK_VALUE(w.budget.data_ptr<int32_t>()[s] >= 0, "budget must be >= 0, got budget[", s,
+                        "] = ", w.budget.data_ptr<int32_t>()[s]);
+  }
+  return w;
+}
+
+// A decode step's work on a StateView, past every check: the append, the attention, the
+// channels' additions, the eviction by the rule (store_topk's and store_compact's work).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_step_on(
+    const StateView& st, at::TensorList pool, const at::Tensor& len, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const AppendInputs& in, const at::Tensor& plan,
+    const c10::optional<at::Tensor>& q_pos, double scale, int64_t page_size, DecodeWork& w) {
+  const int64_t H = k.size(1), D = k.size(3), S = st.segments;
+  append_tokens(st, len, k, v, in.pos32, in.rank, in.counts);
+  at::Tensor out, mass, last, sum_sq, count;
+  std::tie(out, mass, last, sum_sq, count) = attend(st, q, len, plan, q_pos, scale, H, D, k.scalar_type(),
+                                                    w.wants[0], w.wants[1], w.wants[2], w.wants[3]);
+  at::Tensor* stats[4] = {&mass, &last, &sum_sq, &count};
+  for (size_t c = 0; c < w.accumulate.size(); ++c) {
+    const at::Tensor& values = *stats[w.accumulate[c]];
+    store::add_to_scores(pool, st.view.record, page_size, static_cast<int64_t>(c),
+                         values.scalar_type() == at::kFloat ? values : values.to(at::kFloat));
+  }
+  if (w.evicts && st.capacity > 0 && S > 0) {
+    // store_topk's work by the rule, then store_compact's, unordered (one token moves per
+    // place evicted: a slot rule's scores do not depend on the order).
+    const auto on_device = at::TensorOptions().device(len.device());
+    at::Tensor keep = at::zeros({st.capacity}, on_device.dtype(at::kBool));
+    at::Tensor kept = at::zeros({S}, on_device.dtype(at::kInt));
+    KVCACHE_DEVICE_DISPATCH(len.device(), select::paged_topk, st.view, len, at::Tensor(), 1, w.budget, keep,
+                            kept, &w.rule);
+    KVCACHE_DEVICE_DISPATCH(len.device(), store::compact_unordered, st.view, len, keep);
+  }
+  // A statistic asked for is returned; one computed only to accumulate is not.
+  for (int i = 0; i < 4; ++i) {
+    if (!w.asked[i] && w.wants[i]) *stats[i] = at::empty({0}, stats[i]->options());
+  }
+  return {out, mass, last, sum_sq, count};
 }
 
 }  // namespace
 
-at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, const at::Tensor& pos, double scale,
-                               const std::string& rule, int64_t sinks, int64_t recent,
-                               const c10::optional<at::Tensor>& last_pos,
-                               const c10::optional<at::Tensor>& budget,
-                               const c10::optional<at::Tensor>& budget_host) {
-  const int64_t B = allocator.batch(), H = allocator.heads(), S = B * H;
-  const c10::Device device = allocator.device();
-  // Every check before anything is stored.
-  check_query(q, device, allocator.dtype(), B, H, allocator.head_dim(), scale);
-  const bool by_mass = rule == "mass";
-  const at::Tensor host_budget = check_budgets(budget, budget_host, B, H, device);
-  const bool evicting = host_budget.defined();
-  at::Tensor newest;  // what slot_rule.newest points into
-  // The protection of recent tokens matters (and last_pos is checked) on eviction steps only.
-  const select::SlotRule slot_rule = slot_rule_of(rule, sinks, evicting ? recent : 0, last_pos, B, B * H,
-                                                  allocator.score_channels(), device, newest);
-  if (by_mass || evicting) allocator.check_writable("append_attend_evict (its score update or eviction)");
-
-  // append_and_attend, with the mass when the rule keeps it.
-  const auto [pos32, rank, counts] = allocator.prepare_append(k, v, pos, c10::nullopt);
-  const StateView st = allocator.own_state();
-  const at::Tensor& len = allocator.len_device();
-  append_tokens(st, len, k, v, pos32, rank, counts);
-  const at::Tensor plan = allocator.attention_plan(q.size(1) / H * q.size(2));
-  const auto result = attend(st, q, len, plan, c10::nullopt, scale, H, allocator.head_dim(),
-                             allocator.dtype(), by_mass, false, false, false);
-  const at::Tensor& out = std::get<0>(result);
-  if (by_mass) allocator.add_to_scores(0, std::get<1>(result));
-  if (!evicting) return out;
-
-  // Only when a segment holds more than its budget (the host lengths: no sync).
-  const int64_t* per_segment = host_budget.data_ptr<int64_t>();
-  const std::vector<int32_t>& held = allocator.len_host();
-  at::Tensor kept = at::empty({S}, at::kLong);  // min(len, budget): what the top-k keeps
-  bool over = false;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t want = per_segment[s];
-    over = over || held[s] > want;
-    kept.data_ptr<int64_t>()[s] = std::min<int64_t>(held[s], want);
-  }
-  if (!over) return out;
-  // store_topk's work, each token's score read from its record by the rule (slot_rule.h: the
-  // scorer's slot score and the protection, as the Python step computes them), k per segment
-  // its budget clamped as the op clamps it (an int32 budget is taken as it is: the caller
-  // keeps one for every step); then store_compact's, on the same view: nothing allocated
-  // pages since the append.
-  const at::Tensor k32 = budget->scalar_type() == at::kInt
-                            ? budget->reshape({S}).contiguous()
-                            : budget->to(at::kLong).clamp(0, INT32_MAX).to(at::kInt).reshape({S}).contiguous();
-  const auto on_device = at::TensorOptions().device(device);
-  at::Tensor keep = at::zeros({st.capacity}, on_device.dtype(at::kBool));
-  at::Tensor kept_per_segment = at::zeros({S}, on_device.dtype(at::kInt));
-  KVCACHE_DEVICE_DISPATCH(device, select::paged_topk, st.view, len, at::Tensor(), 1, k32, keep,
-                          kept_per_segment, &slot_rule);
-  // Unordered: one token moves per token evicted (a slot rule's scores do not depend on
-  // the order, and the engine's views sort by position: RaggedLayerKV).
-  KVCACHE_DEVICE_DISPATCH(device, store::compact_unordered, st.view, len, keep);
-  allocator.finish_compact(kept);
-  return out;
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_decode_step(
+    at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+    const c10::optional<at::Tensor>& rank, const c10::optional<at::Tensor>& counts,
+    const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos, double scale, int64_t page_size,
+    int64_t score_channels, bool want_mass, bool want_last, bool want_sum_sq, bool want_count,
+    at::IntArrayRef accumulate, const c10::optional<std::string>& rule, int64_t sinks,
+    int64_t recent, const c10::optional<at::Tensor>& last_pos, const c10::optional<at::Tensor>& budget) {
+  // Everything is checked before anything is written.
+  check_defined(k, "k");
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1, "k must have shape [batch, heads, 1, head_dim] (one "
+                    "token per segment: a decode step), got ", k.sizes());
+  const at::ScalarType dtype = k.scalar_type();
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(3);
+  const StateView st = state_view(pool, page_table, len, page_size, D, score_channels, dtype);
+  const c10::Device device = page_table.device();
+  const AppendInputs in = check_append(st, page_table, len, k, v, pos, rank, counts, page_size);
+  check_query(q, device, dtype, B, H, D, scale);
+  TORCH_CHECK_VALUE(q.size(2) == 1, "q must have one query per head (a decode step), got shape ", q.sizes());
+  check_defined(plan, "plan");
+  DecodeWork w = check_decode_work(device, B, st.segments, score_channels, want_mass, want_last, want_sum_sq,
+                                   want_count, accumulate, rule, sinks, recent, last_pos, budget);
+  return decode_step_on(st, pool, len, q, k, v, in, plan, q_pos, scale, page_size, w);
 }
 
 }  // namespace kvcache_ext::ops
@@ -821,6 +860,11 @@ TORCH_LIBRARY(kvcache_ext, m) {
         "Tensor? q_pos, float scale, int kv_heads, int page_size, int head_dim, int score_channels, "
         "ScalarType dtype, bool mass, bool last, bool sum_sq, bool count) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("store_decode_step(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor q, Tensor k, "
+        "Tensor v, Tensor pos, Tensor? rank, Tensor? counts, Tensor plan, Tensor? q_pos, float scale, "
+        "int page_size, int score_channels, bool mass, bool last, bool sum_sq, bool count, "
+        "int[] accumulate, str? rule=None, int sinks=0, int recent=0, Tensor? last_pos=None, "
+        "Tensor? budget=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
@@ -833,6 +877,7 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
   m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);
   m.impl("attention_run", &kvcache_ext::ops::attention_run);
+  m.impl("store_decode_step", &kvcache_ext::ops::store_decode_step);
 }
 
 #ifdef KVCACHE_EXT_WITH_CUDA
@@ -846,5 +891,6 @@ TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("segmented_topk", &kvcache_ext::ops::segmented_topk);
   m.impl("grouped_topk", &kvcache_ext::ops::grouped_topk);
   m.impl("attention_run", &kvcache_ext::ops::attention_run);
+  m.impl("store_decode_step", &kvcache_ext::ops::store_decode_step);
 }
 #endif

@@ -35,17 +35,6 @@ namespace kvcache_ext::ops {
 constexpr int64_t kMaxPageSize = 1024;
 int32_t page_shift(int64_t page_size);
 
-// The PagedView of a state, as the kernels take it; `page_base` keeps the view's page
-// addresses alive (a [pages] int64 tensor on the state's device). The ops make it from the
-// state they are handed (checked, page addresses cached by pool, see ops.cpp); the page
-// allocator keeps its own (PageAllocator::own_state).
-struct StateView {
-  store::PagedView view;
-  at::Tensor page_base;
-  int64_t segments = 0;
-  int64_t capacity = 0;  // pages * page_size: the length of slot-layout tensors
-};
-
 // store_append: writes n tokens (k, v [B, H, n, D], pos [B, n] or [n] integers) after the
 // live tokens of every segment. rank [S, n] int32 (-1: not stored) and counts [S] int32 (tokens
 // stored per segment) come together, for appends of some tokens only; without them every
@@ -105,8 +94,8 @@ void store_add_scores(at::TensorList pool, const at::Tensor& page_table, const a
 // (select/slot_rule.h): "mass" channel 0, "position" its position; +inf where protected
 // (position < sinks, or position > last_pos[b] - recent when recent > 0; last_pos [B]
 // integers on the store's device, each row's newest position, B = S / the row's segments).
-// The eviction of the compiled decode step (append_attend_evict) as an op, so that a CUDA
-// graph can capture it (kvcache_ext/hf/decode_graph.py).
+// The eviction of a decode step by a scorer's slot rule (RaggedKVStore.evict_by_rule), an op
+// so that a CUDA graph can capture it (kvcache_ext/hf/decode_graph.py).
 std::tuple<at::Tensor, at::Tensor> store_topk(at::TensorList pool, const at::Tensor& page_table,
                                               const at::Tensor& len,
                                               const c10::optional<at::Tensor>& scores,
@@ -156,6 +145,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     double scale, int64_t kv_heads, int64_t page_size, int64_t head_dim, int64_t score_channels,
     at::ScalarType dtype, bool want_mass, bool want_last, bool want_sum_sq, bool want_count);
 
+// store_decode_step: a decode step of one layer in one op, what eager and captured decode
+// steps both run (RaggedKVStore.decode_step), exactly
+//   store_append of k, v [B, H, 1, D] at pos (pos, rank and counts as store_append takes them)
+//   + attention_run of q [B, Hq, 1, D] with `plan` (and q_pos, scale) and the statistics asked
+//   + for each channel c in order: score channel c += statistic accumulate[c], an index in
+//     (mass, last, sum_sq, count): 0, 2 or 3 (store_add_scores)
+//   + with `rule`: store_topk of budget[s] tokens per segment by the rule (sinks, recent,
+//     last_pos as store_topk takes them) and store_compact unordered
+// through the functions those ops run, on one state view; everything is checked before
+// anything is written. The host steps stay with the caller: the pages for the new token
+// before (PageAllocator::prepare_append, or pages already held in a CUDA graph), the lengths
+// after an eviction (finish_compact with min(len, budget), or note_kept_in_pages). Returns
+// (out, mass, last, sum_sq, count); a statistic not asked for is an empty tensor (one
+// computed only to accumulate too).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_decode_step(
+    at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+    const c10::optional<at::Tensor>& rank, const c10::optional<at::Tensor>& counts,
+    const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos, double scale, int64_t page_size,
+    int64_t score_channels, bool want_mass, bool want_last, bool want_sum_sq, bool want_count,
+    at::IntArrayRef accumulate, const c10::optional<std::string>& rule = c10::nullopt,
+    int64_t sinks = 0, int64_t recent = 0, const c10::optional<at::Tensor>& last_pos = c10::nullopt,
+    const c10::optional<at::Tensor>& budget = c10::nullopt);
+
 // page_addresses (not an op): the device tensor of page addresses that the ops called on this
 // state on the current stream read (cached per pool and stream, see ops.cpp). A CUDA graph
 // captured over the ops holds the raw pointer: its owner (kvcache_ext.hf.decode_graph) keeps
@@ -163,50 +176,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 at::Tensor page_addresses(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                           int64_t page_size, int64_t head_dim, int64_t score_channels,
                           at::ScalarType dtype);
-
-// ---- The eager decode fast path (not an op) ----------------------------------------------
-// append_and_attend: a decode step's store work for one layer in one host call, what the
-// patched model's eager decode runs when a step only appends (one token per sequence, no
-// padding, a policy that never evicts while decoding). It is exactly
-//   allocator.prepare_append(k, v, pos) + store_append
-//   + allocator.attention_plan(G * n) + attention_run (no statistics)
-// through the same functions those ops run past their checks of the state (the append and
-// attention kernels, and attention_run's checks of q, scale and plan), on the state view the
-// allocator keeps (PageAllocator::own_state) instead of one made from the pool: no per-slab
-// checks or page-address lookup, so the call costs the same however many slabs the pages
-// lie in. q and scale are checked first: nothing is stored when they are refused. Returns
-// out [B, Hq, n, D]. torch.compile traces the ops instead (kvcache_ext/engine).
-// Why it stays: through the ops and the allocator's Python-called host steps, a layer's decode
-// call took 1.39x (SnapKV) and 1.42x (Ada-SnapKV) as long as here (+95 and +106 us per call),
-// a whole decode step 1.03x and 1.06x (bench/decode_calls.py --context 2048 --batch 4
-// --paths fast,ops, SmolLM2-135M fp32 on 2 CPU cores, interleaved turns;
-// bench/results/decode-calls-cpu-2026-11-27.json).
-at::Tensor append_and_attend(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, const at::Tensor& pos, double scale);
-
-// append_attend_evict: the eager decode step of a policy that evicts in the store's slot layout
-// while decoding (H2O and StreamingLLM under equal head budgets), in one host call: the decode
-// fast path of every step such a policy takes, eviction or not. It is exactly
-//   append_and_attend, with the attention mass of every slot when rule == "mass"
-//   + (rule "mass") score channel 0 += that mass, in every slot (store_add_scores)
-//   + when budget is given and a segment holds more than its budget[b, h] tokens:
-//       store_topk of budget[b, h] per segment by the rule (its rule, sinks, recent and
-//       last_pos arguments) + store_compact (stable = false: one token moves per evicted one)
-//       + allocator.finish_compact(min(len, budget[b, h])): the new lengths known, no read-back
-// through the functions those ops run past their checks, on the allocator's own state view.
-// budget [B, H] integers on the store's device (int32: taken as it is, no conversion; a
-// negative one keeps nothing) and budget_host, the same on the host (>= 0), come together
-// (none: no eviction this step); last_pos [B] integers on the device, each row's
-// newest position, is needed when recent > 0. Everything is checked before anything is
-// stored. Returns out [B, Hq, 1, D]. No host sync (the lengths are known on the host).
-// Why it exists: through Python (append, attend, the channel update, protection, select,
-// compact), H2O evicting every step decoded at 0.50x one-shot SnapKV on an H100 and on this
-// CPU's 8B-shaped host model alike, every step host-bound (bench/e2e.py --model host).
-at::Tensor append_attend_evict(PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, const at::Tensor& pos, double scale,
-                               const std::string& rule, int64_t sinks, int64_t recent,
-                               const c10::optional<at::Tensor>& last_pos,
-                               const c10::optional<at::Tensor>& budget,
-                               const c10::optional<at::Tensor>& budget_host);
 
 }  // namespace kvcache_ext::ops

@@ -5,6 +5,7 @@ from kvcache_ext import _C
 from kvcache_ext.kernels.attention import STAT_NAMES, AttentionStats, ragged_attention
 from kvcache_ext.kernels.select import grouped_topk, segmented_topk
 from kvcache_ext.kernels.store import DenseView, RaggedKVStore
+from kvcache_ext.hf import batching as _batching
 
 __version__ = "0.1.0"
 
@@ -18,7 +19,20 @@ def build_info() -> dict:
 # alone do not pay for it.
 _LAZY = {"patch": "kvcache_ext.hf.patching", "unpatch": "kvcache_ext.hf.patching", "is_patched": "kvcache_ext.hf.patching",
          "PatchHandle": "kvcache_ext.hf.patching", "RaggedCache": "kvcache_ext.hf.cache",
-         "with_cache": "kvcache_ext.hf.cache_argument"}
+         "with_cache": "kvcache_ext.cache_argument"}
+
+
+def _serving_manager():
+    """What a patched model's ``init_continuous_batching`` runs: kvcache_ext.serving's manager,
+    imported at its first use (older transformers lack the engine's extension points, and the
+    serving module says so when it is imported)."""
+    from kvcache_ext.serving.manager import init_continuous_batching
+    return init_continuous_batching
+
+
+# The package is where the layers meet: the patch (hf) builds continuous batching through
+# serving, a layer above it, without importing it.
+_batching.provide(_serving_manager)
 
 
 def __getattr__(name):

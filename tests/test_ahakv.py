@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.engine.eviction import attend_block
+from kvcache_ext.engine.decode import decode
 from kvcache_ext.engine.prompt import compress_prompt
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
@@ -245,7 +245,7 @@ DECODE_VARIANTS = [
 @pytest.mark.parametrize("storage", [RaggedLayerKV, MaskedLayerKV], ids=["ragged", "masked"])
 @pytest.mark.parametrize("scorer", DECODE_VARIANTS, ids=repr)
 def test_algorithm_1_prefill_and_decode_steps(storage, scorer):
-    """The engine (one-shot compression, then attend_block with an eviction every step)
+    """The engine (one-shot compression, then a decode step with an eviction every step)
     keeps, head by head and step by step, Algorithm 1's tokens with Algorithm 1's F."""
     B, budget, steps, n = 2, 9, 6, 20
     for seed, (H, G) in enumerate(LAYOUTS[:2]):
@@ -265,8 +265,8 @@ def test_algorithm_1_prefill_and_decode_steps(storage, scorer):
             q = torch.randn(B, H * G, 1, 8, generator=gen) * 1.5
             k = torch.randn(B, H, 1, 8, generator=gen)
             v = torch.randn(B, H, 1, 8, generator=gen)
-            attend_block(state, q, k, v, state.last_pos[:, None] + 1, torch.ones(B, 1, dtype=torch.bool),
-                         p.scale, decode=True)
+            decode(state, q, k, v, state.last_pos[:, None] + 1, None, p.scale)
+            state.finish_decode_step()
             for b in range(B):
                 lit[b].step(q[b, :, 0].double(), k[b, :, 0].double(), v[b, :, 0].double())
         assert (state.kv.lens <= budget).all()

@@ -258,44 +258,58 @@ def test_bad_input(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, H, G", [(1, 1, 1), (2, 3, 3), (3, 2, 4)])
-def test_append_and_attend_is_append_then_attention(device, dtype, B, H, G):
-    """The eager decode's one host call stores what append stores and returns what
-    ragged_attention returns, bit for bit, over ragged segments (one of them empty before
-    the step) and across a page boundary; a refused q or scale stores nothing."""
+def test_decode_step_is_the_reference_step(device, dtype, B, H, G):
+    """A layer storage's decode step (append, attend, accumulate, evict by a slot rule: the
+    engine's one decode door) on the ragged store against the reference's masked dense cache,
+    over ragged segments (one empty before the steps, one of a single token), across page
+    boundaries, with padded rows on some steps: the same outputs, statistics, channels and
+    kept positions."""
+    from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+    from kvcache_ext.engine.storage import DecodeStep, EvictByRule
+    from kvcache_ext.reference.masked_cache import MaskedLayerKV
     gen = torch.Generator().manual_seed(B * 10 + H)
     D = 16 if device == "cpu" else min(kvcache_ext.kernels.attention.CUDA_HEAD_DIMS)  # CUDA: 16 is refused
     L = 20
     lens = torch.randint(0, L + 1, (B, H), generator=gen)
     lens.view(-1)[0] = 0
-    stores = []
-    for _ in range(2):
-        store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, page_size=4)
-        k = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-        store.append(k.to(device), k.to(device), torch.arange(L), (torch.arange(L) < lens[..., None]).to(device))
-        stores.append(store)
-    fast, slow = stores
+    lens.view(-1)[-1] = 1 if B * H > 1 else 0
+    ragged = RaggedLayerKV(B, H, D, dtype, torch.device(device), 1, page_size=4)
+    masked = MaskedLayerKV(B, H, D, dtype, torch.device(device), 1)
+    k = torch.randn(B, H, L, D, generator=gen).to(dtype).to(device)
+    keep = (torch.arange(L) < lens[..., None]).to(device)
+    for storage in (ragged, masked):
+        storage.append(k, k, torch.arange(L, device=device).expand(B, L), keep)
+    # The mass's float rounding differs between the kernel and the float64 reference: in 16-bit
+    # types the rule is the position (the mass still accumulates), so that no near tie decides.
+    rule = "mass" if dtype == torch.float32 else "position"
+    budget = torch.tensor([3, 5, 4][:B], device=device)
+    last_pos = torch.full((B,), -1, dtype=torch.long, device=device)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for step in range(6):
-        k, v = (torch.randn(B, H, 1, D, generator=gen).to(dtype).to(device) for _ in range(2))
+        kv, v = (torch.randn(B, H, 1, D, generator=gen).to(dtype).to(device) for _ in range(2))
         q = torch.randn(B, H * G, 1, D, generator=gen).to(dtype).to(device)
-        pos = torch.full((B, 1), L + step, dtype=torch.long)
-        got = fast.append_and_attend(q, k, v, pos.to(device), 0.25)
-        slow.append(k, v, pos.to(device))
-        want, _ = kvcache_ext.ragged_attention(q, slow, 0.25)
-        assert torch.equal(got, want)
-        # append_and_attend leaves the Python state to its next reader: the ops path reads
-        # the pages it added (a stale pool lacks them and is refused on CPU).
-        assert torch.equal(kvcache_ext.ragged_attention(q, fast, 0.25)[0], want)
-    a, b = fast.to_dense(), slow.to_dense()
-    for field in ("k", "v", "pos", "mask"):
-        assert torch.equal(getattr(a, field), getattr(b, field)), field
-    before = fast.to_dense()
-    bad_q = torch.randn(B, H * G, 1, D + 1).to(dtype).to(device)    # another head_dim
-    with pytest.raises(ValueError, match="q has head_dim"):
-        fast.append_and_attend(bad_q, k, v, pos.to(device), 0.25)
-    with pytest.raises(ValueError, match="scale must be finite"):
-        fast.append_and_attend(q, k, v, pos.to(device), float("inf"))
-    after = fast.to_dense()
-    assert torch.equal(before.k, after.k) and torch.equal(before.lens, after.lens)
+        pos = torch.full((B, 1), L + step, dtype=torch.long, device=device)
+        valid = (torch.arange(B) != step % 3).to(device) if step % 2 else None   # a padded row
+        newest = pos[:, 0] if valid is None else pos[:, 0].masked_fill(~valid, -1)
+        last_pos = torch.maximum(last_pos, newest)
+        evict = EvictByRule(rule, 1, 2, budget, budget.cpu()) if step >= 3 else None
+        decode = DecodeStep(stats=("mass", "last"), accumulate=("mass",), evict=evict, valid=valid,
+                            last_pos=last_pos)
+        got, got_stats = ragged.decode_step(kv, v, pos, q, 0.25, decode)
+        want, want_stats = masked.decode_step(kv, v, pos, q, 0.25, decode)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        if evict is None:   # the statistics are of the tokens before the eviction
+            for name in ("mass", "last"):
+                torch.testing.assert_close(ragged.view({name: got_stats[name]}, False)["stats"][name],
+                                           masked.view({name: want_stats[name]}, False)["stats"][name],
+                                           atol=1e-4, rtol=1e-4)
+        a, b = ragged.view(None, True), masked.view(None, True)
+        assert torch.equal(a["pos"], b["pos"]) and torch.equal(a["mask"], b["mask"]), step
+        assert torch.equal(ragged.lens, masked.lens)
+        torch.testing.assert_close(a["channels"], b["channels"], atol=1e-4, rtol=1e-4)
+        for name in ("k", "v"):   # the live tokens (a padded view's other entries are the storage's own)
+            assert torch.equal(a[name][a["mask"]], b[name][b["mask"]]), (step, name)
+    assert bool((ragged.lens <= budget.cpu()[:, None]).all())   # the rule evicted
 
 
 # head_dim 80, 96, 112, 192 (the CUDA attention's padded row layout) and 256.

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext import RaggedKVStore, ragged_attention, reference
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.checks import INT32_MAX, INT64_MAX
 from kvcache_ext.policies import (CAOTE, H2O, KVEC, TOVA, AdaKV, AhaKV, BlockwisePrefill, EveryNSteps,
                                   EveryStep, OneShot, Policy, Pooled, Pooling, Protection, Pyramid, Random,
@@ -616,9 +616,9 @@ def test_every_store_method_refuses_a_meta_tensor():
         "select scores": ("scores", lambda: s.select(2, meta(torch.randn(s.capacity)))),
         "select grouped k": ("k", lambda: s.select(meta(torch.full((B,), 4)), grouped=True)),
         "set_scores": ("scores", lambda: s.set_scores(meta(torch.zeros(s.capacity, 1)))),
-        "append_and_attend q": ("q", lambda: s.append_and_attend(meta(q), k1, k1, torch.full((B, 1), 5), 0.5)),
-        "append_and_attend k": ("k", lambda: s.append_and_attend(q, meta(k1), k1, torch.full((B, 1), 5), 0.5)),
-        "append_and_attend pos": ("pos", lambda: s.append_and_attend(q, k1, k1, meta(torch.full((B, 1), 5)), 0.5)),
+        "evict_by_rule k": ("k", lambda: s.evict_by_rule(meta(torch.full((B * H,), 2)), rule="position")),
+        "evict_by_rule last_pos": ("last_pos", lambda: s.evict_by_rule(torch.full((B * H,), 2), rule="position",
+                                                                       recent=1, last_pos=meta(pos1))),
         "ragged_attention q": ("q", lambda: ragged_attention(meta(q), s)),
         "ragged_attention q_pos": ("q_pos", lambda: ragged_attention(q, s, q_pos=meta(torch.full((B, 1), 9)))),
     }
@@ -632,7 +632,7 @@ def test_every_store_method_refuses_a_meta_tensor():
     s.replace(slot, k1, k1, pos1)
     s.select(2, torch.randn(s.capacity))
     s.compact(torch.ones(s.capacity, dtype=torch.bool))
-    s.append_and_attend(q, k1, k1, torch.full((B, 1), 7), 0.5)
+    s.evict_by_rule(torch.full((B * H,), 9), rule="position", recent=1, last_pos=pos1)
     ragged_attention(q, s, q_pos=torch.full((B, 1), 9))
 
 

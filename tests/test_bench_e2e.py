@@ -82,8 +82,8 @@ def rows_of(doc, context, batch):
 def test_every_method_runs_and_the_json_says_what_ran(run):
     doc, stdout, png = run
     assert "| context | batch | method |" in stdout and png.is_file()
-    for key in ("device", "commit", "torch", "model", "dtype", "steps", "warmup_steps", "repeats",
-                "largest_fit", "rows"):
+    for key in ("device", "date", "commit", "dirty", "torch", "model", "dtype", "steps", "warmup_steps",
+                "repeats", "largest_fit", "rows"):
         assert key in doc, key
     methods = methods_of(doc)
     assert len(doc["rows"]) == 2 * 2 * (1 + (len(methods) - 1) * 2)

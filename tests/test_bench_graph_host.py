@@ -28,6 +28,7 @@ def test_graph_host_times_eager_and_graphed_steps(tmp_path):
     assert lines == ["snapkv", "h2o-step"], proc.stdout
     record = json.loads(out.read_text())
     assert record["meta"]["backend"].startswith("NullGraphs") and record["meta"]["command"].startswith("python")
+    assert {"device", "date", "commit", "dirty"} <= set(record["meta"])   # bench/common.py's run_metadata
     for row in record["rows"]:
         # 4 untimed steps and 8 timed: the first warms up, the second is captured, 10 replays
         assert row["graph"] == {"warmups": 1, "captures": 1, "replays": 10, "eager_steps": 1}, row

@@ -28,7 +28,7 @@ def doc(tmp_path_factory):
 
 
 def test_json_keys(doc):
-    for key in ("benchmark", "date", "commit", "device", "torch", "transformers", "command", "machine",
+    for key in ("benchmark", "date", "commit", "dirty", "device", "torch", "transformers", "command", "machine",
                 "model", "budgets", "verifications", "runtime_s", "rows"):
         assert key in doc, key
     assert doc["benchmark"] == "memory"

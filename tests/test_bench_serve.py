@@ -22,7 +22,9 @@ def test_serve_bench_reports_every_request_and_the_ratios(tmp_path):
          "--methods", "full,snapkv", "--logs", str(tmp_path), "--out", str(out)],
         cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    doc = json.loads(out.read_text())
+    assert {"device", "date", "commit", "dirty"} <= set(doc["meta"]) and "threads" in doc["meta"]["device"]
+    rows = {r["method"]: r for r in doc["rows"]}
     full, snapkv = rows["full"], rows["snapkv"]
     assert (full["sent"], full["completed"], full["lost"]) == (2, 2, 0)
     assert (snapkv["sent"], snapkv["completed"], snapkv["refused"], snapkv["cancelled"], snapkv["lost"]) == \

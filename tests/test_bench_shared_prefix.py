@@ -22,7 +22,9 @@ def test_shared_prefix_bench_reports_every_method(tmp_path):
          "--out", str(out)],
         cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    doc = json.loads(out.read_text())
+    assert {"device", "date", "commit", "dirty"} <= set(doc["meta"])
+    rows = {r["method"]: r for r in doc["rows"]}
     assert set(rows) == {"full", "snapkv", "snapkv+shared"}
     for row in rows.values():
         assert row["requests"] == 3 and row["errors"] == 0 and len(row["answers"]) == 3

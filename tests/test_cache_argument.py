@@ -1,4 +1,4 @@
-"""kvcache_ext.hf.cache_argument: the cache goes in under the name the installed transformers takes
+"""kvcache_ext.cache_argument: the cache goes in under the name the installed transformers takes
 (``cache`` from 5.24, ``past_key_values`` before), so the library's own model calls warn on no
 version and survive the old name's removal (5.40)."""
 import gc
@@ -9,7 +9,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import cache_argument, with_cache
+from kvcache_ext.cache_argument import cache_argument, with_cache
 from kvcache_ext.evaluation.decoding import greedy_continue
 from kvcache_ext.policies import H2O, Policy
 

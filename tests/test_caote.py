@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
-from kvcache_ext.engine.eviction import attend_block, attend_in_blocks
+from kvcache_ext.cache_argument import with_cache
+from kvcache_ext.engine.blocks import attend_in_blocks
+from kvcache_ext.engine.decode import decode
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, CacheView, EveryStep, OneShot, Policy,
@@ -159,7 +160,7 @@ def test_cache_scores_follow_the_equations(source, fast, gqa):
         s = SnapKV(window=3, kernel=3, pooling="avg" if source == "snapkv_block" else "max")
         scorer = CAOTE(s, fast=fast, gqa=gqa)
     for seed in range(3):
-        view = random_view(seed, channels=scorer.channels,
+        view = random_view(seed, channels=scorer.capabilities.channels,
                            queries=5 if source == "snapkv_block" else 0, pad_queries=1)
         got = scorer.cache_scores(view)
         assert got.dtype == torch.float32 and got.shape == view.pos.shape
@@ -260,8 +261,10 @@ def test_h2o_query_head_accumulators_over_blocks_and_decode(storage):
     sl = lambda x, a, z: x[:, :, a:z]
     attend_in_blocks(state, sl(q, 0, n), sl(k, 0, n), sl(v, 0, n), pos[:, :n], valid[:, :n], scale, 5)
     for t in range(n, total):
-        attend_block(state, sl(q, t, t + 1), sl(k, t, t + 1), sl(v, t, t + 1), pos[:, t:t + 1],
-                     valid[:, t:t + 1], scale, decode=True)
+        real = valid[:, t]
+        decode(state, sl(q, t, t + 1), sl(k, t, t + 1), sl(v, t, t + 1), pos[:, t:t + 1],
+               None if bool(real.all()) else real, scale)
+        state.finish_decode_step()
     parts = state.kv.view(None, True)
     channels = parts["channels"]
     view = CacheView(pos=parts["pos"], mask=parts["mask"], channels=channels, last_pos=state.last_pos,
@@ -462,16 +465,19 @@ def test_composition_delegates_to_the_base_and_validates():
     with pytest.raises(ValueError, match="pool_then_mean"):    # the base's own schedule check
         Policy(CAOTE(SnapKV(order="pool_then_mean")), budget=64, schedule=EveryStep())
     s = CAOTE(H2O(recent=3), gqa="group_l2")   # per-head: H2O keeps per-query-head accumulators
-    assert s.default_protection() == Protection(recent=3) and s.output_after_eviction
-    assert s.channels == 1 + 8 and s.update_stats == ("mass", "last") and s.updates_from_view
-    assert s.needs_kv and s.needs_queries and s.base == H2O(recent=3)
+    caps = s.capabilities
+    assert s.default_protection() == Protection(recent=3) and caps.output_after_eviction
+    assert caps.channels == 1 + 8 and caps.accumulates == ("mass",) and caps.update_stats == ("last",)
+    assert caps.updates_from_view and caps.slot_rule is None   # its scores are CAOTE's, not the rule's
+    assert caps.needs_kv and caps.needs_queries and s.base == H2O(recent=3)
     s = CAOTE(SnapKV(window=5), gqa="group_l2")
-    assert s.default_protection() == Protection(recent=5) and s.stats_window == 5
-    assert s.channels == 0 and s.evict_stats == ("mass", "last") and not s.updates_from_view
-    s = CAOTE(H2O(), gqa="shared")
-    assert s.channels == 1 and s.update_stats == ("mass",) and not s.updates_from_view
-    assert CAOTE().gqa == "shared" and CAOTE(Random()).channels == Random().channels
-    assert CAOTE(TOVA()).evict_stats == ("last",) and not CAOTE(TOVA()).needs_queries
+    caps = s.capabilities
+    assert s.default_protection() == Protection(recent=5) and caps.stats_window == 5
+    assert caps.channels == 0 and caps.evict_stats == ("mass", "last") and not caps.updates_from_view
+    caps = CAOTE(H2O(), gqa="shared").capabilities
+    assert caps.channels == 1 and caps.accumulates == ("mass",) and not caps.updates_from_view
+    assert CAOTE().gqa == "shared" and CAOTE(Random()).capabilities.channels == Random().capabilities.channels
+    assert CAOTE(TOVA()).capabilities.evict_stats == ("last",) and not CAOTE(TOVA()).capabilities.needs_queries
     f = FastCAOTE(TOVA())
     assert f.fast and isinstance(f.base, TOVA) and isinstance(FastCAOTE().base, H2O)
     p = caote_policy(SnapKV(), budget=2048, fast=True, allocation=AdaKV())

@@ -2,7 +2,7 @@
 
 The CUDA attention kernel serves head_dim 64/128/256, so these models use head_dim 64
 (test_patch.py's tiny models use 16). Every test needs a GPU and a CUDA build; on a machine
-without one the module is skipped (bench/gpu_verify.sh --stages test runs it on a lent GPU).
+without one the module is skipped (bench/tools/gpu_verify.sh --stages test runs it on a lent GPU).
 """
 import pytest
 import torch
@@ -76,18 +76,18 @@ def test_budget_at_least_length_gives_unpatched_logits_on_cuda(dtype, atol):
 @pytest.mark.parametrize("policy", [Policy(H2O(recent=3), budget=14, schedule=EveryStep()),
                                     Policy(StreamingLLM(sinks=2), budget=10, schedule=EveryNSteps(2))],
                          ids=lambda p: type(p.scorer).__name__)
-def test_compiled_decode_step_on_cuda_equals_reference_and_cpu(policy):
-    """The compiled decode step of a slot-rule scorer (test_patch.py's
-    test_compiled_decode_step_equals_the_python_step) on CUDA: it serves every decode step, and
-    gives the reference path's logits and the CPU store's kept tokens."""
+def test_slot_rule_decode_step_on_cuda_equals_reference_and_cpu(policy):
+    """The decode step of a slot-rule scorer, its eviction in the storage call (test_patch.py's
+    test_slot_rule_eviction_equals_the_view_eviction) on CUDA: one storage call serves every
+    decode step, and it gives the reference path's logits and the CPU store's kept tokens."""
     from test_patch import _decode_unpadded
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     served = []
-    compiled_step = RaggedLayerKV.append_attend_evict
+    decode_step = RaggedLayerKV.decode_step
     results = []
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(RaggedLayerKV, "append_attend_evict",
-                        lambda self, *a: served.append(self.store.device.type) or compiled_step(self, *a))
+        patched.setattr(RaggedLayerKV, "decode_step",
+                        lambda self, *a: served.append(self.store.device.type) or decode_step(self, *a))
         for device in ("cpu", "cuda"):
             model = tiny_model("llama", heads=8, kv_heads=2, head_dim=64, layers=3).to(device)
             ids, _ = inputs(batch=2, length=40)

@@ -3,7 +3,7 @@
 On the CPU the graphs are played by tests/graph_emulator.py, which replays what a capture
 recorded with CUDA graphs' semantics (same memory, host values frozen, no Python run again):
 a step that leaned on the host would differ from the eager steps here, as it would on a GPU.
-The CUDA twin at the end runs real CUDA graphs (bench/gpu_verify.sh's test stage)."""
+The CUDA twin at the end runs real CUDA graphs (bench/tools/gpu_verify.sh's test stage)."""
 import inspect
 
 import pytest
@@ -11,9 +11,9 @@ import torch
 
 import kvcache_ext
 from kvcache_ext import RaggedKVStore
-from kvcache_ext.engine import eviction
+from kvcache_ext.engine import forward
 from kvcache_ext.hf import decode_graph
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext import reference
 from kvcache_ext.policies import (H2O, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, KVzip, Policy, Protection,
                                   SnapKV, StreamingLLM, TOVA)
@@ -24,7 +24,7 @@ from tiny_models import VOCAB, tiny_model
 KVZIP = KVzip(prompt=(5, 6, 7), continue_prompt=(8, 9), suffix=(10,), skip_prefix=None)
 ONE_SHOT = [Policy(SnapKV(window=4), budget=16, allocation=AdaKV()),
             Policy(SnapKV(window=4, kernel=3), ratio=0.5)]
-# Policies that evict while decoding by a slot rule (decode_fused's), with the counts of a
+# Policies that evict while decoding by a slot rule (in the storage's call), with the counts of a
 # generate of 8 tokens (the prompt and 7 decode steps): (warmups, captures, replays, eager).
 # Every step evicts, or every third (two graphs: one per kind of step), or never after a
 # block-wise prefill (the mass still accumulates); a budget above a row's prompt (28 > 27),
@@ -102,6 +102,19 @@ def test_graph_steps_that_evict_give_the_eager_tokens_logits_and_cache(cpu_graph
     graph = graphed[3]
     assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == counts
     assert graph.failed is None
+
+
+@pytest.mark.parametrize("policy", [ONE_SHOT[0], EVICTING[0][0]], ids=["ada-snapkv", "h2o-every-step"])
+def test_graph_steps_under_the_models_eager_attention(cpu_graphs, policy):
+    """A model whose dense attention is HF's eager one gets a mask tensor at every step (SDPA's
+    gets none without padding): the graph's steps do not read it (it checked the mask on the
+    host before the step), so they are captured and give the eager steps' results."""
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2, attn="eager")
+    eager = generate(model, policy, cuda_graph=False)
+    graphed = generate(model, policy, cuda_graph=True)
+    assert_same_generation(eager, graphed)
+    graph = graphed[3]
+    assert graph.failed is None and (graph.warmups, graph.captures, graph.replays) == (1, 1, 5)
 
 
 def test_an_evicting_graph_reserves_pages_for_the_steps_between_evictions(cpu_graphs):
@@ -194,8 +207,8 @@ def test_steps_called_by_hand_with_the_tokens_by_position(cpu_graphs):
 
 
 @pytest.mark.parametrize("policy,why", [
-    (Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()), "budgets need the padded view"),
-    (Policy(TOVA(), budget=16, schedule=EveryStep()), "evicts over the cache by a scorer without a slot rule"),
+    (Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()), "evicts on a padded view"),
+    (Policy(TOVA(), budget=16, schedule=EveryStep()), "evicts on a padded view"),
 ], ids=["ada-h2o", "tova"])
 def test_steps_a_graph_cannot_serve_run_eagerly(cpu_graphs, policy, why):
     model = tiny_model("llama", layers=2)
@@ -219,15 +232,16 @@ def test_without_a_backend_every_step_runs_eagerly():
 def test_a_step_that_reads_the_device_falls_back_to_eager(cpu_graphs, monkeypatch):
     """A host read inside the step fails the capture (as on CUDA): a warning, and every later
     step of that cache runs eagerly, with the same result."""
-    plain = eviction.decode_in_graph
+    plain = forward.decode
 
-    def reads_the_device(state, q, k, v, position_ids, scale):
-        int(position_ids.sum())
-        return plain(state, q, k, v, position_ids, scale)
+    def reads_the_device(state, q, k, v, pos, valid, scale, plan=None):
+        if plan is not None:   # a graph's step
+            int(pos.sum())
+        return plain(state, q, k, v, pos, valid, scale, plan)
 
     model = tiny_model("llama", layers=2)
     eager = generate(model, ONE_SHOT[0], cuda_graph=False)
-    monkeypatch.setattr(eviction, "decode_in_graph", reads_the_device)
+    monkeypatch.setattr(forward, "decode", reads_the_device)
     with pytest.warns(RuntimeWarning, match="without a CUDA graph .*reads a device value"):
         graphed = generate(model, ONE_SHOT[0], cuda_graph=True)
     assert_same_generation(eager, graphed)
@@ -238,14 +252,16 @@ def test_a_step_that_reads_the_device_falls_back_to_eager(cpu_graphs, monkeypatc
 def test_the_emulator_catches_a_host_value_frozen_into_the_step(cpu_graphs, monkeypatch):
     """The check above can fail: positions taken from the host's count of tokens seen (not from
     the graph's buffer) are frozen at the capture, and the replayed steps store wrong ones."""
-    plain = eviction.decode_in_graph
+    plain = forward.decode
 
-    def positions_from_the_host(state, q, k, v, position_ids, scale):
-        return plain(state, q, k, v, torch.full_like(position_ids, state.seen), scale)
+    def positions_from_the_host(state, q, k, v, pos, valid, scale, plan=None):
+        if plan is not None:   # a graph's step
+            pos = torch.full_like(pos, state.seen)
+        return plain(state, q, k, v, pos, valid, scale, plan)
 
     model = tiny_model("llama", layers=2)
     eager = generate(model, ONE_SHOT[1], cuda_graph=False)
-    monkeypatch.setattr(eviction, "decode_in_graph", positions_from_the_host)
+    monkeypatch.setattr(forward, "decode", positions_from_the_host)
     graphed = generate(model, ONE_SHOT[1], cuda_graph=True)
     assert not all(torch.equal(x, y) for x, y in zip(eager[2], graphed[2]))
 
@@ -313,7 +329,8 @@ def test_store_appends_into_held_pages_and_counts_them_apart():
 @pytest.mark.parametrize("sinks,recent", [(0, 0), (2, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_store_evicts_in_held_pages_by_a_rule_as_the_reference_selects(rule, sinks, recent, dtype):
-    """evict_in_pages (the store_topk op by a slot rule, then store_compact) keeps what the
+    """evict_by_rule without ``kept`` (a captured step's: the store_topk op by a slot rule, then
+    store_compact, no host step) keeps what the
     reference top-k keeps of the rule's scores (channel 0 or the position; +inf where
     protected), and note_kept_in_pages gives min(len, k) with every page still held. Empty
     and one-token segments, GQA-shaped rows (3 heads), batch 2, a budget of 0."""
@@ -339,8 +356,8 @@ def test_store_evicts_in_held_pages_by_a_rule_as_the_reference_selects(rule, sin
     lens = before.lens.reshape(-1)
     keep = reference.segmented_topk(score.reshape(B * H, -1), before.pos.reshape(B * H, -1), lens,
                                     budget.reshape(-1)).view(B, H, -1)
-    store.evict_in_pages(budget.reshape(-1), rule=rule, sinks=sinks, recent=recent,
-                         last_pos=last_pos if recent else None)
+    store.evict_by_rule(budget.reshape(-1), rule=rule, sinks=sinks, recent=recent,
+                        last_pos=last_pos if recent else None)
     store.note_kept_in_pages(budget.reshape(-1).long())
     assert store.lens.tolist() == torch.minimum(before.lens, budget.long()).tolist()
     assert store.num_pages == pages and torch.equal(store.caps, caps)        # no page given back
@@ -357,16 +374,16 @@ def test_store_evicts_in_held_pages_by_a_rule_as_the_reference_selects(rule, sin
     store.validate()
 
 
-def test_store_eviction_in_pages_refuses_bad_input():
+def test_store_eviction_by_rule_refuses_bad_input():
     store = RaggedKVStore(2, 2, 8, dtype=torch.float32, score_channels=1, page_size=4)
     store.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), torch.arange(5))
     k = torch.full((4,), 2, dtype=torch.int32)
     bad = [
-        (lambda: store.evict_in_pages(k, rule="tova"), "rule must be 'mass'"),
-        (lambda: store.evict_in_pages(k, rule="mass", recent=2), "recent > 0 needs last_pos"),
-        (lambda: store.evict_in_pages(k, rule="mass", recent=2, last_pos=torch.tensor([1, 2, 3])),
+        (lambda: store.evict_by_rule(k, rule="tova"), "rule must be 'mass'"),
+        (lambda: store.evict_by_rule(k, rule="mass", recent=2), "recent > 0 needs last_pos"),
+        (lambda: store.evict_by_rule(k, rule="mass", recent=2, last_pos=torch.tensor([1, 2, 3])),
          r"last_pos must be \[B\] \(one per row, B dividing the 4 segments\), got shape \[3\]"),
-        (lambda: store.evict_in_pages(k, rule="mass", sinks=-1), "sinks and recent must be >= 0"),
+        (lambda: store.evict_by_rule(k, rule="mass", sinks=-1), "sinks and recent must be >= 0"),
         (lambda: store.select(k.view(2, 2), torch.zeros(store.capacity), rule="mass"), "scores or a rule"),
         (lambda: store.select(k.view(2, 2), sinks=2), "sinks, recent and last_pos protect tokens under a rule"),
         (lambda: store.note_kept_in_pages(torch.tensor([2, 2, 2])), "note_kept_in_pages takes the budgets as 4"),
@@ -381,7 +398,7 @@ def test_store_eviction_in_pages_refuses_bad_input():
         assert store.lens.tolist() == [[5, 5], [5, 5]]
     no_channels = RaggedKVStore(2, 2, 8, dtype=torch.float32, score_channels=0, page_size=4)
     with pytest.raises(ValueError, match="rule 'mass' accumulates in score channel 0"):
-        no_channels.evict_in_pages(k, rule="mass")
+        no_channels.evict_by_rule(k, rule="mass")
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and kvcache_ext.build_info()["cuda"]),

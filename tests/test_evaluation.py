@@ -8,7 +8,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation import (
     compressed_cache,
     make_policy,
@@ -103,8 +103,8 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert isinstance(make_policy("ada-snapkv", 64).allocation, AdaKV)
     assert make_policy("h2o", 64).scorer.recent == 32          # the H2O paper's half-recent split
     # CAOTE under the baselines' protocol, and Eq. 7 literally under its own name.
-    assert not make_policy("caote-h2o", 64).scorer.output_after_eviction
-    assert make_policy("caote-h2o-eq7", 64).scorer.output_after_eviction
+    assert not make_policy("caote-h2o", 64).scorer.capabilities.output_after_eviction
+    assert make_policy("caote-h2o-eq7", 64).scorer.capabilities.output_after_eviction
     assert make_policy("caote-tova-shared", 64).scorer.gqa == "shared"
     assert make_policy("caote-tova", 64).scorer.gqa == "shared"            # the base's own reading
     assert make_policy("caote-h2o-l2", 64).scorer.gqa == "group_l2"
@@ -162,14 +162,17 @@ def test_both_storages_implement_the_storage_interface():
 
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     from kvcache_ext.reference.masked_cache import MaskedLayerKV
-    from kvcache_ext.engine.storage import LayerStorage
+    from kvcache_ext.engine.storage import GraphStorage, LayerStorage
 
     for cls in (RaggedLayerKV, MaskedLayerKV):
         storage = cls(2, 3, 8, torch.float32, torch.device("cpu"), 2)
         assert isinstance(storage, LayerStorage)
-        for name, member in vars(LayerStorage).items():
-            if name.startswith("_") or not callable(getattr(LayerStorage, name, None)):
-                continue
-            want = list(inspect.signature(getattr(LayerStorage, name)).parameters)
-            got = list(inspect.signature(getattr(cls, name)).parameters)
-            assert got == want, (cls.__name__, name, got, want)
+        # A decode graph captures the steps of a storage that says it can (and has the methods).
+        assert storage.graph_ready == isinstance(storage, GraphStorage) == (cls is RaggedLayerKV)
+        for protocol in (LayerStorage, GraphStorage) if storage.graph_ready else (LayerStorage,):
+            for name, member in vars(protocol).items():
+                if name.startswith("_") or not callable(getattr(protocol, name, None)):
+                    continue
+                want = list(inspect.signature(getattr(protocol, name)).parameters)
+                got = list(inspect.signature(getattr(cls, name)).parameters)
+                assert got == want, (cls.__name__, name, got, want)

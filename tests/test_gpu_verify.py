@@ -1,4 +1,4 @@
-"""bench/gpu_verify.sh and bench/gpu_verify.py on a machine without a GPU, so that the one GPU
+"""bench/tools/gpu_verify.sh and bench/tools/gpu_verify.py on a machine without a GPU, so that the one GPU
 command cannot rot unseen: --dry-run walks every stage with its time estimate; bad arguments are
 refused with the accepted values; the Python half (the table with its baselines and checks, the
 sanitizers' driver, the report) runs tiny on the CPU."""
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "gpu_verify.sh"
+TOOLS = ROOT / "bench" / "tools"
+SCRIPT = TOOLS / "gpu_verify.sh"
 STAGES = ["env", "build", "bench", "tc", "sanitize", "e2e", "test", "gtest", "probe", "ncu"]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(TOOLS))
 
 
 def run(*args):
@@ -28,7 +30,7 @@ def test_dry_run_walks_every_stage_with_its_estimate():
         assert f"[{stage}] ~" in out.stdout and "would run:" in out.stdout, stage
     assert "--contexts 8192 --batches 1" in out.stdout
     assert "compute-sanitizer --tool memcheck|racecheck|synccheck" in out.stdout
-    assert "bench/nsight/profile.sh" in out.stdout and "bench/gpu_probe.py --gdb" in out.stdout
+    assert "bench/nsight/profile.sh" in out.stdout and "bench/tools/gpu_probe.py --gdb" in out.stdout
     # One pytest process per test file, the CUDA safety and host-sync tests among them.
     assert "for f in tests/test_build.py" in out.stdout and "tests/test_cuda_metadata.py" in out.stdout
     assert "WARNING: the plan's estimate exceeds the budget" in out.stdout   # every stage: too long
@@ -81,7 +83,8 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
         assert r["tc_seconds"] > 0 and r["tc_stats_seconds"] > 0 and r["tc_max_abs_diff_vs_switch_off"] == 0
         assert 0 < r["tc_fraction_of_copy"] and 0 < r["fraction_of_copy"]
     doc = json.loads(table_json.read_text())
-    assert doc["kernel_time"] == "wall time (CPU)" and doc["commit"] and doc["device"]
+    assert doc["kernel_time"] == "wall time (CPU)" and doc["commit"] and doc["device"] and doc["date"]
+    assert isinstance(doc["dirty"], bool)   # bench/common.py's run_metadata
     ops = [r["op"] for r in doc["kernels"]]
     assert ops.count("compact") == 2 and ops.count("append") == 2 and ops.count("evict_one") == 1
     assert ops.count("segmented_topk") == ops.count("grouped_topk") == 3
@@ -103,7 +106,7 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
                                          ("snapkv-graph", 20.0, 0.01), ("h2o-step-graph", 19.0, 0.012))]}
     (tmp_path / "e2e.json").write_text(json.dumps(e2e))
     (tmp_path / "stages.json").write_text(json.dumps({"stages": {"sanitize": {"status": "passed"}}}))
-    rep = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_verify.py"), "report", str(table_json),
+    rep = subprocess.run([sys.executable, str(TOOLS / "gpu_verify.py"), "report", str(table_json),
                           "--e2e", str(tmp_path / "e2e.json"), "--stages", str(tmp_path / "stages.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
@@ -126,7 +129,7 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
 
 def test_the_sanitizer_driver_runs_on_cpu():
     """The driver compares every op on the device with the CPU; here both sides are the CPU."""
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_verify.py"), "sanitize-driver", "--device",
+    res = subprocess.run([sys.executable, str(TOOLS / "gpu_verify.py"), "sanitize-driver", "--device",
                           "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("store ops equal, attention close, grouped top-k equal") == 3
@@ -156,10 +159,10 @@ def test_the_exact_topk_reference_is_the_reference():
 
 
 def test_probe_runs_each_case_in_its_own_process():
-    """bench/gpu_probe.py: here the CPU op's bad input raises; the CUDA cases are skipped
+    """bench/tools/gpu_probe.py: here the CPU op's bad input raises; the CUDA cases are skipped
     without a GPU and run (each in a subprocess, a crash recorded as such) with one."""
     import kvcache_ext
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_probe.py")], cwd=ROOT,
+    out = subprocess.run([sys.executable, str(TOOLS / "gpu_probe.py")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])
@@ -171,7 +174,7 @@ def test_probe_runs_each_case_in_its_own_process():
     assert len(cuda_cases) == 7
     for name in cuda_cases:
         assert results[name]["verdict"] == ("raised" if cuda else "skipped (no CUDA here)"), name
-    one = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_probe.py"), "--case", "nope"],
+    one = subprocess.run([sys.executable, str(TOOLS / "gpu_probe.py"), "--case", "nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert one.returncode == 2 and "invalid choice: 'nope'" in one.stderr
 

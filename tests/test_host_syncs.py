@@ -1,4 +1,4 @@
-"""Host syncs on the per-step path of a patched model (issue 42, "a fused eviction step").
+"""Host syncs on the per-step path of a patched model.
 
 The goal on a GPU: no host sync in a decoded token that evicts nothing, at most one per eviction.
 A sync is the host waiting for the device: reading a device tensor's value (``item``, ``tolist``,
@@ -13,8 +13,8 @@ a move to the host is ``.cpu()``, ``.numpy()`` or ``.to("cpu")`` with the string
 
 What it cannot see: syncs inside C++ ops. There is one on an eviction's path on CUDA:
 ``RaggedKVStore.compact`` reads the new lengths back (``PageAllocator.finish_compact``), unless
-its caller gives them (the slot-layout eviction of equal head budgets, ``evict_in_slots`` and the
-compiled decode step ``append_attend_evict``: a top-k of k per head keeps min(len, k));
+its caller gives them (the eviction by a slot rule under equal head budgets, ``evict_by_rule``: a
+top-k of k per head keeps min(len, k));
 ``select`` reads nothing back. It is added by hand below
 (``CPP_SYNCS_PER_EVICTION``). The CUDA twin (``test_cuda_*``) counts every sync of the same steps
 with the profiler (the CUDA runtime's synchronizing calls).
@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import H2O, AdaKV, EveryNSteps, EveryStep, Policy, SnapKV, Uniform
 from tiny_models import tiny_model
 
@@ -192,7 +192,7 @@ def test_the_counter_sees_a_sync_and_ignores_host_tensors():
 
 
 def test_a_decoded_token_without_eviction_makes_no_host_sync():
-    """One-shot SnapKV (the append-only fast path) and H2O between its evictions."""
+    """One-shot SnapKV (a decode step that only appends) and H2O between its evictions."""
     for policy in (Policy(SnapKV(window=4), budget=16),
                    Policy(H2O(), budget=16, schedule=EveryNSteps(100))):
         per_step, _ = _run(policy, steps=3)
@@ -201,34 +201,37 @@ def test_a_decoded_token_without_eviction_makes_no_host_sync():
 
 def _count_evictions(monkeypatch):
     """The evictions of the ragged store, by path: "view" (``RaggedLayerKV.evict``, after a padded
-    view), "slots" (``RaggedLayerKV.evict_in_slots``, no view, the new lengths known) and
-    "fused" (``RaggedLayerKV.append_attend_evict``, the compiled decode step, counted at every
-    decode step it serves)."""
+    view) and "rule" (a slot rule's, in the decode step's one op, no view, the new lengths known;
+    counted when it evicts)."""
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+    from kvcache_ext.kernels.store import RaggedKVStore
     evictions = []
-    for name, path in (("evict", "view"), ("evict_in_slots", "slots"), ("append_attend_evict", "fused")):
-        method = getattr(RaggedLayerKV, name)
-        monkeypatch.setattr(RaggedLayerKV, name,
-                            lambda self, *a, _m=method, _p=path: evictions.append(_p) or _m(self, *a))
+    evict = RaggedLayerKV.evict
+    monkeypatch.setattr(RaggedLayerKV, "evict", lambda self, *a: evictions.append("view") or evict(self, *a))
+    decode_step = RaggedKVStore.decode_step
+
+    def counted(store, *a, **kw):   # a decode step that left a head shorter than it was plus its token
+        before = store.lens.clone()
+        out = decode_step(store, *a, **kw)
+        if bool((store.lens < before + 1).any()):
+            evictions.append("rule")
+        return out
+    monkeypatch.setattr(RaggedKVStore, "decode_step", counted)
     return evictions
 
 
 def test_an_eviction_step_makes_at_most_one_host_sync_per_eviction(monkeypatch):
     """H2O evicting every step: every layer evicts at every decode step. Python makes none.
-    With equal head budgets the eviction stays in slot layout and gives compaction the new
-    lengths: no C++ read-back either; with Ada-KV's budgets it takes the padded view, and
-    compaction reads the lengths back: one sync (CPP_SYNCS_PER_EVICTION)."""
-    from kvcache_ext.engine import eviction
-    for allocation, fused, path in ((Uniform(), True, "fused"), (Uniform(), False, "slots"),
-                                    (AdaKV(), True, "view")):
+    With equal head budgets the eviction is the slot rule's, in the storage, and gives
+    compaction the new lengths: no C++ read-back either; with Ada-KV's budgets it takes the
+    padded view, and compaction reads the lengths back: one sync (CPP_SYNCS_PER_EVICTION)."""
+    for allocation, path in ((Uniform(), "rule"), (AdaKV(), "view")):
         with monkeypatch.context() as patched:
-            if not fused:   # the Python path the compiled step replaces
-                patched.setattr(eviction, "fuses_decode_step", lambda *args: False)
             evictions = _count_evictions(patched)
             per_step, layers = _run(Policy(H2O(recent=2), budget=16, schedule=EveryStep(),
                                            allocation=allocation), steps=3)
         # the prompt's compression is not an eviction step
-        assert evictions == [path] * (3 * layers), (allocation, fused, evictions)
+        assert evictions == [path] * (3 * layers), (allocation, evictions)
         assert all(not calls for calls in per_step), _explain(per_step)
     assert sum(CPP_SYNCS_PER_EVICTION.values()) <= 1
 
@@ -290,15 +293,10 @@ def test_cuda_host_syncs_per_decoded_token_and_per_eviction():
     most the C++ read-backs of each eviction (the goal: 1 each)."""
     plain, _ = _cuda_syncs(Policy(SnapKV(window=4), budget=16))
     assert plain == [0, 0, 0]
-    # Equal head budgets: the compiled decode step (and the Python slot-layout eviction it
-    # replaces) give compaction the new lengths: no sync.
-    fused, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
-    assert fused == [0, 0, 0], fused
-    from kvcache_ext.engine import eviction
-    with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(eviction, "fuses_decode_step", lambda *args: False)
-        in_slots, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
-    assert in_slots == [0, 0, 0], in_slots
+    # Equal head budgets: the slot rule's eviction in the decode step's storage call gives
+    # compaction the new lengths: no sync.
+    by_rule, _ = _cuda_syncs(Policy(H2O(recent=2), budget=16, schedule=EveryStep()))
+    assert by_rule == [0, 0, 0], by_rule
     # Ada-KV's budgets: the padded view, and compaction's read-back, once per eviction.
     evicting, layers = _cuda_syncs(Policy(H2O(), budget=16, schedule=EveryStep(), allocation=AdaKV()))
     assert all(c <= layers for c in evicting), evicting

@@ -398,7 +398,7 @@ def test_validation():
     policy = Policy(KVEC(keep_recent=8), budget=64, allocation=Pyramid(), schedule=OneShot())
     assert policy.protection == Protection(recent=8)
     policy.scorer.check_policy(policy)
-    assert KVEC().channels == 0 and not OneShot().evicts_over_cache
+    assert KVEC().capabilities.channels == 0 and not OneShot().evicts_over_cache
 
 
 # --------------------------------------------------------------------------- model level

@@ -15,7 +15,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext import cli
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, AcrossLayers, AdaKV, BlockwisePrefill, EveryStep, KVzip, OneShot,
                                   Policy, Pyramid, Uniform)
 from test_patch import assert_paths_agree, inputs

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import H2O, AdaKV, BlockwisePrefill, EveryStep, Policy, SnapKV
 from tiny_models import VOCAB, tiny_model
 

@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 import kvcache_ext
 from kvcache_ext import reference
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.kernels.ops import OPS, ops
 from conftest import DEVICES
 
@@ -135,6 +135,25 @@ def test_opcheck_store_add_scores(device, shape):
     opcheck(ops.store_add_scores, (pool, table, lens, values, 1, *meta(store)), test_utils=UTILS)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("evict", [False, True], ids=["append_attend", "accumulate_evict"])
+def test_opcheck_store_decode_step(device, shape, evict):
+    store = make_store(shape, device)
+    k, v = tokens(store, 1)
+    B, H, Hq, D = shape[:4]
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(5)).to(device)
+    pos32, rank, counts = store._allocator.prepare_append(k, v, torch.full((B, 1), 100), None)
+    store._refresh()
+    plan = store.attention_plan(Hq // H)
+    pool, table, lens = store.state()
+    P, _, C, _ = meta(store)
+    rest = ([0, 3], "mass", 1, 2, torch.full((B,), 100, device=device),
+            torch.full((B * H,), 3, dtype=torch.int32, device=device)) if evict else ([],)
+    opcheck(ops.store_decode_step, (pool, table, lens, q, k, v, pos32, rank, counts, plan, None, 0.25, P, C,
+                                    True, evict, False, False, *rest), test_utils=UTILS)
+
+
 def packed_segments(lens, seed=6):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lens, dtype=torch.int32)
@@ -248,9 +267,9 @@ def test_ops_compile_fullgraph():
     assert torch.equal(store.to_dense().k, eager_store.to_dense().k)
 
 
-def test_compiled_attention_after_eager_decode_reads_the_new_pages():
-    """The eager decode (append_and_attend) adds pages without taking the Python state again;
-    a compiled function that reads the store next sees them (``_stale`` guards its graph)."""
+def test_compiled_attention_after_eager_appends_reads_the_new_pages():
+    """Eager appends that add pages give the store new state tensors; a compiled function
+    that reads the store next sees them (its guards on the store's state fail: it recompiles)."""
     store, twin = make_store(SHAPES[1], "cpu"), make_store(SHAPES[1], "cpu")
     compiled = torch.compile(lambda q, s: kvcache_ext.ragged_attention(q, s, 0.25)[0], backend="aot_eager")
     q = torch.randn(2, 4, 1, 16)
@@ -258,7 +277,7 @@ def test_compiled_attention_after_eager_decode_reads_the_new_pages():
     allocations = store.slab_allocations
     for step in range(2 * store.page_size):
         k, v = tokens(store, 1, seed=step)
-        store.append_and_attend(q, k, v, torch.full((2, 1), 60 + step), 0.25)
+        store.append(k, v, torch.full((2, 1), 60 + step))
         twin.append(k, v, torch.full((2, 1), 60 + step))
         torch.testing.assert_close(compiled(q, store), kvcache_ext.ragged_attention(q, twin, 0.25)[0])
     assert store.slab_allocations > allocations      # the steps did add pages
@@ -310,4 +329,5 @@ def test_patched_tiny_model_under_torch_compile(policy_name):
         got = run(True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # The prompt's top-k too (it ran through pybind, a graph break, before 2026-11-26).
-    assert {"kvcache_ext.attention_run", "kvcache_ext.store_append", "kvcache_ext.segmented_topk"} <= seen, seen
+    # The prompt's append and top-k, and every decode step as its one op.
+    assert {"kvcache_ext.store_decode_step", "kvcache_ext.store_append", "kvcache_ext.segmented_topk"} <= seen, seen

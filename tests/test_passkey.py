@@ -7,7 +7,7 @@ Without the model package these tests fail with the install command (they are no
 import pytest
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (CAOTE, KVEC, TOVA, AdaKV, AhaKV, BlockwisePrefill, EveryStep, Policy,
                                   RoCo, ScissorHands, SnapKV, caote_policy)
 from kvcache_ext.tasks import make_passkey_prompt, run_passkey

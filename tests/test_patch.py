@@ -15,10 +15,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, OneShot,
                                   Policy, Pyramid, Random, SnapKV, StreamingLLM, Uniform)
-from kvcache_ext.reference.masked_cache import MaskedCache
+from kvcache_ext.hf.cache import MaskedCache
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 
@@ -147,13 +147,13 @@ def test_left_padded_batch_gives_each_row_its_own_result(policy):
             torch.testing.assert_close(batched[row:row + 1], alone, atol=1e-4, rtol=1e-4)
 
 
-FUSED_POLICIES = [
+RULE_POLICIES = [
     Policy(H2O(), budget=12, schedule=EveryStep()),
     Policy(H2O(recent=4), budget=12, schedule=EveryStep(prefill_block=8)),
     Policy(H2O(recent=3), budget=14, allocation=Pyramid(beta=3), schedule=EveryNSteps(2)),
     Policy(StreamingLLM(sinks=2), budget=10, schedule=EveryNSteps(3)),
     Policy(StreamingLLM(sinks=3), budget=9, schedule=EveryStep(prefill_block=8)),
-    Policy(H2O(recent=2), budget=12, allocation=AdaKV(), schedule=EveryNSteps(2)),   # eviction: Python
+    Policy(H2O(recent=2), budget=12, allocation=AdaKV(), schedule=EveryNSteps(2)),   # eviction: a view
     Policy(H2O(recent=2), ratio=0.3, schedule=EveryStep()),
 ]
 
@@ -169,74 +169,74 @@ def _decode_unpadded(model, cache, ids, steps):
     return torch.stack(out, dim=1)
 
 
-@pytest.mark.parametrize("policy", FUSED_POLICIES, ids=lambda p: repr(p).replace(" ", ""))
-def test_compiled_decode_step_equals_the_python_step(policy, monkeypatch):
-    """A scorer with a ``slot_rule`` decodes through one C++ call per layer
-    (``RaggedLayerKV.append_attend_evict``). It must give exactly what the engine's Python
-    step gives (the same logits bit for bit, the same tokens, channels and lengths in every
-    store), and the reference path's logits; a step whose eviction needs the padded view (Ada-KV's
-    budgets) still takes the Python eviction."""
-    from kvcache_ext.engine import eviction
+@pytest.mark.parametrize("policy", RULE_POLICIES, ids=lambda p: repr(p).replace(" ", ""))
+def test_slot_rule_eviction_equals_the_view_eviction(policy, monkeypatch):
+    """A scorer with a ``slot_rule`` under equal head budgets evicts in its decode step's one
+    storage call, the store scoring each token from its record (``DecodeStep.evict``). It must
+    keep what the scorer's ``cache_scores`` on a padded view keeps (the same positions in every
+    store; values and logits up to the order of the sums, since the rule's compaction leaves a
+    layer's tokens out of position order, and the next layer's keys follow), and give the
+    reference path's logits; an eviction whose budgets need the padded view (Ada-KV's) takes
+    the view."""
+    from kvcache_ext.engine import blocks, decode
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
     ids, _ = inputs(batch=2, length=40)
     steps = 9
     served = []
-    compiled_step = RaggedLayerKV.append_attend_evict
-    monkeypatch.setattr(RaggedLayerKV, "append_attend_evict",
-                        lambda self, *a: served.append(a[-1] is not None) or compiled_step(self, *a))
+    decode_step = RaggedLayerKV.decode_step
+    monkeypatch.setattr(RaggedLayerKV, "decode_step",
+                        lambda self, *a: served.append(a[-1].evict is not None) or decode_step(self, *a))
     with kvcache_ext.patch(model, policy) as handle:
-        fused_cache = handle.new_cache()
-        fused = _decode_unpadded(model, fused_cache, ids, steps)
-        fused_calls = list(served)
-        with monkeypatch.context() as python_only:
-            python_only.setattr(eviction, "fuses_decode_step", lambda *args: False)
-            python_cache = handle.new_cache()
-            python = _decode_unpadded(model, python_cache, ids, steps)
+        rule_cache = handle.new_cache()
+        by_rule = _decode_unpadded(model, rule_cache, ids, steps)
+        rule_calls = list(served)
+        with monkeypatch.context() as view_only:
+            for module in (decode, blocks):
+                view_only.setattr(module, "rule_eviction", lambda *args: None)
+            view_cache = handle.new_cache()
+            by_view = _decode_unpadded(model, view_cache, ids, steps)
         reference = _decode_unpadded(model, handle.new_cache(reference=True), ids, steps)
     every = policy.schedule.decode_every
     evicting_steps = [(t + 1) % every == 0 for t in range(steps)]
     if isinstance(policy.allocation, AdaKV):
-        # Only the steps that do not evict are compiled ones; they never evict.
-        assert fused_calls == [False] * (3 * evicting_steps.count(False)), fused_calls
+        assert rule_calls == [False] * (3 * steps), rule_calls
     else:
-        assert fused_calls == [e for e in evicting_steps for _ in range(3)], fused_calls
-    assert torch.equal(fused, python)
-    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
+        assert rule_calls == [e for e in evicting_steps for _ in range(3)], rule_calls
+    torch.testing.assert_close(by_rule, by_view, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(by_rule, reference, atol=1e-4, rtol=1e-4)
     for layer in range(3):
-        a, b = fused_cache.layer_kv(layer).store, python_cache.layer_kv(layer).store
+        a, b = rule_cache.layer_kv(layer), view_cache.layer_kv(layer)
         assert torch.equal(a.lens, b.lens)
-        da, db = a.to_dense(), b.to_dense()
-        for name in ("k", "v", "pos", "scores", "mask"):
-            assert torch.equal(getattr(da, name), getattr(db, name)), (layer, name)
-    assert int(fused_cache.kept_tokens()[0].sum()) < 2 * 2 * (40 + steps)   # eviction happened
+        va, vb = a.view(None, True), b.view(None, True)   # in position order (a rule's store is not)
+        for name in ("pos", "mask"):
+            assert torch.equal(va[name], vb[name]), (layer, name)
+        for name in ("k", "v", "channels"):
+            torch.testing.assert_close(va[name], vb[name], atol=1e-5, rtol=1e-5)
+    assert int(rule_cache.kept_tokens()[0].sum()) < 2 * 2 * (40 + steps)   # eviction happened
 
 
-def test_the_compiled_decode_step_refuses_bad_input_before_storing():
-    """Errors name the argument; nothing is appended when one is refused."""
+def test_eviction_by_rule_refuses_bad_input_before_changing_anything():
+    """Errors name the argument; nothing is evicted when one is refused."""
     from kvcache_ext.kernels.store import RaggedKVStore
     store = RaggedKVStore(2, 2, 16, dtype=torch.float32, score_channels=1)
     store.append(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), torch.arange(5))
-    q, k, v, pos = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), torch.full((2, 1), 5)
-    budget = (torch.full((2, 2), 3), torch.full((2, 2), 3))
+    k = torch.full((4,), 3)
     bad = [
         (dict(rule="tova"), "rule must be 'mass'"),
-        (dict(rule="mass", budget=(budget[0], None)), "budget and budget_host are given together"),
-        (dict(rule="mass", budget=(torch.tensor([3, 3]), torch.tensor([3, 3]))), "budget must have shape"),
-        (dict(rule="mass", budget=(budget[0], torch.tensor([[3, 3], [3, -1]]))), r"budget_host must be >= 0, got budget_host\[1, 1\] = -1"),
-        (dict(rule="mass", budget=(budget[0].float(), budget[1])), "budget must be an integer tensor"),
-        (dict(rule="mass", recent=2, budget=budget), "recent > 0 needs last_pos"),
-        (dict(rule="mass", recent=2, last_pos=torch.tensor([5]), budget=budget), "last_pos must have shape"),
+        (dict(rule="mass", recent=2), "recent > 0 needs last_pos"),
+        (dict(rule="mass", recent=2, last_pos=torch.tensor([5.0, 5.0])), "last_pos must be an integer tensor"),
         (dict(rule="mass", sinks=-1), "sinks and recent must be >= 0"),
     ]
     for kwargs, message in bad:
         with pytest.raises((ValueError, TypeError), match=message):
-            store.append_attend_evict(q, k, v, pos, 0.25, **kwargs)
+            store.evict_by_rule(k, **kwargs)
         assert store.lens.tolist() == [[5, 5], [5, 5]]
     no_channels = RaggedKVStore(2, 2, 16, dtype=torch.float32, score_channels=0)
+    no_channels.append(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), torch.arange(5))
     with pytest.raises(ValueError, match="rule 'mass' accumulates in score channel 0"):
-        no_channels.append_attend_evict(q, k, v, pos, 0.25, rule="mass")
-    assert no_channels.num_tokens == 0
+        no_channels.evict_by_rule(k, rule="mass")
+    assert no_channels.lens.tolist() == [[5, 5], [5, 5]]
 
 
 def test_positions_after_eviction():
@@ -366,7 +366,7 @@ def test_generate_with_another_cache_warns_that_it_keeps_every_token():
 
     from transformers import DynamicCache
 
-    from kvcache_ext.engine.reconstruction import cache_argument
+    from kvcache_ext.cache_argument import cache_argument
     model = tiny_model("llama")
     ids, mask = inputs(length=30)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
@@ -500,59 +500,49 @@ def decode_logits(model, cache, fed):
 
 @pytest.mark.parametrize("allocation", [Uniform(), AdaKV()], ids=["snapkv", "ada-snapkv"])
 def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
-    """After a one-shot prompt, a decode step asks the kernel for no statistics and scores,
-    views, allocates budgets or evicts nothing (Ada-KV's per-head budgets cost nothing once
-    the prompt is compressed); its logits and cache are exactly those of the general path."""
-    from kvcache_ext.engine import eviction
+    """After a one-shot prompt, a decode step is one storage call per layer that asks the
+    kernel for no statistics, and nothing scores, views, allocates budgets or evicts (Ada-KV's
+    per-head budgets cost nothing once the prompt is compressed); its logits are the reference
+    path's."""
+    from kvcache_ext.engine import decode, eviction
+    from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     model = tiny_model("llama", heads=6, kv_heads=2)
     ids, _ = inputs(batch=2, length=40)
     fed = fed_tokens(2, 6)
     policy = Policy(SnapKV(window=4), budget=12, allocation=allocation)
     with kvcache_ext.patch(model, policy) as handle:
-        general, fast = handle.new_cache(), handle.new_cache()
+        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
         with torch.no_grad():
-            for cache in (general, fast):
+            for cache in (ragged, reference):
                 model(ids, **with_cache(model, cache), use_cache=True)
-        with monkeypatch.context() as m:
-            m.setattr(eviction, "appends_only", lambda *args: False)
-            want = decode_logits(model, general, fed)
-        calls = []
-        from kvcache_ext.kernels import attention as attention_module
-        from kvcache_ext.kernels.store import RaggedKVStore
-        append_and_attend = RaggedKVStore.append_and_attend
-
-        def recording(store, *args):   # the one host call of an append-only decode step
-            calls.append("append_and_attend")
-            return append_and_attend(store, *args)
-        monkeypatch.setattr(RaggedKVStore, "append_and_attend", recording)
-        # Neither op is called: the statistics, which the op path could ask for, are never made.
-        monkeypatch.setattr(attention_module, "ops", None)
-        for name in ("cache_view", "evict", "attend_block", "new_token_validity"):
-            monkeypatch.setattr(eviction, name, lambda *a, _name=name, **k: pytest.fail(f"decode called {_name}"))
+        want = decode_logits(model, reference, fed)
+        steps = []
+        decode_step = RaggedLayerKV.decode_step
+        monkeypatch.setattr(RaggedLayerKV, "decode_step", lambda self, *a: steps.append(a[-1]) or decode_step(self, *a))
+        for module, name in ((decode, "cache_view"), (decode, "evict"), (eviction, "cache_view"), (eviction, "evict")):
+            monkeypatch.setattr(module, name, lambda *a, _name=name, **k: pytest.fail(f"decode called {_name}"))
         monkeypatch.setattr(type(policy.allocation), "head_budgets",
                             lambda *a: pytest.fail("decode allocated budgets"))
-        got = decode_logits(model, fast, fed)
-    assert torch.equal(got, want)
-    assert calls == ["append_and_attend"] * 6 * 2             # steps x layers
-    for a, b in zip(general.layers, fast.layers):
-        assert (a.state.seen, a.state.decode_steps) == (b.state.seen, b.state.decode_steps)
-        assert torch.equal(a.state.last_pos, b.state.last_pos)
-        da, db = a.state.kv.store.to_dense(), b.state.kv.store.to_dense()
-        for field in ("k", "v", "pos", "mask", "lens"):
-            assert torch.equal(getattr(da, field), getattr(db, field)), field
+        got = decode_logits(model, ragged, fed)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(steps) == 6 * 2                          # steps x layers: append and attend, nothing else
+    assert all((s.stats, s.accumulate, s.evict, s.valid, s.plan) == ((), (), None, None, None) for s in steps)
+    for layer in ragged.layers:
+        assert (layer.state.seen, layer.state.decode_steps) == (40 + 6, 6)
+
 
 def test_a_padded_decode_step_reads_the_mask_once_for_every_layer(monkeypatch):
     """With padding HF gives every layer the same mask: which new tokens are real is read from
     it (a host sync) once per step, not once per layer."""
-    from kvcache_ext.engine import eviction
+    from kvcache_ext.engine import forward
     model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
     ids, mask = inputs(batch=2, length=30, pad=[0, 7])
     policy = Policy(H2O(), budget=10, schedule=EveryStep())
     with kvcache_ext.patch(model, policy) as handle:
         want = teacher_forced(model, handle.new_cache(), ids, mask, steps=4)
         reads = []
-        read = eviction.new_token_validity
-        monkeypatch.setattr(eviction, "new_token_validity", lambda *a: reads.append(a[2]) or read(*a))
+        read = forward.new_token_validity
+        monkeypatch.setattr(forward, "new_token_validity", lambda *a: reads.append(a[2]) or read(*a))
         got = teacher_forced(model, handle.new_cache(), ids, mask, steps=4)
     assert torch.equal(got, want)
     assert reads.count(1) == 4 and len(reads) == 4 + 3     # per decode step; per layer at the prompt

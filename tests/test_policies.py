@@ -342,7 +342,7 @@ def test_tova_cache_scores_average_by_position(B, layout, span, seed):
                 assert math.isclose(float(got[b, h, l]), want, rel_tol=1e-5, abs_tol=1e-6)
                 want_head = float(last[b, h, l].double().mean())
                 assert math.isclose(float(got_head[b, h, l]), want_head, rel_tol=1e-5, abs_tol=1e-6)
-    assert TOVA().evict_stats == ("last",)
+    assert TOVA().capabilities.evict_stats == ("last",)
 
 
 @heavy
@@ -389,12 +389,13 @@ def test_h2o_accumulates_over_prompt_and_decode(B, layout, n, steps, seed):
     channels = torch.cat([channels, channels.new_zeros(B, H, steps, 1)], dim=2)
     for t in range(n, n + steps):                          # decode query t over the whole cache
         mass = torch.stack([per_kv_head(P[:, t, :], G, "sum") for _, P in rows]).float()
-        H2O().update(channels, {"mass": mass})
+        for c, name in enumerate(H2O().capabilities.accumulates):   # what the storage adds in place
+            channels[..., c] += {"mass": mass}[name]
     want = torch.stack([literal_h2o(P, G) for _, P in rows])
     view = cache_view(full.pos[:, None].expand(B, H, -1), torch.ones(B, H, n + steps, dtype=torch.bool),
                       G, channels=channels)
     torch.testing.assert_close(H2O().cache_scores(view).double(), want, **TOL)
-    assert H2O().update_stats == ("mass",) and H2O(recent=5).default_protection() == Protection(recent=5)
+    assert H2O().capabilities.accumulates == ("mass",) and H2O(recent=5).default_protection() == Protection(recent=5)
 
 
 # --------------------------------------------------------------------------- Random

@@ -134,10 +134,10 @@ def test_pooled_pools_the_bases_cache_scores():
 
 def test_pooled_delegates_to_the_base():
     s = Pooled(RoCo())
-    assert s.channels == 3 and s.update_stats == RoCo().update_stats
+    assert s.capabilities == RoCo().capabilities   # the base's, as a whole
     assert s.default_protection() == RoCo().default_protection()
     s = Pooled(SnapKV(window=5, kernel=1))
-    assert s.stats_window == 5 and s.evict_stats == ("mass", "last")
+    assert s.capabilities.stats_window == 5 and s.capabilities.evict_stats == ("mass", "last")
     with pytest.raises(ValueError, match="pool_then_mean"):
         Policy(Pooled(SnapKV(order="pool_then_mean")), budget=64, schedule=BlockwisePrefill(16))
 

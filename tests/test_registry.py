@@ -5,13 +5,14 @@ import json
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 import kvcache_ext
 import kvcache_ext.hf.models as models
 from kvcache_ext import cli
 from kvcache_ext.evaluation import make_policy, policy_names, register_policy
 from kvcache_ext.evaluation.named_policies import parse_policies, unregister_policy
-from kvcache_ext.policies import AdaKV, Scorer
+from kvcache_ext.policies import AdaKV, Capabilities, EveryStep, Policy, Scorer
 from test_patch import inputs
 from tiny_models import tiny_model
 
@@ -28,6 +29,24 @@ class NewestFirst(Scorer):
 
     def cache_scores(self, view):
         return view.pos.float()
+
+
+@dataclass
+class HeavyLast(Scorer):
+    """A throwaway scorer with state, declared in its capabilities alone: one channel to which
+    the storage adds the attention each token receives, and the latest query's attention read
+    at every eviction. Nothing of the engine knows it."""
+
+    capabilities = Capabilities(channels=1, accumulates=("mass",), evict_stats=("last",))
+
+    def prompt_scores(self, p):
+        B, H, n, _ = p.k.shape
+        mass = sum(probs.sum(dim=2) for _, probs in p.probs())               # [B, Hq, n]
+        mass = mass.unflatten(1, (H, p.groups)).sum(dim=2)                    # per KV head
+        return mass, mass[..., None]
+
+    def cache_scores(self, view):
+        return view.channels[..., 0] + view.stats["last"].sum(dim=-1)
 
 
 @pytest.fixture
@@ -63,6 +82,22 @@ def test_it_runs_through_patch_and_generate(registered):
                 # The prompt's 8 newest positions, then the 2 tokens decoding appended (the third
                 # generated token is never fed back).
                 assert kept == list(range(real - 8, real + 2)), (layer, b, h)
+
+
+def test_a_scorer_with_state_evicts_every_step_through_its_capabilities():
+    """HeavyLast evicting at every decode step: the ragged path gives the reference path's
+    logits and holds its budget, from what its capabilities declare alone."""
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    ids, mask = inputs(batch=2, length=30, pad=[0, 5])
+    policy = Policy(HeavyLast(), budget=10, schedule=EveryStep())
+    logits = []
+    with kvcache_ext.patch(model, policy) as handle:
+        for cache in (handle.new_cache(), handle.new_cache(reference=True)):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, **kvcache_ext.with_cache(model, cache))
+            logits.append(torch.stack(out.logits))
+            assert all(int(kept.max()) <= 10 for kept in cache.kept_tokens())
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 def test_it_runs_by_name_through_kvcache_ext_eval(registered, default_model, monkeypatch, tmp_path):

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from kvcache_ext.engine.eviction import attend_block, attend_in_blocks
+from kvcache_ext.engine.blocks import attend_in_blocks
+from kvcache_ext.engine.decode import decode
 from kvcache_ext.engine.prompt import compress_prompt
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
@@ -140,8 +141,8 @@ def library_kept(policy, storage, q, k, v, lens, valid, pos, n, steps, scale):
         attend_in_blocks(state, qp, kp, vp, pos, valid, scale, policy.schedule.prefill_block)
     for t in range(steps):
         i = n + t
-        attend_block(state, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], (lens + t)[:, None],
-                     torch.ones(B, 1, dtype=torch.bool), scale, decode=True)
+        decode(state, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], (lens + t)[:, None], None, scale)
+        state.finish_decode_step()
     parts = state.kv.view(None, False)
     H = k.shape[1]
     return [[sorted(parts["pos"][b, h][parts["mask"][b, h]].tolist()) for h in range(H)] for b in range(B)]
@@ -369,15 +370,19 @@ def test_per_row_budget_and_code_guards():
 
 
 def test_update_folds_the_kernel_statistics():
-    ch = torch.zeros(5, 3)
+    """RoCo's channels are the statistics its capabilities declare (mass, sum of squares,
+    count), added in place by the storage after every attention over the cache."""
+    from kvcache_ext.reference.masked_cache import MaskedLayerKV
+    kv = MaskedLayerKV(1, 1, 4, torch.float32, torch.device("cpu"), 3)
+    kv.append(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), torch.arange(5)[None], None)
     stats = {"mass": torch.tensor([0.4, 0.2, 0.0, 1.0, 0.6]),
              "sum_sq": torch.tensor([0.04, 0.01, 0.0, 0.25, 0.09]),
              "count": torch.tensor([1, 1, 0, 2, 1], dtype=torch.int32)}
-    RoCo().update(ch, stats)
-    RoCo().update(ch, stats)
-    torch.testing.assert_close(ch, 2 * torch.stack([stats["mass"], stats["sum_sq"],
-                                                    stats["count"].float()], dim=-1))
-    assert RoCo().update_stats == ("mass", "sum_sq", "count") and RoCo.channels == 3
+    for _ in range(2):
+        kv.accumulate({name: value.view(1, 1, 5) for name, value in stats.items()}, RoCo().capabilities.accumulates)
+    torch.testing.assert_close(kv.channels[0, 0], 2 * torch.stack([stats["mass"], stats["sum_sq"],
+                                                                   stats["count"].float()], dim=-1))
+    assert RoCo().capabilities.accumulates == ("mass", "sum_sq", "count") and RoCo().capabilities.channels == 3
 
 
 def test_roco_prompt_channels_are_the_dense_statistics():
@@ -495,7 +500,8 @@ def test_scissorhands_validation_and_schedules():
         with pytest.raises(ValueError):
             ScissorHands(window=bad)
     s = ScissorHands()
-    assert s.channels == 1 and s.needs_kv and s.needs_queries and s.updates_from_view
+    caps = s.capabilities
+    assert caps.channels == 1 and caps.needs_kv and caps.needs_queries and caps.updates_from_view
 
 
 def literal_scissorhands_head(qs, ks, scale, budget, window, inclusive, prompt_len, block, steps,

@@ -243,7 +243,7 @@ def test_press_runs_keep_the_budget_and_number_the_tokens_after_the_pruned_ones(
 
     from kvcache_ext.evaluation.decoding import cache_bytes, greedy_continue
     from kvcache_ext.evaluation.kvpress_runs import compression_ratio, run_press
-    from kvcache_ext.hf.cache_argument import with_cache
+    from kvcache_ext.cache_argument import with_cache
     model, tokenizer = default_model
     p = make_ruler_prompt(tokenizer, "niah_single_2", 400, seed=0)
     context, question = p.input_ids[None, :p.haystack_end], p.input_ids[None, p.haystack_end:]

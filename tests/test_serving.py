@@ -6,8 +6,7 @@ import transformers
 from transformers import GenerationConfig
 
 import kvcache_ext
-from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, Policy, Pyramid,
-                                  SnapKV, StreamingLLM)
+from kvcache_ext.policies import H2O, AdaKV, EveryStep, Policy, SnapKV, StreamingLLM
 from tiny_models import VOCAB, tiny_model
 
 try:
@@ -135,44 +134,7 @@ def test_a_scorer_that_reruns_the_model_refuses_a_prompt_without_a_shared_prefix
     assert "handle.share_prefix" in result.error
 
 
-# --- admission by our pages -------------------------------------------------------------------
-FOOTPRINT_POLICIES = [
-    Policy(SnapKV(window=4), budget=16),
-    Policy(SnapKV(window=4), ratio=0.125),
-    Policy(SnapKV(window=4), budget=16, allocation=AdaKV()),
-    Policy(SnapKV(window=4), budget=20, allocation=Pyramid(beta=3)),
-    Policy(H2O(recent=2), budget=16, schedule=EveryStep()),
-    Policy(StreamingLLM(sinks=2), budget=12, schedule=EveryNSteps(5, target=9)),
-    Policy(TOVA(), ratio=0.3, allocation=AdaKV(), schedule=BlockwisePrefill(16)),
-    Policy(SnapKV(window=4), budget=1000),
-]
-
-
-@needs_engine
-@pytest.mark.parametrize("policy", FOOTPRINT_POLICIES, ids=lambda p: repr(p)[:70].replace(" ", ""))
-@pytest.mark.parametrize("prompt,new_tokens", [(200, 6), (200, 40), (37, 20), (9, 3)])
-def test_a_request_holds_at_most_what_it_reserves(policy, prompt, new_tokens):
-    """The reservation (Footprint.cache_bytes) bounds the bytes a request's cache holds at every
-    step, made as the serving cache makes it (told its longest sequence)."""
-    from kvcache_ext.serving.admission import Footprint
-    model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
-    g = torch.Generator().manual_seed(prompt + new_tokens)
-    ids = torch.randint(0, VOCAB, (1, prompt), generator=g)
-    with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
-        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.channels)
-        reserved = footprint.cache_bytes(policy, prompt, new_tokens)
-        cache = handle.new_cache(max_cache_len=prompt + new_tokens)
-        out = model(ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
-        peak = cache.nbytes
-        for _ in range(new_tokens - 1):      # the last token generated is never fed back
-            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-            peak = max(peak, cache.nbytes)
-    assert 0 < peak <= reserved
-    if policy.budget is not None and policy.budget < prompt:
-        dense = footprint.cache_bytes(Policy(SnapKV(window=4), budget=prompt + 1), prompt, new_tokens)
-        assert reserved < dense      # eviction reserves less than the whole prompt
-
-
+# --- admission by our pages (what a request reserves: tests/test_admission.py) -------------------
 def admission_probe(monkeypatch):
     """Records the most requests holding a reservation at once, and every reservation made."""
     from kvcache_ext.serving import RaggedPagedCache
@@ -202,7 +164,8 @@ def test_admission_counts_the_pages_requests_reserve(monkeypatch):
     inputs = prompts((60, 61, 62, 63, 64, 65))
     with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
         expected = alone(model, inputs)
-        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.channels)
+        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size,
+                              policy.scorer.capabilities.channels)
         each = footprint.request_bytes(policy, 65, NEW_TOKENS, 256)
         block = 2 * 2 * 2 * 16 * 4 * 16                 # layers x (K, V) x KV heads x D x float32 x page
         num_blocks = -(-3 * each // block)                 # room for three of them, not four

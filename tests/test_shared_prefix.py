@@ -5,7 +5,7 @@ import torch
 from transformers import GenerationConfig
 
 import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import H2O, AdaKV, BlockwisePrefill, EveryStep, ExpectedAttention, Policy, SnapKV, StreamingLLM
 from test_serving import ContinuousBatchingConfig, SMALL_ENGINE, needs_engine
 from tiny_models import VOCAB, tiny_model
@@ -213,7 +213,7 @@ def test_a_fork_holds_at_most_what_its_request_reserves(policy, question, new_to
     prefix, rest = tokens(90, question, seed=question)
     with kvcache_ext.patch(model, policy) as handle, torch.no_grad():
         shared = handle.share_prefix(prefix)
-        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.channels)
+        footprint = Footprint(handle.shape, model.dtype.itemsize, handle.page_size, policy.scorer.capabilities.channels)
         longest = len(prefix) + question + new_tokens
         reserved = footprint.fork_bytes(shared.pages, question + new_tokens, longest)
         cache = shared.fork(max_cache_len=longest)

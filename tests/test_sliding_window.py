@@ -14,7 +14,7 @@ import torch
 
 import kvcache_ext
 from kvcache_ext.engine.state import LayerState
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, ExpectedAttention,
                                   Policy, Random, SnapKV, StreamingLLM)
 from test_patch import fed_tokens, inputs, teacher_forced

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext.evaluation import compressed_cache, make_policy, record_prefill
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import (AdaKV, BlockwisePrefill, EveryStep, KVzip, Policy, SnapKV, Spanned, Spans)
 from kvcache_ext.policies.token_ids import UNKNOWN, TokenIds
 from kvcache_ext.policies.token_kinds import TokenKinds

@@ -605,17 +605,17 @@ def test_cuda_no_host_sync_in_decoding_growth_reserve_shrink_and_selection():
 @given(B=st.integers(1, 3), H=st.integers(1, 4), G=st.integers(1, 3), rule=st.sampled_from(["mass", "position"]),
        sinks=st.integers(0, 3), recent=st.integers(0, 6), page_size=st.sampled_from([1, 4, 16]),
        max_len=st.sampled_from([1, 5, 40]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
-def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, recent, page_size, max_len,
-                                              dtype, seed):
-    """``append_attend_evict`` (the compiled decode step of a slot-rule scorer) against the same
-    step through the ops (their selection against ``reference.segmented_topk``), as the engine's
-    Python step runs it: append, the attention with the
-    mass, channel 0 += mass ("mass"), then the scores (channel 0 or the position) with the
+def test_eviction_by_rule_matches_the_scores_it_stands_for(device, B, H, G, rule, sinks, recent, page_size,
+                                                           max_len, dtype, seed):
+    """``evict_by_rule`` (a slot-rule scorer's eviction, each token scored from its record)
+    against the eviction by the scores the rule stands for, made on the host (their selection
+    against ``reference.segmented_topk``): a decode step's append, the attention with the mass,
+    channel 0 += mass (``add_to_scores``), then the scores (channel 0 or the position) with the
     protected tokens at +inf, select k[b] per head and compact (unordered: one token moved per
-    token evicted, as the compiled step compacts). Ragged segments (empty ones
-    before the append, single-slot ones), ties, NaN and infinite channel values, budgets below,
-    at and above the lengths, k = 0; every step kept bit for bit (on CUDA the mass may sum in
-    another order: close, and the same tokens kept)."""
+    token evicted). Ragged segments (empty ones before the append, single-slot ones), ties, NaN
+    and infinite channel values, budgets below, at and above the lengths, k = 0; every step
+    kept bit for bit (on CUDA the mass may sum in another order: close, and the same tokens
+    kept)."""
     from kvcache_ext.kernels.attention import ragged_attention
     from kvcache_ext.policies.protection import Protection
     gen = torch.Generator().manual_seed(seed)
@@ -632,7 +632,7 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
     for s in stores:
         s.append(k0.to(device), k0.flip(-1).to(device), torch.arange(max_len).to(device), valid.to(device))
         s.set_scores(s.from_padded(channels[:, :, :int(s.lens.max())].to(device)))
-    fused, ops_store = stores
+    by_rule, ops_store = stores
     protection = Protection(sinks=sinks, recent=recent)
     expected = torch.tensor(lens).view(B, H)
     for step in range(3):
@@ -644,9 +644,13 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
         budget[-1] = 0 if step == 1 else budget[-1]
         per_head = budget[:, None].expand(B, H)
         device_budget = per_head.to(device) if step else per_head.to(torch.int32).to(device)   # both dtypes
-        got = fused.append_attend_evict(q, k, v, pos, 0.25, rule=rule, sinks=sinks, recent=recent,
-                                        last_pos=last_pos, budget=(device_budget, per_head))
-        # The same step through the ops.
+        by_rule.append(k, v, pos)
+        got, mass = ragged_attention(q, by_rule, 0.25, stats=("mass",))
+        if rule == "mass":
+            by_rule.add_to_scores(0, mass.mass)
+        by_rule.evict_by_rule(device_budget.reshape(-1), rule=rule, sinks=sinks, recent=recent,
+                              last_pos=last_pos, kept=torch.minimum(by_rule.lens, per_head))
+        # The same step with the scores made on the host.
         ops_store.append(k, v, pos)
         want, stats = ragged_attention(q, ops_store, 0.25, stats=("mass",) if rule == "mass" else False)
         if rule == "mass":
@@ -667,8 +671,8 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
             assert torch.equal(ops_store.to_padded(keep, False).cpu().reshape(S, L), by_reference)
             ops_store.compact(keep, lens=torch.minimum(ops_store.lens, budget[:, None]), stable=False)
         expected = torch.minimum(expected + 1, budget[:, None])   # every segment: min(len, k[b])
-        assert fused.lens.tolist() == ops_store.lens.tolist() == expected.tolist()
-        a, b = fused.to_dense(), ops_store.to_dense()
+        assert by_rule.lens.tolist() == ops_store.lens.tolist() == expected.tolist()
+        a, b = by_rule.to_dense(), ops_store.to_dense()
         assert torch.equal(a.pos.masked_fill(~a.mask, -1).cpu(), b.pos.masked_fill(~b.mask, -1).cpu())
         if device == "cpu":
             assert torch.equal(bits(got), bits(want))
@@ -677,3 +681,41 @@ def test_compiled_decode_step_matches_the_ops(device, B, H, G, rule, sinks, rece
         else:
             torch.testing.assert_close(got, want)
             torch.testing.assert_close(a.scores, b.scores, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_refused_decode_step_changes_nothing(device):
+    """``decode_step`` (one op: append, attend, accumulate, evict) names the argument it refuses,
+    and a refused step leaves the store as it was: the op checks everything before it writes,
+    and the page allocator's host lengths go back (``cancel_append``)."""
+    B, H, D = 2, 2, 16 if device == "cpu" else min(kvcache_ext.kernels.attention.CUDA_HEAD_DIMS)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=torch.float32, device=device, score_channels=1, page_size=4)
+    gen = torch.Generator().manual_seed(0)
+    k0 = torch.randn(B, H, 5, D, generator=gen).to(device)
+    store.append(k0, k0, torch.arange(5).to(device))
+    k, q = torch.randn(B, H, 1, D, generator=gen).to(device), torch.randn(B, 2 * H, 1, D, generator=gen).to(device)
+    pos = torch.full((B, 1), 5).to(device)
+    budget = (torch.full((B * H,), 3, dtype=torch.int32, device=device), torch.full((B * H,), 3))
+    bad = [
+        (dict(q=torch.randn(B, 2 * H, 1, D + 1).to(device)), "q has head_dim"),
+        (dict(q=torch.randn(B, 2 * H, 2, D).to(device)), "one query per head"),
+        (dict(scale=float("inf")), "scale must be finite"),
+        (dict(stats=("mass", "entropy")), "unknown statistics"),
+        (dict(accumulate=("last",)), "one value per slot"),
+        (dict(rule="tova", budget=budget), "rule must be 'mass'"),
+        (dict(rule="mass"), "needs budget"),
+        (dict(rule="mass", budget=budget, recent=2), "recent > 0 needs last_pos"),
+        (dict(rule="mass", budget=(budget[0][:2], budget[1]), last_pos=None), "budget must have shape"),
+    ]
+    before, host = store.to_dense(), store.lens.clone()
+    for kwargs, message in bad:
+        args = dict(q=q, scale=0.25)
+        args.update(kwargs)
+        with pytest.raises((ValueError, TypeError), match=message):
+            store.decode_step(args.pop("q"), k, k, pos, args.pop("scale"), **args)
+        after = store.to_dense()
+        assert torch.equal(store.lens, host) and torch.equal(store.len.cpu(), host.view(-1).int()), kwargs
+        assert torch.equal(after.pos, before.pos) and torch.equal(after.k, before.k), kwargs
+    out, stats = store.decode_step(q, k, k, pos, 0.25, stats=("mass",), accumulate=("mass",), rule="mass",
+                                   budget=budget)
+    assert store.lens.tolist() == [[3, 3], [3, 3]] and stats["mass"].shape == (store.capacity,)

@@ -114,10 +114,10 @@ def test_shared_tokens_are_read_only_until_a_repack(device):
         with pytest.raises(ValueError, match="replace would write"):
             store.replace(torch.zeros(B, H, dtype=torch.long), torch.zeros(B, H, 1, D, device=device),
                           torch.zeros(B, H, 1, D, device=device), torch.zeros(B, dtype=torch.long))
-        with pytest.raises(ValueError, match="append_attend_evict"):
-            store.append_attend_evict(torch.zeros(B, H, 1, D, device=device), torch.zeros(B, H, 1, D, device=device),
-                                      torch.zeros(B, H, 1, D, device=device), torch.full((B, 1), 999), 1.0,
-                                      rule="mass")
+        with pytest.raises(ValueError, match="evict_by_rule would write"):
+            store.evict_by_rule(torch.zeros(B * H, dtype=torch.long, device=device), rule="position")
+        with pytest.raises(ValueError, match="add_to_scores would write"):
+            store.add_to_scores(0, torch.zeros(capacity, device=device))
     assert_holds(fork, ref)      # the refusals changed nothing
     assert_holds(parent, ref)
     # A repack moves the fork's tokens into pages of its own: it may write them again.

@@ -1,4 +1,5 @@
-"""The package's structure, read from its source: no import cycle between its modules, every
+"""The package's structure, read from its source: its layers only look down (no module imports
+one of a higher layer, lazy imports included), no import cycle between its modules, every
 module importable on its own, and every object's attributes written by its own class only
 (``self.x = ...`` inside a method), so that each piece of state has one owner."""
 import ast
@@ -139,15 +140,66 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# The package's layers, top first (docs/architecture.md): a module may import modules of its own
+# layer and of the layers below it, never of one above. Keyed by the module's first name under
+# the package; the package itself (kvcache_ext/__init__.py, the public API) is the top.
+LAYERS = (
+    ("",),                                   # the package: the public API, where the layers meet
+    ("__main__", "cli"),                     # the command
+    ("serving", "evaluation"),               # continuous batching and the server; the harness
+    ("hf",),                                 # transformers: patch, the cache, the model loader
+    ("engine",),                             # one layer's attention call with its policy
+    ("policies", "kernels"),                 # what the engine asks; the ops' Python doors
+    ("reference", "tasks", "checks", "cache_argument", "data", "_C"),   # leaves
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of a module of the package (0: the top)."""
+    parts = module.split(".")
+    first = parts[1] if len(parts) > 1 else ""
+    for index, names in enumerate(LAYERS):
+        if first in names:
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS: add its folder to one")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module of a higher layer, as "a -> b"."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) < layer_of(a))
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph = {name: imported(name, path, set(known) | extensions()) for name, path in known.items()}
+    graph.update({name: set() for name in extensions()})
+    return graph
+
+
+def test_upward_imports_are_found(tmp_path):
+    """A planted upward import is reported, a lazy one (inside a function) included."""
+    graph = import_graph()
+    assert upward_imports(graph) == []
+    planted = tmp_path / "state.py"
+    planted.write_text("import torch\n\ndef later():\n    from kvcache_ext.hf.cache import RaggedCache\n"
+                       "    return RaggedCache\n")
+    graph[f"{NAME}.engine.state"] |= imported(f"{NAME}.engine.state", planted, set(modules()))
+    assert upward_imports(graph) == [f"{NAME}.engine.state -> {NAME}.hf.cache"]
+
+
+def test_layers_only_look_down():
+    """No module imports one of a higher layer (``LAYERS``), lazy imports included."""
+    upward = upward_imports(import_graph())
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
 def test_find_cycle_names_the_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
 def test_no_import_cycle_between_the_package_modules():
-    known = modules()
-    graph = {name: imported(name, path, set(known) | extensions()) for name, path in known.items()}
-    graph.update({name: set() for name in extensions()})
+    graph = import_graph()
     assert graph[f"{NAME}.hf.cache"], "the import graph came out empty: the parser misses imports"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

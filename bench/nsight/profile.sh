@@ -29,7 +29,7 @@ PYTHON=${PYTHON:-python}
 NCU=${NCU:-ncu}
 NSYS=${NSYS:-nsys}
 # Every kernel of ours (csrc/attention, csrc/select, csrc/store: namespace kvcache_ext), matched
-# against the demangled name, whatever the kernels of issue 42's rewrite are called, and CUB's
+# against the demangled name, whatever the kernels are called, and CUB's
 # kernels that a selection may launch.
 KERNEL_REGEX=${KERNEL_REGEX:-'kvcache_ext::|cub::'}
 

@@ -54,8 +54,9 @@ at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::D
 // CUDA calls it takes (prefill_tc_applies): fp16 or bf16, head_dim 64 or 128, at least
 // kPrefillTcMinRows query rows per KV head (G * n), statistics only for G <= 64 (it stores
 // each live slot's statistics once into the zero-filled ones). Every other call, and every
-// call under KVCACHE_EXT_TC_PREFILL=0, runs the scalar ragged_attention_cuda. On an H100 it
-// timed 5.2x / 6.7x the scalar kernel on causal blocks of 64 / 256 queries (docs/kernels.md).
+// call under KVCACHE_EXT_TC_PREFILL=0, runs the scalar ragged_attention_cuda. It is on by
+// default because it is faster than the scalar kernel on causal prefill blocks (docs/kernels.md
+// and docs/gpu.md give the figures).
 constexpr int64_t kPrefillTcMinRows = 16;
 constexpr const char* kPrefillTcSwitch = "KVCACHE_EXT_TC_PREFILL";
 // The switch, read from the environment on every call that could take the tensor-core path

@@ -26,9 +26,8 @@
 //    logits buffer, no query chunks; prefill_tiles.h says how the heads of a query are
 //    grouped for sum_sq).
 //
-// On an H100 (2026-11-27, bench/results/gpu-verify-tc-NVIDIA-H100-80GB-HBM3-2026-11-27.json):
-// tests/test_prefill_tc.py and memcheck / racecheck / synccheck clean; blocks of 64 causal
-// queries 1.40x SDPA's speed, of 256 0.51x. Left for later (issue 43), in this order: (1) the
+// Against SDPA it wins on blocks of 64 causal queries and trails on blocks of 256 (docs/gpu.md
+// has the figures). Left for later, in this order: (1) the
 // 256-query block (ncu: tensor-core use, bank conflicts, exposed copies; a 3-stage pipeline or
 // wgmma); (2) in prefill_stats, a block-level skip of M tiles no query of which sees the KV
 // tile, before their Q copy (today each warp skips the mma only); (3) a parallel merge

@@ -1,10 +1,10 @@
-// The score a token gets under a slot rule: the eviction of the compiled decode step
-// (ops::append_attend_evict), where the paged top-k reads each token's score from its record
-// instead of a tensor the host made. Shared by the CPU and CUDA paged top-k (topk_cpu.cpp,
-// topk_cuda.cu), so that the CPU tests exercise what the GPU runs. It is exactly what the
-// Python step computes (RaggedLayerKV.evict_in_slots): the scorer's slot score (channel 0, or
-// the position as a float), then +inf for a protected token (Protection.mask: position <
-// sinks, or position > the row's newest position - recent when recent > 0).
+// The score a token gets under a slot rule: the eviction of a decode step by a scorer's rule
+// (RaggedKVStore.evict_by_rule, the store_topk op with a rule), where the paged top-k reads
+// each token's score from its record instead of a tensor the host made. Shared by the CPU and
+// CUDA paged top-k (topk_cpu.cpp, topk_cuda.cu), so that the CPU tests exercise what the GPU
+// runs. It is what the scorer's cache_scores gives on a padded view (H2O: channel 0;
+// StreamingLLM: the position as a float), then +inf for a protected token (Protection.mask:
+// position < sinks, or position > the row's newest position - recent when recent > 0).
 #pragma once
 #include <cstdint>
 #include <limits>

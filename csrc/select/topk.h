@@ -31,7 +31,7 @@ void grouped_topk_cpu(const at::Tensor& scores, const at::Tensor& pos, const at:
 // [capacity] (slot layout) or [B, H, L] (padded) float32. keep [capacity] bool, zeroed;
 // counts [S] int32, zeroed, receives the number kept per segment. The CPU op checks every
 // k >= 0; the CUDA kernel clamps k[g] to [0, live tokens of g] on the device (no host sync).
-// rule (the compiled decode step's eviction; scores then undefined): each token's score is
+// rule (a slot rule's eviction, RaggedKVStore.evict_by_rule; scores then undefined): each token's score is
 // rule->score of its record (slot_rule.h) instead.
 void paged_topk_cpu(const store::PagedView& view, const at::Tensor& len, const at::Tensor& scores,
                     int64_t group_size, const at::Tensor& k, const at::Tensor& keep,

@@ -19,8 +19,8 @@ namespace kvcache_ext {
 namespace {
 // Asks Linux to back a CPU slab with 2 MiB pages where it covers whole ones (the kernel's
 // transparent huge pages are often "madvise" only). Compaction and attention read pages of
-// a few KiB scattered over the slab: with 4 KiB pages nearly every one costs a TLB miss
-// (compaction at keep 0.125 measured 1.60 -> 1.45 ms on 32 x 8192 fp16 tokens). Advisory:
+// a few KiB scattered over the slab: with 4 KiB pages nearly every one costs a TLB miss,
+// which slows compaction at low keep fractions (bench/kernels.py). Advisory:
 // a kernel without huge pages refuses it and nothing changes.
 void advise_huge_pages(const at::Tensor& slab) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
@@ -91,15 +91,6 @@ store::PagedView PageAllocator::view() const {
                           shift_, record_};
 }
 
-ops::StateView PageAllocator::own_state() const {
-  ops::StateView st;
-  st.view = view();
-  st.page_base = page_base_;
-  st.segments = num_segments();
-  st.capacity = capacity();
-  return st;
-}
-
 at::Tensor PageAllocator::page_table() const {
   return at::tensor(table_h_, at::kInt).view({num_segments(), width_}).to(device());
 }
@@ -121,6 +112,16 @@ int64_t PageAllocator::segment_without_room(int64_t n) const {
   for (int64_t s = 0; s < num_segments(); ++s)
     if (len_h_[s] + n > (int64_t{pages_h_[s]} << shift_)) return s;
   return -1;
+}
+
+void PageAllocator::cancel_append(const std::vector<int32_t>& lengths) {
+  const int64_t S = num_segments();
+  TORCH_CHECK_VALUE(static_cast<int64_t>(lengths.size()) == S, "cancel_append takes ", S,
+                    " lengths (one per segment), got ", lengths.size());
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK_VALUE(lengths[s] >= 0 && lengths[s] <= len_h_[s], "cancel_append's length of segment ", s,
+                      " is ", lengths[s], "; it takes one between 0 and the segment's ", len_h_[s]);
+  std::copy(lengths.begin(), lengths.end(), len_h_.begin());
 }
 
 void PageAllocator::note_appended(int64_t n) {
@@ -230,18 +231,6 @@ void PageAllocator::set_scores(const at::Tensor& scores) {
   }
 }
 
-void PageAllocator::add_to_scores(int64_t channel, const at::Tensor& values) {
-  check_writable("add_to_scores");
-  TORCH_CHECK_VALUE(channel >= 0 && channel < score_channels_, "channel must be in [0, ",
-                    score_channels_, ") (the store's score channels), got ", channel);
-  check_defined(values, "values");
-  check_dtype(values, at::kFloat, "values");
-  check_device(values, device(), "values");
-  check_shape(values, {capacity()}, "values");
-  check_contiguous(values, "values");
-  store::add_to_scores(slabs_, record_, page_size_, channel, values);
-}
-
 void PageAllocator::check_tokens(const at::Tensor& t, int64_t n, const char* name) const {
   check_defined(t, name);
   TORCH_CHECK_TYPE(t.scalar_type() == dtype(), name, " must have the store's dtype ", dtype(),
@@ -293,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> PageAllocator::prepare_append(
 
 void PageAllocator::finish_compact(const c10::optional<at::Tensor>& known) {
   // The compaction op has run by now: the store's callers (RaggedKVStore.compact,
-  // append_attend_evict) check_writable before it.
+  // evict_by_rule) check_writable before it.
   check_writable("a compaction");
   const int64_t S = num_segments();
   if (known.has_value()) {

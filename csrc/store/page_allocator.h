@@ -1,4 +1,4 @@
-// PageAllocator: the host side of one layer's ragged store (DESIGN.md "Ragged store"): it
+// PageAllocator: the host side of one layer's ragged store (docs/store.md): it
 // makes and grows the state that the ops (ops.h) take, and keeps the host bookkeeping of
 // the pages (which segment owns which page, the free pages, the slabs, a host copy of the
 // lengths). It runs no kernel: append, replace, compact, selection and attention are ops,
@@ -22,6 +22,13 @@ namespace kvcache_ext {
 
 class PageAllocator {
  public:
+  // The device bookkeeping a store holds besides its pages (nbytes counts it): the address of
+  // every page (page_base_, int64), the page table's entries (table_, int32, width per
+  // segment) and every segment's length (len_, int32).
+  static constexpr int64_t kPageAddressBytes = sizeof(int64_t);
+  static constexpr int64_t kTableEntryBytes = sizeof(int32_t);
+  static constexpr int64_t kLengthBytes = sizeof(int32_t);
+
   // `like` only carries the dtype and device of K and V. page_size: tokens per page, a
   // power of two up to ops::kMaxPageSize; it is also the unit by which a segment grows.
   PageAllocator(int64_t batch, int64_t heads, int64_t head_dim, int64_t score_channels,
@@ -36,6 +43,10 @@ class PageAllocator {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_append(
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
       const c10::optional<at::Tensor>& valid);
+  // Undoes prepare_append's host lengths when the op after it refused its input before
+  // writing anything: the host lengths go back to `lengths` (what len_host() gave before it;
+  // each between 0 and the current one). The pages it gave stay, as free room.
+  void cancel_append(const std::vector<int32_t>& lengths);
   // The host half of an append of n tokens to every segment whose pages already hold them:
   // advances the host lengths. For a decode step replayed from a CUDA graph, whose captured
   // store_append op (len += n on the device) ran without prepare_append. Raises, changing
@@ -62,7 +73,7 @@ class PageAllocator {
   // and gives back every other page: the only operation that moves every token.
   void repack(int64_t extra);
   void shrink_to_fit() { repack(0); }
-  // A store that continues this one's sequences (a shared prefix, DESIGN.md "Ragged store"):
+  // A store that continues this one's sequences (a shared prefix, docs/store.md, `fork()`):
   // the same segments and tokens, reading this store's pages of live tokens in place (not
   // copied), and putting the tokens appended to it in pages of its own. A segment whose last
   // page is partly filled gets a copy of that page (its next token goes there: the one page
@@ -89,9 +100,6 @@ class PageAllocator {
   const at::Tensor& slot_rows();
   // Writes the score channels of every slot from a [capacity, C] float32 tensor.
   void set_scores(const at::Tensor& scores);
-  // Adds values ([capacity] float32, slot layout) to score channel `channel` of every slot,
-  // in place in the pages (what set_scores(scores() with the channel added) writes).
-  void add_to_scores(int64_t channel, const at::Tensor& values);
   at::Tensor len() const { return len_.clone(); }   // [S] int32, on the store's device
   at::Tensor page_table() const;                     // [S, width] int32 copy, -1: no page
   const std::vector<int32_t>& len_host() const { return len_h_; }
@@ -115,9 +123,6 @@ class PageAllocator {
   // allocates pages or repacks.
   store::PagedView view() const;
   const at::Tensor& len_device() const { return len_; }
-  // The state as the ops' kernels take it, from what the page allocator keeps (page_base_,
-  // table_): no per-slab checks or lookups, unlike ops::state_view on pool().
-  ops::StateView own_state() const;
 
   int64_t capacity() const { return num_pages() * page_size_; }  // slots in slot layout
   int64_t num_pages() const { return static_cast<int64_t>(page_base_h_.size()); }

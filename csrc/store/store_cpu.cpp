@@ -12,9 +12,8 @@ namespace kvcache_ext::store {
 namespace {
 
 // Below this many bytes to write, a call runs on the calling thread: handing work to the
-// other threads and waiting for them costs more than the copy. A decode step appends one
-// token per segment (measured in a SmolLM2 decode step: 22 us per layer in parallel, 16 us
-// serial).
+// other threads and waiting for them costs more than the copy, as it does for a decode
+// step's append of one token per segment.
 constexpr int64_t kSerialBytes = int64_t{1} << 20;
 
 // Segments are independent; a grain of 1 lets one long segment not serialize the rest.
@@ -97,7 +96,8 @@ struct Move {
 
 // Asks for the first rows of a move's source ahead of time. At a low keep fraction most
 // moves are one token from a page the hardware prefetcher cannot guess, so without this
-// every move waits for memory in turn (29 % of copy bandwidth at keep 0.125).
+// every move waits for memory in turn (bench/kernels.py measures compaction against the
+// machine's copy bandwidth).
 void prefetch_source(const PagedView& view, const Move& m) {
   for (int b = 0; b < 4; ++b) {
     const char* row = view.row(b, m.from);

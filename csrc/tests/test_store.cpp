@@ -1500,7 +1500,8 @@ TEST(StoreGraphStep, AppendsInHeldPagesCuda) {
 // H2O's decode step with eviction as a CUDA graph replays it: the ops alone (store_append into
 // held pages, attention_run with the plan of those pages and the mass, store_add_scores,
 // store_topk by the slot rule, store_compact unordered) and the host halves after (note_appended,
-// note_kept_in_pages), against append_attend_evict's one call on a twin: the same kept tokens
+// note_kept_in_pages), against the eager step on a twin (the allocator's prepare_append and plan
+// around the same ops, finish_compact with the lengths min(len, budget)): the same kept tokens
 // and lengths at every step, every page still held.
 void evict_in_held_pages(const at::Device& d) {
   std::mt19937 rng(7);
@@ -1535,9 +1536,20 @@ void evict_in_held_pages(const at::Device& d) {
                                     at::kFloat, /*stable=*/false);
     held.note_appended(1);
     held.note_kept_in_pages(budget_host.view({-1}));
-    const at::Tensor want = kvcache_ext::ops::append_attend_evict(twin, q, t, t, pos, 0.5, "mass", sinks, recent,
-                                                                  last_pos, budget, budget_host);
-    EXPECT_TRUE(at::allclose(kvtest::host(std::get<0>(got)), kvtest::host(want), 1e-5, 1e-5));
+    twin.append(t, t, pos);
+    const auto eager = twin.attend(q, 0.5, c10::nullopt, true, false, false, false);
+    kvcache_ext::ops::store_add_scores(twin.pool(), twin.page_table_device(), twin.len_device(), std::get<1>(eager),
+                                       0, P, D, 1, at::kFloat);
+    const auto twin_keep = std::get<0>(kvcache_ext::ops::store_topk(
+        twin.pool(), twin.page_table_device(), twin.len_device(), c10::nullopt, budget.view({-1}), 1, P, D, 1,
+        at::kFloat, std::string("mass"), sinks, recent, last_pos));
+    kvcache_ext::ops::store_compact(twin.pool(), twin.page_table_device(), twin.len_device(), twin_keep, P, D, 1,
+                                    at::kFloat, /*stable=*/false);
+    std::vector<int64_t> kept;
+    for (int64_t s = 0; s < B * H; ++s)
+      kept.push_back(std::min<int64_t>(twin.len_host()[s], budget_host.view({-1})[s].item<int64_t>()));
+    twin.finish_compact(at::tensor(kept, at::kLong));
+    EXPECT_TRUE(at::allclose(kvtest::host(std::get<0>(got)), kvtest::host(std::get<0>(eager)), 1e-5, 1e-5));
     EXPECT_EQ(held.len_host(), twin.len_host());
     EXPECT_TRUE(at::equal(kvtest::host(held.len()), kvtest::host(twin.len())));
     const auto held_slots = kvtest::live_slots(held), twin_slots = kvtest::live_slots(twin);
@@ -1552,6 +1564,72 @@ void evict_in_held_pages(const at::Device& d) {
   }
   EXPECT_EQ(held.len_host(), std::vector<int32_t>({5, 7, 9, 6}));
 }
+
+// store_decode_step (a decode step in one op) against the ops it stands for on a twin: the
+// append, the attention with the mass, channel 0 += mass and channel 1 += count, then the
+// top-k by the slot rule and the unordered compaction; ragged segments (an empty one), GQA,
+// batch 2, a budget below and one above the lengths: the same output, tokens and channels.
+void decode_step_equals_the_ops(const at::Device& d) {
+  std::mt19937 rng(11);
+  const int64_t B = 2, H = 2, Hq = 4, D = 8, P = 4, L = 9, sinks = 1, recent = 2;
+  const auto like = at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(d));
+  OpStore one(B, H, D, 2, like, P), twin(B, H, D, 2, like, P);
+  const at::Tensor k = kvtest::random_normal({B, H, L, D}, at::kFloat, rng).to(d);
+  at::Tensor valid = at::ones({B, H, L}, at::kBool);
+  valid[0][0].fill_(false);   // an empty segment
+  for (OpStore* st : {&one, &twin}) st->append(k, k, at::arange(L, at::kLong).to(d), valid.to(d));
+  const at::Tensor budget = at::tensor({5, 7, 20, 3}, at::kInt).to(d);
+  for (int64_t step = 0; step < 4; ++step) {
+    const at::Tensor t = kvtest::random_normal({B, H, 1, D}, at::kFloat, rng).to(d);
+    const at::Tensor q = kvtest::random_normal({B, Hq, 1, D}, at::kFloat, rng).to(d);
+    const at::Tensor pos = at::full({B, 1}, L + step, at::kLong).to(d);
+    const at::Tensor last_pos = at::full({B}, L + step, at::kLong).to(d);
+    const bool evict = step % 2 == 1;
+    // one op
+    const auto [pos32, rank, counts] = one.prepare_append(t, t, pos, c10::nullopt);
+    const auto got = kvcache_ext::ops::store_decode_step(
+        one.pool(), one.page_table_device(), one.len_device(), q, t, t, pos32, rank, counts,
+        one.attention_plan(Hq / H), c10::nullopt, 0.5, P, 2, true, false, false, false, {0, 3},
+        evict ? c10::optional<std::string>("mass") : c10::nullopt, evict ? sinks : 0, evict ? recent : 0,
+        evict ? c10::optional<at::Tensor>(last_pos) : c10::nullopt,
+        evict ? c10::optional<at::Tensor>(budget) : c10::nullopt);
+    if (evict) one.finish_compact();
+    // the ops
+    twin.append(t, t, pos);
+    const auto want = twin.attend(q, 0.5, c10::nullopt, true, false, false, true);
+    kvcache_ext::ops::store_add_scores(twin.pool(), twin.page_table_device(), twin.len_device(), std::get<1>(want),
+                                       0, P, D, 2, at::kFloat);
+    kvcache_ext::ops::store_add_scores(twin.pool(), twin.page_table_device(), twin.len_device(),
+                                       std::get<4>(want).to(at::kFloat), 1, P, D, 2, at::kFloat);
+    if (evict) {
+      const auto keep = std::get<0>(kvcache_ext::ops::store_topk(
+          twin.pool(), twin.page_table_device(), twin.len_device(), c10::nullopt, budget, 1, P, D, 2, at::kFloat,
+          std::string("mass"), sinks, recent, last_pos));
+      twin.compact(keep, /*stable=*/false);
+    }
+    EXPECT_TRUE(at::allclose(kvtest::host(std::get<0>(got)), kvtest::host(std::get<0>(want)), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(kvtest::host(std::get<1>(got)), kvtest::host(std::get<1>(want)), 1e-6, 1e-6));
+    EXPECT_EQ(std::get<4>(got).numel(), 0);   // count was accumulated, not asked for
+    EXPECT_EQ(one.len_host(), twin.len_host());
+    const auto one_slots = kvtest::live_slots(one), twin_slots = kvtest::live_slots(twin);
+    for (int64_t s = 0; s < B * H; ++s) {
+      const at::Tensor a = at::tensor(one_slots[s]), b = at::tensor(twin_slots[s]);
+      EXPECT_TRUE(at::equal(kvtest::host(one.pos()).index_select(0, a), kvtest::host(twin.pos()).index_select(0, b)))
+          << "step " << step << " segment " << s;
+      EXPECT_TRUE(at::allclose(kvtest::host(one.scores()).index_select(0, a),
+                               kvtest::host(twin.scores()).index_select(0, b), 1e-6, 1e-6));
+    }
+  }
+  EXPECT_EQ(one.len_host(), std::vector<int32_t>({4, 7, 13, 3}));
+}
+
+TEST(StoreDecodeStep, EqualsTheOps) { decode_step_equals_the_ops(at::kCPU); }
+#ifdef KVCACHE_EXT_WITH_CUDA
+TEST(StoreDecodeStep, EqualsTheOpsCuda) {
+  KVTEST_REQUIRE_CUDA();
+  decode_step_equals_the_ops(at::Device(at::kCUDA, 0));
+}
+#endif
 
 TEST(StoreGraphStep, EvictsInHeldPages) { evict_in_held_pages(at::kCPU); }
 #ifdef KVCACHE_EXT_WITH_CUDA

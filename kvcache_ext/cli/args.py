@@ -125,8 +125,8 @@ def device(text: str) -> str:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(
             f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    import kvcache_ext
-    if not kvcache_ext.build_info()["cuda"]:
+    from kvcache_ext import _C
+    if not _C.build_info()["cuda"]:
         raise argparse.ArgumentTypeError(f"{text!r}: kvcache_ext was built without its CUDA kernels "
                                          "(reinstall it with nvcc available, see README.md)")
     return text

@@ -61,7 +61,7 @@ def demo_policies(budget: int) -> dict:
 @torch.no_grad()
 def greedy(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_id: int | None):
     """Greedy decoding by hand: returns (new token ids, prefill seconds, decode seconds per token)."""
-    from kvcache_ext.hf.cache_argument import with_cache
+    from kvcache_ext.cache_argument import with_cache
     from kvcache_ext.evaluation.decoding import greedy_continue
     start = time.perf_counter()
     out = model(input_ids, **with_cache(model, cache), use_cache=True)
@@ -77,7 +77,7 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
     from transformers import DynamicCache
     from tqdm.auto import tqdm
 
-    import kvcache_ext
+    from kvcache_ext.hf.patching import patch
     from kvcache_ext.evaluation.decoding import cache_bytes
     from kvcache_ext.tasks import check_answer, make_passkey_prompt
 
@@ -88,7 +88,7 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
     full = {}
     bar = tqdm(total=len(policies) * len(prompts), desc="demo", unit="run", disable=not progress)
     for name, policy in policies.items():
-        handle = kvcache_ext.patch(model, policy) if policy is not None else None
+        handle = patch(model, policy) if policy is not None else None
         try:
             for i, p in enumerate(prompts):
                 # As the patched generate does: pages for the tokens to come are held from the

@@ -155,7 +155,7 @@ def check_arguments(args) -> str | None:
                 policy = make_policy(name, tokens, schedule)
             except ValueError as err:
                 return f"--policy {name} at {flag} {budget} (schedule {schedule}): {err}"
-            if policy is not None and policy.scorer.reconstructs and args.task not in FRACTION_TASKS:
+            if policy is not None and policy.scorer.capabilities.reconstructs and args.task not in FRACTION_TASKS:
                 return (f"--policy {name} reconstructs the prompt (KVzip): it runs on "
                         f"{', '.join(FRACTION_TASKS)}, not {args.task}")
     if args.plot:

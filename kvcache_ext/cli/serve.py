@@ -57,7 +57,7 @@ def policy_of(args):
         keep = 0.125 if args.keep is None else args.keep
         policy = make_policy(args.policy, max(2, round(keep * 1024)), schedule)
         policy = dataclasses.replace(policy, budget=None, ratio=keep)
-    if policy.scorer.reconstructs and args.shared_system is None:
+    if policy.scorer.capabilities.reconstructs and args.shared_system is None:
         raise ValueError(f"--policy {args.policy} re-runs the model over each prompt (reconstruction), "
                          "which the continuous batching engine does not run: give --shared-system FILE (that "
                          "system message compressed once, with its passes, for every request that opens with "

@@ -15,7 +15,7 @@ Every rank must make the same calls in the same order (collectives); the engine'
 the same on every rank, since each rank runs the same model call on the same tokens. The one
 decision a rank would otherwise make alone, whether a layer has a head over its budget at all,
 is taken together (``any_over_budget``), for these allocations and for a scorer whose score of
-a head reads every head (``Scorer.reads_every_head``: TOVA's mean over heads, which sums over
+a head reads every head (``Capabilities.reads_every_head``: TOVA's mean over heads, which sums over
 the ranks itself).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def any_over_budget(state: LayerState, over: bool) -> bool:
     of a row as soon as one is over, and a scorer that reads every head (TOVA's mean) runs a
     collective of its own. Otherwise each rank answers for its own heads."""
     ranks = state.model.ranks
-    together = state.policy.allocation.heads_across_ranks or state.policy.scorer.reads_every_head
+    together = state.policy.allocation.heads_across_ranks or state.policy.scorer.capabilities.reads_every_head
     return ranks.any(over, state.tokens[2]) if ranks is not None and together else over
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache_ext.engine.storage import DecodeStep, EvictByRule
 from kvcache_ext.kernels.attention import ragged_attention
 from kvcache_ext.kernels.select import grouped_topk, segmented_topk
 from kvcache_ext.kernels.store import RaggedKVStore
@@ -30,7 +31,7 @@ class RaggedLayerKV:
 
     def _hold(self, store: RaggedKVStore, in_position_order: bool = True) -> None:
         self.store = store
-        # The compiled decode step's per-head budgets, made from the row budgets they came from.
+        # The per-head budgets of an eviction by a slot rule, made from the row budgets they came from.
         self._budget_source, self._per_head_budget = None, None
         # Whether each segment's tokens lie in the store in position order: false once an
         # eviction compacted without keeping the order (``compact(stable=False)``: per-step
@@ -70,82 +71,102 @@ class RaggedLayerKV:
         packed = values.gather(2, order[..., :width, None].expand(-1, -1, -1, values.shape[-1]))
         self.store.set_scores(self.store.from_padded(packed.float()))
 
-    @property
-    def channels(self) -> torch.Tensor:
-        """The channels of every slot, [capacity, C] (a copy: see ``write_channels``)."""
-        return self.store.scores
-
-    def write_channels(self, channels: torch.Tensor) -> None:
-        self.store.set_scores(channels)
-
     def set_channels(self, padded: torch.Tensor) -> None:
         """Channels of the cached tokens from a padded [B, H, L, C] tensor (as ``view`` gives)."""
         self.store.set_scores(self._to_slots(padded.float()))
 
-    def append_and_attend(self, k, v, pos, q, scale):
-        """``append(k, v, pos, None)`` then ``attend(q, scale, None, ())``'s output: in one host
-        call in eager mode, through the two ops under ``torch.compile``."""
-        if torch.compiler.is_compiling():
-            self.append(k, v, pos, None)
-            return self.attend(q, scale, None, ())[0]
-        return self.store.append_and_attend(q, k.contiguous(), v.contiguous(), pos, scale)
+    def accumulate(self, stats: dict, names: tuple[str, ...]) -> None:
+        """Adds the statistics ``names`` (slot layout, of ``attend``) to channels 0, 1, ... in place."""
+        for channel, name in enumerate(names):
+            self.store.add_to_scores(channel, stats[name].float())
 
-    def append_attend_in_pages(self, k, v, pos, q, scale, plan):
-        """A decode step as a CUDA graph captures it (``kvcache_ext.hf.decode_graph``): the
-        append and the attention through their ops alone, into pages already held and with the
-        ``plan`` of those pages, so that the step runs no host work; the graph's owner checks
-        the room and advances the host lengths around every run."""
-        self.store.append_in_pages(k.contiguous(), v.contiguous(), pos)
-        return ragged_attention(q, self.store, scale, plan=plan)[0]
+    # --- a decode step ---------------------------------------------------------------------
+    def decode_step(self, k, v, pos, q, scale, step: DecodeStep):
+        """One decode step (``LayerStorage.decode_step``) in one op (``RaggedKVStore.decode_step``):
+        the append, the attention with the statistics the step reads, the channel updates and
+        the eviction by a slot rule. Eager (``step.plan`` None): with the page allocator's host
+        steps around it (pages for the new token, the plan, the lengths after an eviction).
+        Captured (a plan): into pages the segments already hold and with that plan, no host
+        step; the graph's owner checks the room before every run and notes the host side after
+        it (``note_graph_step``)."""
+        B, H = k.shape[:2]
+        valid = step.valid
+        evict = step.evict
+        rule = sinks = recent = budget = None
+        if evict is not None:
+            per_head, per_head_host = self._per_head(evict.budget, evict.budget_host)
+            rule, sinks, recent, budget = evict.rule, evict.sinks, evict.recent, (per_head.view(-1),
+                                                                                   per_head_host.view(-1))
+            self._in_position_order = False   # its compaction is unordered
+        out, stats = self.store.decode_step(
+            q, k.contiguous(), v.contiguous(), pos, scale,
+            valid=None if valid is None else valid[:, None, None].expand(B, H, 1),
+            q_pos=None if valid is None else pos.masked_fill(~valid[:, None], -1),
+            stats=step.stats, accumulate=step.accumulate, rule=rule, sinks=sinks or 0, recent=recent or 0,
+            last_pos=step.last_pos, budget=budget, plan=step.plan)
+        return out, (stats or None)
 
-    def append_attend_evict_in_pages(self, k, v, pos, q, scale, plan, rule, protection, last_pos, budget):
-        """``append_attend_evict`` as a CUDA graph captures it: through the ops alone (append
-        into pages already held; attention with the ``plan`` of those pages and, for the rule
-        "mass", the mass added to channel 0; with ``budget`` = (k [B] on the device, k_host),
-        the top-k of k per head by the rule and the compaction, every segment's, whoever is
-        over). A top-k keeps everything of a head within its budget, so the step is the same
-        whatever the lengths: one graph serves every step. The graph's owner checks the room
-        before every run and notes the host lengths after (the store's ``note_appended``,
-        then, after an eviction, ``note_kept_in_pages(budget)``)."""
+    def evict_by_rule(self, evict: EvictByRule, last_pos: torch.Tensor) -> None:
+        """Every head of row b keeps its ``evict.budget[b]`` best tokens by the rule, the
+        protected first, in the store's slot layout: no padded view, and the new lengths,
+        min(len, budget), known on the host (no sync)."""
+        self._evict_by_rule(evict, last_pos, captured=False)
+
+    def _evict_by_rule(self, evict: EvictByRule, last_pos, captured: bool) -> None:
+        """``evict_by_rule``; ``captured``: inside a CUDA graph's step, every head selects and
+        compacts whatever its length (a top-k of k keeps a head within its budget whole, so the
+        step is the same at every length) and keeps its pages; eagerly only when a head is over
+        its budget, the pages it empties given back. The compaction is unordered: a slot score
+        does not depend on the order, and one token moves per place evicted."""
         store = self.store
-        store.append_in_pages(k.contiguous(), v.contiguous(), pos)
-        by_mass = rule == "mass"
-        out, stats = ragged_attention(q, store, scale, plan=plan, stats=("mass",) if by_mass else False)
-        if by_mass:
-            store.add_to_scores(0, stats.mass)
-        if budget is not None:
-            per_head = self._per_head(*budget)[0].view(-1)
-            store.evict_in_pages(per_head, rule=rule, sinks=protection.sinks, recent=protection.recent,
-                                 last_pos=last_pos if protection.recent else None)
-            self._in_position_order = False
-        return out
-
-    def note_kept_in_pages(self, budget) -> None:
-        """The host lengths after ``append_attend_evict_in_pages`` evicted to ``budget`` (k, k_host)."""
-        self.store.note_kept_in_pages(self._per_head(*budget)[1].view(-1))
-
-    def append_attend_evict(self, k, v, pos, q, scale, rule, protection, last_pos, budget):
-        """One C++ call (``RaggedKVStore.append_attend_evict``) in eager mode; None under
-        ``torch.compile``, which traces the general path's ops."""
-        if torch.compiler.is_compiling():
-            return None
-        if budget is not None:   # its compaction, if any, is unordered
-            self._in_position_order = False
-        return self.store.append_attend_evict(q, k.contiguous(), v.contiguous(), pos, scale, rule=rule,
-                                              sinks=protection.sinks, recent=protection.recent,
-                                              last_pos=last_pos,
-                                              budget=None if budget is None else self._per_head(*budget))
+        per_head, per_head_host = self._per_head(evict.budget, evict.budget_host)
+        kept = None
+        if not captured:
+            lens = store.lens   # the host lengths: no sync
+            kept = torch.minimum(lens, per_head_host)
+            if torch.equal(kept, lens):   # every head within its budget: nothing to evict
+                return
+        store.evict_by_rule(per_head.view(-1), rule=evict.rule, sinks=evict.sinks, recent=evict.recent,
+                            last_pos=last_pos if evict.recent else None, kept=kept)
+        self._in_position_order = False
 
     def _per_head(self, k, k_host):
-        """Row budgets (k [B] on the device, k_host on the host) as the compiled step takes them:
-        [B, H] per head, int32 on the device. Made once per budget tensor (the engine's layer
-        keeps one for every decode step), so that an eviction step converts nothing."""
+        """Row budgets (k [B] on the device, k_host on the host) as the store's eviction takes
+        them: [B, H] per head, int32 on the device, int64 on the host. Made once per budget
+        tensor (the engine's layer keeps one for every decode step), so that an eviction step
+        converts nothing."""
         if self._budget_source is not k:
             heads = self.store.heads
             self._per_head_budget = (k.clamp(0, 2**31 - 1).to(torch.int32)[:, None].expand(-1, heads).contiguous(),
                                      k_host.long()[:, None].expand(-1, heads).contiguous())
             self._budget_source = k
         return self._per_head_budget
+
+    # --- decode steps in a CUDA graph (kvcache_ext.hf.decode_graph) ------------------------
+    graph_ready = True
+
+    def graph_key(self) -> tuple:
+        """The store and its state's version: the tensors a captured step's ops read."""
+        return (self.store, self.store.state_version)
+
+    def has_room(self, n: int) -> bool:
+        return self.store.has_room(n)
+
+    def reserve(self, extra: int) -> None:
+        self.store.reserve(extra)
+
+    def graph_plan(self, rows: int) -> torch.Tensor:
+        return self.store.attention_plan_of_pages(rows)
+
+    def hold_for_graph(self):
+        return self.store.page_addresses()
+
+    def note_graph_step(self, n: int, evict: EvictByRule | None) -> None:
+        """After a captured step's run: ``n`` tokens appended, then (``evict``) every head at
+        min(len, budget), every page kept."""
+        self.store.note_appended(n)
+        if evict is not None:
+            self.store.note_kept_in_pages(self._per_head(evict.budget, evict.budget_host)[1].view(-1))
 
     def attend(self, q, scale, q_pos, stats):
         out, st = ragged_attention(q, self.store, scale, q_pos=q_pos, stats=tuple(stats) or False)
@@ -174,22 +195,6 @@ class RaggedLayerKV:
         """Padded view scores as the store's select takes them: padded by token order (the
         view's, while the store is in position order), else in slot layout."""
         return scores if self._in_position_order else self._to_slots(scores.float())
-
-    def evict_in_slots(self, scorer, protection, stats: dict, last_pos, k, k_host) -> bool:
-        """Keeps the k [B] (on the device; ``k_host`` its host copy) best tokens of each head of
-        row b by ``scorer.slot_scores``, protected tokens first, all in the store's slot layout:
-        no padded view, and the new lengths, min(len, k), known on the host (no sync)."""
-        store = self.store
-        pos = store.pos
-        scores = scorer.slot_scores(store.scores, stats, pos).float()
-        if protection.size:
-            scores = scores.masked_fill(protection.mask(pos, last_pos[store.slot_rows()]), float("inf"))
-        per_head = k[:, None].expand(store.batch, store.heads)
-        kept = torch.minimum(store.lens, k_host.long()[:, None])
-        # Unordered: one token moves per evicted one (a slot score does not depend on the order).
-        store.compact(store.select(per_head, scores), lens=kept, stable=False)
-        self._in_position_order = False
-        return True
 
     def grouped_counts(self, scores, mask, k):
         _, counts = self.store.select(k.to(self.store.device), self._scores_for_select(scores), grouped=True)
@@ -233,10 +238,17 @@ class RaggedLayerKV:
         else:
             self.store.reserve(extra)
 
+    def shrink_to_fit(self) -> None:
+        self.store.shrink_to_fit()
+
     # --- accounting ------------------------------------------------------------------------
     @property
     def lens(self) -> torch.Tensor:
         return self.store.lens
+
+    @property
+    def num_pages(self) -> int:
+        return self.store.num_pages
 
     @property
     def nbytes(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache_ext.hf.cache_argument import EITHER_NAME
+from kvcache_ext.cache_argument import EITHER_NAME
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.token_ids import TokenIds
 from kvcache_ext.policies.views import ModelParts
@@ -55,7 +55,8 @@ class SharedByLayers:
         self.graph_step = None
 
     def enter_graph_step(self, graph) -> None:
-        """The layers' next calls are the decode step ``graph`` captures or runs (``decode_in_graph``)."""
+        """The layers' next calls are the decode step ``graph`` captures or runs (``engine.decode``,
+        handed the graph's plan)."""
         self.graph_step = graph
 
     def exit_graph_step(self) -> None:
@@ -99,6 +100,7 @@ class LayerState:
         "budget_host",          # host copies of the two: checked at every step without a sync
         "decode_budget_host",
         "decode_steps",         # decode steps seen
+        "decode_works",         # what its decode steps do, by kind (engine.decode.DecodeWork), made once
         "context",              # a prompt held for reconstruction passes (reconstruction.Context)
         "scorer_state",         # the scorer's own state of this layer (views' layer_state)
     )
@@ -125,6 +127,7 @@ class LayerState:
         self.budget = self.decode_budget = None
         self.budget_host = self.decode_budget_host = None
         self.decode_steps = 0
+        self.decode_works = {}
         self.context = None
         self.scorer_state.clear()
         if self.layer_idx == 0:
@@ -189,7 +192,7 @@ class LayerState:
         if self.kv is None:
             self.layout = (H, D, q.shape[1] // H)
             self.tokens = (B, k.dtype, k.device)
-            self.kv = self.storage(B, H, D, k.dtype, k.device, self.policy.scorer.channels)
+            self.kv = self.storage(B, H, D, k.dtype, k.device, self.policy.scorer.capabilities.channels)
             self.last_pos = torch.full((B,), -1, dtype=torch.long, device=k.device)
         elif (H, D, q.shape[1] // H) != self.layout or (B, k.dtype, k.device) != self.tokens:
             self.check_tokens(q, k)
@@ -221,18 +224,22 @@ class LayerState:
         self.seen += n
 
     def note_newest(self, newest: torch.Tensor) -> None:
-        """[B] the newest position of each row among tokens just seen (-1: none)."""
-        self.last_pos = torch.maximum(self.last_pos, newest)
-
-    def note_newest_in_place(self, newest: torch.Tensor) -> None:
-        """``note_newest`` into the tensor it holds (a captured decode step writes only tensors
-        that outlive it)."""
+        """[B] the newest position of each row among tokens just seen (-1: none), into the
+        tensor the layer holds for its life (a captured decode step writes only tensors that
+        outlive it, and a graph reads this one by address)."""
         torch.maximum(self.last_pos, newest, out=self.last_pos)
 
-    def count_decode_step(self) -> int:
-        """One more decode step; returns how many there have been."""
+    def finish_decode_step(self) -> None:
+        """A decode step ran: one more token seen, one more decode step."""
+        self.seen += 1
         self.decode_steps += 1
-        return self.decode_steps
+
+    # --- the work of its decode steps -------------------------------------------------------
+    def keep_decode_work(self, evict_now: bool, work):
+        """Keeps what this layer's decode steps of a kind do (``engine.decode.DecodeWork``,
+        made from the budgets: dropped when they change); returns it."""
+        self.decode_works[evict_now] = work
+        return work
 
     # --- budgets --------------------------------------------------------------------------
     def ensure_budget(self, prompt_len: torch.Tensor) -> None:
@@ -257,6 +264,7 @@ class LayerState:
         self.budget, self.budget_host = budget, budget.cpu()
         if decode_budget is not None:
             self.decode_budget, self.decode_budget_host = decode_budget, decode_budget.cpu()
+        self.decode_works = {}   # made again from these budgets
 
     # --- a prompt held for reconstruction passes ------------------------------------------
     def hold(self, context) -> None:

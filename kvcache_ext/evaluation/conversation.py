@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.hf.patching import patch
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from, greedy_continue
 from kvcache_ext.evaluation.retrieval import RetrievalRecord, prompt_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
@@ -57,7 +57,7 @@ def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int 
                     answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
                     full_bytes = cache_bytes(cache)
                 else:
-                    with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
+                    with patch(model, policy, tokenizer=tokenizer) as handle:
                         cache = compressed_cache(policy, recorded, handle.model_parts)
                         prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
                         answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 
 
 @torch.no_grad()

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.hf.patching import patch
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from
 from kvcache_ext.evaluation.named_policies import policy_runs
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
@@ -64,7 +64,7 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
         on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
         sched = policy.schedule
-        with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
+        with patch(model, policy, tokenizer=tokenizer) as handle:
             if sched.prefill_block is None:
                 cache = compressed_cache(policy, recorded, handle.model_parts)
             else:

@@ -117,7 +117,7 @@ def run_press(model, tokenizer, name: str, budget: int | float, context: torch.T
     from transformers import DynamicCache
 
     from kvcache_ext.evaluation.decoding import cache_bytes
-    from kvcache_ext.hf.cache_argument import with_cache
+    from kvcache_ext.cache_argument import with_cache
     n = context.shape[1]
     press = make_press(name, compression_ratio(budget, n))
     cache = DynamicCache(config=model.config)

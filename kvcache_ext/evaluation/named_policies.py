@@ -43,7 +43,8 @@ from kvcache_ext.policies import (
 
 
 def _h2o(budget: int) -> H2O:
-    # The H2O paper's own split: half heavy hitters, half recent window (seed-003 §5).
+    # The H2O paper's own split: half heavy hitters, half recent window (the RoCo paper's
+    # "following H2O, i.e. r = B/2": Ren and Zhu, 2024, §5.1.5).
     return H2O(recent=budget // 2)
 
 
@@ -65,7 +66,7 @@ BUILT_IN = {
     "caote-tova": (lambda b: CAOTE(TOVA(), output_after_eviction=False), None),
     "caote-tova-shared": (lambda b: CAOTE(TOVA(), gqa="shared", output_after_eviction=False), None),
     "caote-snapkv": (lambda b: CAOTE(SnapKV(), output_after_eviction=False), None),
-    # Per query head, combined by the L2 norm (research/seed-000 §4.9's option 1).
+    # Per query head, combined by the L2 norm (docs/policies.md, CAOTE's "GQA").
     "caote-h2o-l2": (lambda b: CAOTE(_h2o(b), gqa="group_l2", output_after_eviction=False), None),
     "caote-tova-l2": (lambda b: CAOTE(TOVA(), gqa="group_l2", output_after_eviction=False), None),
     "caote-snapkv-l2": (lambda b: CAOTE(SnapKV(), gqa="group_l2", output_after_eviction=False), None),

@@ -1,4 +1,4 @@
-"""Perplexity of long prose under block-wise eviction (CAOTE's protocol, seed-000 §4).
+"""Perplexity of long prose under block-wise eviction (CAOTE's protocol: Goel et al., 2025, §4.3).
 
 The text is fed in one call to the patched model with a ``BlockwisePrefill(m)`` schedule: the
 layers process it m tokens at a time over the ragged cache and evict down to the budget after
@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.hf.patching import patch
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes
 from kvcache_ext.evaluation.named_policies import policy_runs
 
@@ -57,7 +57,7 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
                                     full_bytes, full_bytes))
         on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
-        with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
+        with patch(model, policy, tokenizer=tokenizer) as handle:
             cache = handle.new_cache()
             nll = _mean_nll(model(ids, **with_cache(model, cache), use_cache=True).logits, ids)
         out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import kvcache_ext
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.hf.patching import patch
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import (
     cache_bytes,
     full_cache_from,
@@ -125,7 +125,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             out.append(record(name, None, new, decode_s, full_bytes, prefill_s=recorded.seconds))
             on_run and on_run(out[-1])
         else:
-            with kvcache_ext.patch(model, policy, tokenizer=tokenizer) as handle:
+            with patch(model, policy, tokenizer=tokenizer) as handle:
                 if policy.schedule.prefill_block is None:
                     cache = compressed_cache(policy, recorded, handle.model_parts)
                     prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)

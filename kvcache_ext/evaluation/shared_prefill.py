@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kvcache_ext
-from kvcache_ext.engine.eviction import prefill_dense
-from kvcache_ext.engine.reconstruction import awaiting
+from kvcache_ext.hf.patching import is_patched, patch
+from kvcache_ext.engine.forward import prefill_dense
+from kvcache_ext.hf.reconstruction import awaiting
 from kvcache_ext.hf.cache import RaggedCache
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.policies import Policy, Scorer
 from kvcache_ext.policies.views import ModelParts, PromptView
 
@@ -55,10 +55,10 @@ class RecordedPrefill:
 @torch.no_grad()
 def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> RecordedPrefill:
     """Runs the dense prefill of ``input_ids`` [B, n] once and records every layer."""
-    if kvcache_ext.is_patched(model):
+    if is_patched(model):
         raise ValueError("record_prefill patches the model itself: unpatch it first")
     recorder = _Recorder()
-    with kvcache_ext.patch(model, Policy(recorder, budget=input_ids.shape[1])) as handle:
+    with patch(model, Policy(recorder, budget=input_ids.shape[1])) as handle:
         cache = handle.new_cache()
         start = time.perf_counter()
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), use_cache=True)
@@ -76,7 +76,7 @@ def compressed_cache(policy: Policy, recorded: RecordedPrefill, model: ModelPart
     if policy.schedule.prefill_block is not None:
         raise ValueError("a block-wise prefill depends on the policy: it cannot share a recording")
     cache = RaggedCache(policy, len(recorded.views), model=recorded.model if model is None else model)
-    if policy.scorer.needs_token_ids and recorded.views:
+    if policy.scorer.capabilities.needs_token_ids and recorded.views:
         if recorded.input_ids is None:
             raise ValueError(f"compressed_cache: the policy's scorer {type(policy.scorer).__name__} reads the "
                              "prompt's token ids, and this recording has none (record it with record_prefill)")

@@ -9,15 +9,15 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcache_ext.hf.cache_argument import EITHER_NAME
-from kvcache_ext.engine.state import LayerState
-from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+from kvcache_ext.cache_argument import EITHER_NAME
 from kvcache_ext.checks import check_page_size, integer
+from kvcache_ext.engine.forward import new_positions, new_token_validity
+from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+from kvcache_ext.engine.state import LayerState, SharedByLayers
 from kvcache_ext.policies.policy import ModelShape, Policy
-from kvcache_ext.engine.eviction import new_positions, new_token_validity
-from kvcache_ext.engine.state import SharedByLayers
 from kvcache_ext.policies.token_ids import TokenIds
 from kvcache_ext.policies.views import ModelParts
+from kvcache_ext.reference.masked_cache import MaskedLayerKV
 
 # The attention function finds its layer's state through the cache's update() that HF calls
 # just before it (same thread, same key tensor): HF does not pass the cache to attention.
@@ -53,12 +53,14 @@ def patched_forward():
 
 def set_pending(state, key: torch.Tensor) -> None:
     """What the attention function called next with ``key`` takes (``take_pending``): a layer's
-    state, or a continuous-batching step's layer (``kvcache_ext.serving.cache.PackedLayer``)."""
+    state, or any object with ``attend(dense, module, query, key, value, scaling, window)``
+    returning the attention output (a continuous-batching step's layer: serving's
+    ``PackedLayer``, whose attention splits the packed batch by request)."""
     _pending.entry = (state, key)
 
 
-def take_pending(key: torch.Tensor) -> LayerState | None:
-    """The layer state whose update() returned ``key``, or None (not our cache)."""
+def take_pending(key: torch.Tensor):
+    """The layer state (or packed layer) whose update() returned ``key``, or None (not our cache)."""
     entry = getattr(_pending, "entry", None)
     _pending.entry = None
     if entry is not None and entry[1] is key:
@@ -68,7 +70,7 @@ def take_pending(key: torch.Tensor) -> LayerState | None:
 
 class RaggedLayer(CacheLayerMixin):
     """One layer of a RaggedCache. ``update`` stores nothing itself: the attention function
-    appends the new tokens, attends over the store and evicts (``kvcache_ext.engine.eviction``)."""
+    appends the new tokens, attends over the store and evicts (``kvcache_ext.engine.forward``)."""
 
     is_compileable = False
     is_sliding = False
@@ -281,9 +283,8 @@ class RaggedCache(Cache):
         """Gives back every page that holds no token (free pages, and the pages reserved for
         the tokens to come); moves every token once. For when no more tokens will come."""
         for layer in self.layers:
-            kv = layer.state.kv
-            if kv is not None and hasattr(kv, "store"):
-                kv.store.shrink_to_fit()
+            if layer.state.kv is not None:
+                layer.state.kv.shrink_to_fit()
 
     @property
     def nbytes(self) -> int:
@@ -294,3 +295,14 @@ class RaggedCache(Cache):
         kept = sum(int(t.sum()) for t in self.kept_tokens())
         return (f"{type(self).__name__}(layers={len(self.layers)}, seen={self.get_seq_length()}, "
                 f"kept_tokens={kept}, nbytes={self.nbytes}, policy={self.policy})")
+
+
+class MaskedCache(RaggedCache):
+    """The reference path's cache: full-size dense K/V per layer, evicted tokens masked
+    (``kvcache_ext.reference.masked_cache.MaskedLayerKV``). ``handle.new_cache(reference=True)``
+    builds one; the tests compare the ragged path's logits with its."""
+
+    storage = MaskedLayerKV
+
+    def storage_factory(self):
+        return self.storage   # a dense cache has no pages

@@ -1,5 +1,5 @@
 """The token ids of a patched model's call, noted into its cache: what ``patch``'s forward
-pre-hook does when its policy reads token ids (``Scorer.needs_token_ids``: ``Spanned``).
+pre-hook does when its policy reads token ids (``Capabilities.needs_token_ids``: ``Spanned``).
 
 The ids go to the positions where the engine places the same tokens: the call's
 ``position_ids`` when it has them (generate's, left padding aware), else the cache's length

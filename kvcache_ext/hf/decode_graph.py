@@ -1,40 +1,36 @@
 """A patched model's decode step in a CUDA graph: captured once per cache, replayed for every
 later step (``kvcache_ext.patch(model, policy, cuda_graph=True)``).
 
-Why. An eager decode step of an HF model is as long as the host's time to issue it: on an H100
-an 8B model's step issued 25-100 ms of host work for 7 ms of device work (docs/gpu.md). A
-replay issues the whole step at once.
+Why. An eager decode step of an HF model is as long as the host's time to issue it, several
+times its device work for a large model on a fast GPU (docs/gpu.md). A replay issues the whole
+step at once.
 
 What a step may be. The graph replays exactly the device work it captured, with the same
 memory and every host value frozen, so it serves only steps that need no host decision: one
 new token per row, with no sliding-window layer and no prompt held for reconstruction passes
 (a policy that reads token ids has them noted by the patched model's hook, which runs at
-every call, outside the step), over a cache whose policy
+every call, outside the step), over a cache whose every layer's decode step is its storage
+call alone (``engine.decode.DecodeWork.in_storage``): a policy that never evicts while
+decoding (one-shot SnapKV, Ada-SnapKV, KVzip, spans, ...), or one that evicts by a slot rule
+under equal head budgets (H2O, StreamingLLM), whose eviction the storage runs every head at
+once, over budget or not (a head within its budget keeps all), so that the step is the same
+whatever the lengths and the host lengths after it are known: min(len + 1, budget). A policy
+that evicts every few steps has two graphs, one per kind of step (``evicts_now``).
 
-- never evicts while decoding (one-shot SnapKV, Ada-SnapKV, KVzip, spans, ...: the
-  ``decode_append_only`` steps of ``kvcache_ext.engine.eviction``): the step appends one token
-  to every (row, KV head) into pages the store already holds and attends with a plan made
-  for those pages;
-- or evicts over the cache by a slot rule under equal head budgets (H2O, StreamingLLM: the
-  ``decode_fused`` steps): the same, plus the channel update and, on the policy's eviction
-  steps, the top-k of every head by the rule and the compaction, every head's, over budget
-  or not (a head within its budget keeps all), so that the step is the same whatever the
-  lengths and the host lengths after it are known: min(len + 1, budget). A policy that
-  evicts every few steps has two graphs, one per kind of step (``evicts_now``).
-
-The layers run these steps through ``decode_in_graph``, the rows' positions taken from a
-buffer of the graph's. Every other call runs eagerly, as without the option.
+The layers run these steps through the engine's one decode path (``engine.decode.decode``),
+handed the plan this graph made of their pages, the rows' positions taken from a buffer of the
+graph's. Every other call runs eagerly, as without the option.
 
 Around every run (``DecodeGraph.run_step``), on the host: the room for the new token is
 checked in every layer (pages are never added inside a graph; generate's cache reserves them
 for every new token up front, ``patch(reserve_new_tokens=True)``, and an evicting cache holds
 pages for the tokens between two evictions; else ``reserve_ahead`` reserves more when they run
-out), then the host lengths (after an eviction: min(len, budget), every page kept), tokens
-seen and decode steps advance. A graph is captured for one state of the stores (their
-tensors: ``state_version``; the rows' newest positions and budget tensors the layers read)
-and batch; when that changes (pages added, another batch) it is dropped, and the next steps
-warm up and capture again. The first eligible step of a graph runs eagerly on the graph's stream (it
-fills the caches that capture must find filled), the second is captured and replayed.
+out), then the host side of the step (``GraphStorage.note_graph_step``), tokens seen and decode
+steps advance. A graph is captured for one state of the storages (``GraphStorage.graph_key``;
+the rows' newest positions and budget tensors the layers read) and batch; when that changes
+(pages added, another batch) it is dropped, and the next steps warm up and capture again. The
+first eligible step of a graph runs eagerly on the graph's stream (it fills the caches that
+capture must find filled), the second is captured and replayed.
 
 The graph's backend is the device's (``BACKENDS``): CUDA graphs on a CUDA device; a device
 without one (the CPU) runs every step eagerly. tests/graph_emulator.py plays a backend on the
@@ -51,8 +47,7 @@ import weakref
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kvcache_ext.engine.eviction import evicts_in_slots
-from kvcache_ext.engine.ragged_storage import RaggedLayerKV
+from kvcache_ext.engine.decode import work_of
 
 # The room reserved, in tokens per (row, KV head), when a step finds none (a cache made
 # without the sequence's length): every reservation makes new state, hence a new capture.
@@ -195,22 +190,22 @@ class DecodeGraph:
             if isinstance(value, torch.Tensor) or value not in SERVED.get(name, (None,)):
                 return f"the argument {name}"
         layers = self._cache().layers
-        policy = layers[0].state.policy   # the cache's, every layer's
-        evicting = policy.schedule.evicts_over_cache
-        if evicting and policy.scorer.slot_rule is None:
-            return f"the policy {policy} evicts over the cache by a scorer without a slot rule"
-        every = policy.schedule.decode_every
+        every = layers[0].state.policy.schedule.decode_every   # the cache's policy, every layer's
         for layer in layers:
             state = layer.state
-            if not isinstance(state.kv, RaggedLayerKV):
-                return "a layer without its ragged store (before the prompt, or the reference's)"
+            if state.kv is None or not state.kv.graph_ready:
+                return "a layer without its paged storage (before the prompt, or the reference's)"
             if state.window is not None or state.context is not None:
                 return "a sliding-window layer, or a prompt held for reconstruction passes"
             if state.tokens[0] != input_ids.shape[0] or state.tokens[2] != input_ids.device:
                 return "another batch or device than the cache's"
-            if every is not None and (state.decode_budget is None
-                                      or not evicts_in_slots(policy, state.decode_budget_host)):
-                return "an eviction whose budgets need the padded view (Ada-KV's, a fractional budget)"
+            for kind in (False, True) if every is not None else (False,):
+                work = work_of(state, kind)
+                if work.update_view:
+                    return f"the policy {state.policy} updates its scorer's channels from a padded view"
+                if work.evicts:
+                    return (f"the policy {state.policy} evicts on a padded view (a scorer without a slot rule, "
+                            "budgets split by the scores as Ada-KV's, a fractional budget)")
         if attention_mask is not None and not bool(attention_mask[:, -1].all()):
             return "a padding token among the new ones"
         return None
@@ -233,23 +228,21 @@ class DecodeGraph:
         logits [B, 1, V] (a tensor of the caller's)."""
         cache = self._cache()
         layers = [layer.state for layer in cache.layers]
-        if not all(state.kv.store.has_room(1) for state in layers):
+        if not all(state.kv.has_room(1) for state in layers):
             extra = reserve_ahead(layers)
             for state in layers:
-                state.kv.store.reserve(extra)
+                state.kv.reserve(extra)
         key = (tuple(input_ids.shape), input_ids.device, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
-               # the stores themselves (held: an id could be reused by a later store), and the
-               # tensors a captured step reads by address (pinned while the key lives)
-               tuple((state.kv.store, state.kv.store.state_version, id(state.last_pos), id(state.decode_budget))
-                     for state in layers))
+               # the storages' state (the stores themselves held: an id could be reused by a later
+               # store), and the tensors a captured step reads by address (pinned while the key lives)
+               tuple((state.kv.graph_key(), id(state.last_pos), id(state.decode_budget)) for state in layers))
         if key != self._key:
             self._drop()
             self._key = key
             self._pinned = [(state.last_pos, state.decode_budget) for state in layers]
             self._backend = BACKENDS[input_ids.device.type](input_ids.device)
             self._inputs = GraphInputs(input_ids)
-            self._plans = {state.layer_idx: state.kv.store.attention_plan_of_pages(state.groups)
-                           for state in layers}
+            self._plans = {state.layer_idx: state.kv.graph_plan(state.groups) for state in layers}
         every = layers[0].policy.schedule.decode_every
         kind = self.evicts_now = every is not None and (layers[0].decode_steps + 1) % every == 0
         self._inputs.fill(input_ids, position_ids, layers[0].seen)
@@ -275,8 +268,7 @@ class DecodeGraph:
             self.warmups += 1
         else:
             try:
-                replay = self._backend.capture(forward_step, hold=lambda: [s.kv.store.page_addresses()
-                                                                   for s in layers])
+                replay = self._backend.capture(forward_step, hold=lambda: [s.kv.hold_for_graph() for s in layers])
             except Exception as error:   # noqa: BLE001  (the step then runs eagerly, as without graphs)
                 self.failed = f"capture failed: {type(error).__name__}: {error}"
                 warnings.warn(f"kvcache_ext: this cache's decode steps run without a CUDA graph ({self.failed})",
@@ -287,11 +279,8 @@ class DecodeGraph:
             self.captures += 1
             logits = replay()
         for state in layers:
-            state.kv.store.note_appended(1)
-            if kind:
-                state.kv.note_kept_in_pages((state.decode_budget, state.decode_budget_host))
-            state.advance(1)
-            state.count_decode_step()
+            state.kv.note_graph_step(1, work_of(state, kind).step.evict)
+            state.finish_decode_step()
         return logits.clone()
 
 

@@ -8,9 +8,8 @@ requested dtype (so the model runs as a plain fp32/fp16/bf16 ``LlamaForCausalLM`
 it rebuilds the tokenizer and its ChatML chat template from the GGUF metadata. The weights are
 those of the Q4_1 file, so outputs differ slightly from the original bf16 checkpoint on the hub.
 
-Loading the default model takes about 20 s on 2 CPU cores (the tokenizer alone about 6 s): load
-it once per process. On CPU, fp32 is much faster than bf16 (a 2K-token prompt: about 5 s against
-about 35 s on 2 cores).
+Loading the default model takes a while (the tokenizer is rebuilt from the GGUF metadata): load
+it once per process. On CPU, fp32 runs much faster than bf16.
 """
 from __future__ import annotations
 

@@ -19,19 +19,21 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcache_ext.kernels.attention import check_head_dim
-from kvcache_ext.hf.cache import RaggedCache, enter_patched_forward, exit_patched_forward, take_pending
-from kvcache_ext.hf.cache_argument import cache_argument
+from kvcache_ext.hf.cache import (MaskedCache, RaggedCache, enter_patched_forward, exit_patched_forward,
+                                  take_pending)
+from kvcache_ext.cache_argument import cache_argument
+from kvcache_ext.hf import batching
 from kvcache_ext.hf.decode_graph import graph_forward
 from kvcache_ext.hf.call_token_ids import note_call_token_ids
 from kvcache_ext.hf.tensor_parallel import model_shape, ranks_of
 from kvcache_ext.hf.shared_prefix import SharedPrefix, SharedPrefixes, compress_prefix, prefix_ids
 from kvcache_ext.checks import boolean, check_page_size
-from kvcache_ext.engine.eviction import layer_forward
+from kvcache_ext.engine.forward import layer_forward
 from kvcache_ext.engine.state import LayerState
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.token_kinds import TokenKinds
 from kvcache_ext.policies.views import ModelParts
-from kvcache_ext.engine.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
+from kvcache_ext.hf.reconstruction import PromptTokens, check_tokenizer, score_after_forward, score_prompt
 
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text",
                     # attention as one of the above (tests/test_more_models.py)
@@ -65,10 +67,8 @@ def _make_attention(dense_name: str):
             return dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        if not isinstance(state, LayerState):   # a continuous-batching step: every request's tokens
-            from kvcache_ext.serving.attention import attend_packed
-            return attend_packed(state, dense, module, query, key, value, scaling,
-                                 kwargs.get("sliding_window")), None
+        if not isinstance(state, LayerState):   # a continuous-batching step's layer: every request's tokens
+            return state.attend(dense, module, query, key, value, scaling, kwargs.get("sliding_window")), None
         position_ids = kwargs.pop("position_ids", None)
         out = layer_forward(state, dense, module, query, key, value, attention_mask, scaling,
                             position_ids, **kwargs)
@@ -102,7 +102,7 @@ class PatchHandle:
         self.page_size, self.tokenizer = page_size, tokenizer
         self.reserve_new_tokens, self.cuda_graph = reserve_new_tokens, cuda_graph
         # what the caches hand the scorers (the token kinds only to a policy that reads token ids)
-        self.model_parts = model_parts(model, tokenizer if policy.scorer.needs_token_ids else None)
+        self.model_parts = model_parts(model, tokenizer if policy.scorer.capabilities.needs_token_ids else None)
         self.tokens = PromptTokens(tokenizer)    # tokens(text): a ReconstructionScorer's instructions
         self.shape = model_shape(model)   # this rank's heads under tensor parallelism
         self._last_cache = None
@@ -115,7 +115,7 @@ class PatchHandle:
         holds the dense prompt ``input_ids`` and compresses it; returns the scores per layer
         (None when the cache awaits nothing). ``scores``: the scores of an earlier run on this
         prompt, used instead of running the passes again. The patched model runs them itself
-        after a prompt (``kvcache_ext.engine.reconstruction.score_prompt``)."""
+        after a prompt (``kvcache_ext.hf.reconstruction.score_prompt``)."""
         forward = getattr(self.model, "_kvcache_ext_forward", self.model.forward)
         return score_prompt(forward, cache, input_ids, attention_mask, self.tokens, scores)
 
@@ -142,10 +142,9 @@ class PatchHandle:
 
     def new_cache(self, reference: bool = False, max_cache_len: int | None = None) -> RaggedCache:
         """A fresh cache for this model and policy. ``reference=True``: the reference path's
-        dense masked cache (``kvcache_ext.reference.masked_cache.MaskedCache``).
+        dense masked cache (``kvcache_ext.hf.cache.MaskedCache``).
         ``max_cache_len``: the longest sequence it will see, prompt included (see ``RaggedCache``)."""
         if reference:
-            from kvcache_ext.reference.masked_cache import MaskedCache
             return MaskedCache(self.policy, self.num_layers, model=self.model_parts, max_cache_len=max_cache_len)
         return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, model=self.model_parts,
                            max_cache_len=max_cache_len)
@@ -209,7 +208,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise TypeError(f"patch tokenizer must be the model's tokenizer (with an encode method), "
                         f"got {type(tokenizer).__name__}")
     check_tokenizer(policy.scorer, tokenizer)
-    if policy.scorer.needs_token_ids and tokenizer is None:
+    if policy.scorer.capabilities.needs_token_ids and tokenizer is None:
         raise ValueError(f"patch tokenizer: None, but the policy's scorer {type(policy.scorer).__name__} keeps "
                          "whole spans (words, numbers: Spans), found from the tokens' text; pass the model's "
                          "tokenizer (patch(model, policy, tokenizer=...))")
@@ -265,10 +264,10 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     model._prepare_cache_for_generation = _prepare_cache_for_generation
     # Continuous batching (generate_batch, transformers serve): each request in a ragged cache.
     model.init_continuous_batching = functools.partial(_init_continuous_batching, model, handle)
-    if policy.scorer.reconstructs or cuda_graph:
+    if policy.scorer.capabilities.reconstructs or cuda_graph:
         original = model.forward
         forward = original
-        if policy.scorer.reconstructs:   # its passes run as soon as the forward that prefilled a prompt returns
+        if policy.scorer.capabilities.reconstructs:   # its passes run when the prefilling forward returns
             forward = score_after_forward(forward, key, handle.tokens)
         if cuda_graph:   # decode steps through their cache's graph
             forward = graph_forward(forward, key)
@@ -278,16 +277,14 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
 
 
 def _init_continuous_batching(model, handle, *args, **kwargs):
-    """A patched model's ``init_continuous_batching`` (kvcache_ext.serving; imported when first
-    used, since older transformers lack the engine's extension points)."""
+    """A patched model's ``init_continuous_batching``: kvcache_ext.serving's manager (``hf.batching``)."""
     if handle.shape.ranks > 1:
         # The engine's admission counts the pages of every head, and its steps are one
         # process's: not yet across tensor-parallel ranks.
         raise NotImplementedError(f"kvcache_ext: continuous batching (generate_batch, serve) of a model whose "
                                   f"heads are split over {handle.shape.ranks} tensor-parallel ranks is not "
                                   "supported; use generate")
-    from kvcache_ext.serving.manager import init_continuous_batching
-    manager = init_continuous_batching(model, handle, *args, **kwargs)
+    manager = batching.manager(model, handle, *args, **kwargs)
     handle.remember_batching(manager)
     return manager
 
@@ -332,15 +329,6 @@ def _check_architecture(model, policy: Policy) -> None:
         raise ValueError("kvcache_ext.patch: this qwen2_moe model has sliding-window layers "
                          "(use_sliding_window=True), whose window its attention does not pass on; "
                          "supported with use_sliding_window=False")
-    from kvcache_ext.policies.expected_attention import ExpectedAttention
-    rope = getattr(text, "rope_parameters", None) or {}
-    partial = rope.get("partial_rotary_factor") or getattr(text, "partial_rotary_factor", None) or 1.0
-    if isinstance(policy.scorer, ExpectedAttention) and (text.model_type == "gemma3_text" or partial != 1.0):
-        # Its scorer rotates whole heads with model.model.rotary_emb(x, positions); Gemma 3's
-        # RoPE differs by layer type, and a partial rotary turns part of each head only.
-        raise ValueError(f"ExpectedAttention needs one RoPE over the whole head for every layer; this "
-                         f"{text.model_type} model's has a RoPE per layer type or a partial rotary factor: "
-                         "use another scorer")
 
 
 def _hook_forwards(handle: PatchHandle) -> None:
@@ -357,7 +345,7 @@ def _hook_forwards(handle: PatchHandle) -> None:
         for value in args:
             if isinstance(value, RaggedCache):
                 value.check_model(shape)
-        if handle.policy.scorer.needs_token_ids:   # the ids of the tokens to come, by position (Spanned)
+        if handle.policy.scorer.capabilities.needs_token_ids:   # the ids of the tokens to come, by position (Spanned)
             note_call_token_ids(module, args, kwargs)
 
     def after(module, args, kwargs, output):

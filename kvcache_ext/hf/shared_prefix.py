@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext.hf.cache import RaggedCache
-from kvcache_ext.hf.cache_argument import with_cache
+from kvcache_ext.cache_argument import with_cache
 
 
 @dataclass(eq=False)

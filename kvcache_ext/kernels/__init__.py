@@ -1,5 +1,4 @@
 """The compiled kernels' Python side: the torch ops (``ops``), the store that owns their state
 (``store.RaggedKVStore``), and the attention and selection over it (``attention``, ``select``).
-Everything here reaches a kernel through its ``torch.ops.kvcache_ext`` op, but for one documented
-eager fast path (``RaggedKVStore.append_and_attend``: the append and attention ops' C++ functions
-in one pybind call); the compiled ``_C.PageAllocator`` is the store's host-side page allocator."""
+Everything here reaches a kernel through its ``torch.ops.kvcache_ext`` op; the compiled
+``_C.PageAllocator`` is the store's host-side page allocator."""

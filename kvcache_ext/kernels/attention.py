@@ -9,10 +9,9 @@ import torch
 
 from kvcache_ext import _C
 from kvcache_ext.checks import real
-from kvcache_ext.kernels.ops import ops
+from kvcache_ext.kernels.ops import STAT_NAMES, ops
 from kvcache_ext.kernels.store import RaggedKVStore
 
-STAT_NAMES = ("mass", "last", "sum_sq", "count")
 # head_dim of the CUDA attention kernel (one instantiation each; the CPU kernels take any),
 # from the list the kernel is compiled from (csrc/attention/cuda_head_dims.h).
 CUDA_HEAD_DIMS = tuple(_C.CUDA_HEAD_DIMS)

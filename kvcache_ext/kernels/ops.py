@@ -26,6 +26,8 @@ op                    what it does
 ``segmented_topk``    keep mask of the k best slots per contiguous segment
 ``grouped_topk``      Ada-KV: the k best over each group of segments, and the counts per segment
 ``attention_run``     attention of q over the store with the plan of ``attention_plan``
+``store_decode_step`` a decode step: append one token per segment, attend, add statistics to
+                      score channels, evict by a slot rule (the ops above, in one call)
 ====================  ==========================================================================
 
 ``RaggedKVStore.attention_plan`` (the page allocator's host step) makes the plan of the attention:
@@ -46,9 +48,12 @@ import torch
 from kvcache_ext import _C  # noqa: F401  (loads the library that defines the ops)
 
 OPS = ("store_append", "store_check", "store_replace", "store_compact", "store_add_scores", "store_topk",
-       "segmented_topk", "grouped_topk", "attention_run")
+       "segmented_topk", "grouped_topk", "attention_run", "store_decode_step")
 
 ops = torch.ops.kvcache_ext
+
+# The attention's statistics, in the order attention_run and store_decode_step return them.
+STAT_NAMES = ("mass", "last", "sum_sq", "count")
 
 
 def _refuse_meta_mix(copied: tuple = (), **named) -> None:
@@ -142,3 +147,13 @@ def _attention_run_fake(q, pool, page_table, len, plan, q_pos, scale, kv_heads, 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return (out, stat(mass, (capacity,)), stat(last, (capacity, groups)),
             stat(sum_sq, (capacity,)), stat(count, (capacity,), torch.int32))
+
+
+@torch.library.register_fake("kvcache_ext::store_decode_step")
+def _store_decode_step_fake(pool, page_table, len, q, k, v, pos, rank, counts, plan, q_pos, scale, page_size,
+                            score_channels, mass, last, sum_sq, count, accumulate, rule=None, sinks=0, recent=0,
+                            last_pos=None, budget=None):
+    _refuse_meta_mix(("pos", "q_pos", "budget"), page_table=page_table, pool=pool, len=len, q=q, k=k, v=v,
+                     pos=pos, rank=rank, counts=counts, plan=plan, q_pos=q_pos, last_pos=last_pos, budget=budget)
+    return _attention_run_fake(q, pool, page_table, len, plan, q_pos, scale, k.shape[1], page_size, k.shape[3],
+                               score_channels, k.dtype, mass, last, sum_sq, count)

@@ -22,9 +22,6 @@ The state, and who owns it. The state is three kinds of tensors on the store's d
   op. It takes them again from the allocator (``_take_state``) right after each call that may
   have made new ones: ``_refresh`` after ``prepare_append``, ``reserve``, ``repack`` and
   ``shrink_to_fit`` (a plain version check in eager mode, a graph break under ``torch.compile``).
-  The one exception is the eager decode fast path, ``append_and_attend``, whose single C++ call
-  may add pages: it only marks the state ``_stale``, and whoever reads it next (``_current``)
-  takes it again, so that decode steps that nobody reads between pay nothing for it.
 - Nothing else holds them: ``state()`` hands the tensors out for the ops only, and every
   accessor (``k``, ``len``, ``page_table``, ...) returns a copy.
 """
@@ -35,8 +32,37 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext import _C, checks
-from kvcache_ext.kernels.ops import ops
+from kvcache_ext.kernels.ops import STAT_NAMES, ops
 from kvcache_ext.kernels.select import budget_tensor
+
+
+# The statistics a channel can accumulate (one value per slot), by their index in STAT_NAMES.
+_ACCUMULATED = {"mass": 0, "sum_sq": 2, "count": 3}
+
+
+_DECODE_FLAGS: dict = {}   # (stats, accumulate) -> what store_decode_step takes of them, made once
+
+
+def _decode_flags(stats, accumulate) -> tuple[tuple[bool, ...], list[int]]:
+    """The op's statistic flags for ``stats`` and its channel codes for ``accumulate`` (tuples of
+    statistic names), checked; a decode step asks the same every time, so they are kept."""
+    key = (stats, accumulate)
+    known = _DECODE_FLAGS.get(key) if isinstance(stats, tuple) and isinstance(accumulate, tuple) else None
+    if known is not None:
+        return known
+    for names, label in ((stats, "stats"), (accumulate, "accumulate")):
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise TypeError(f"{label} must be a tuple of statistic names from {STAT_NAMES}, got {names!r}")
+        unknown = [name for name in names if name not in STAT_NAMES]
+        if unknown:
+            raise ValueError(f"{label} names unknown statistics {unknown}; choose from {STAT_NAMES}")
+    if any(name not in _ACCUMULATED for name in accumulate):
+        raise ValueError(f"accumulate names statistics of one value per slot, {tuple(_ACCUMULATED)}, got "
+                         f"{tuple(accumulate)}")
+    known = (tuple(name in stats for name in STAT_NAMES), [_ACCUMULATED[name] for name in accumulate])
+    if isinstance(stats, tuple) and isinstance(accumulate, tuple):
+        _DECODE_FLAGS[key] = known
+    return known
 
 
 def _host(fn):
@@ -114,7 +140,6 @@ class RaggedKVStore:
     def _take_state(self) -> None:
         self._pool, self._table, self._len = self._allocator.state()
         self._state_version = self._allocator.state_version
-        self._stale = False
 
     _take_state_untraced = _host(_take_state)
 
@@ -127,10 +152,7 @@ class RaggedKVStore:
             self._take_state()
 
     def _current(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The state for an op, taken again first if ``append_and_attend`` left it stale
-        (torch.compile reads ``_stale`` as a guard)."""
-        if self._stale:
-            self._refresh()
+        """The state for an op."""
         return self._pool, self._table, self._len
 
     def state(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -158,57 +180,66 @@ class RaggedKVStore:
         ops.store_append(self._pool, self._table, self._len, k, v, pos32, rank, counts,
                          self._page_size, self._channels)
 
-    def append_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-        """``append(k, v, pos)``, then ``ragged_attention(q, self, scale)`` without statistics,
-        in one host call: out [B, Hq, n, D]. Nothing is stored when q or scale is refused.
+    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float, *,
+                    valid: torch.Tensor | None = None, q_pos: torch.Tensor | None = None, stats=(),
+                    accumulate=(), rule: str | None = None, sinks: int = 0, recent: int = 0,
+                    last_pos: torch.Tensor | None = None, budget: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    plan: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """A decode step in one op (``store_decode_step``): appends k, v [B, H, 1, D] at ``pos``
+        ([B, 1] integers; only the tokens of ``valid`` ([B, 1] or [B, H, 1] bool) when given),
+        attends with q [B, Hq, 1, D] (``q_pos`` as ``ragged_attention`` takes it), adds the
+        statistics ``accumulate`` (names among "mass", "sum_sq", "count") to score channels 0, 1,
+        ... of every slot, and with ``rule`` keeps each segment's k[s] best tokens by the rule
+        (as ``evict_by_rule``; ``budget`` = (k [S] integers on the store's device, k_host [S] on
+        the host)). Returns ``(out [B, Hq, 1, D], {name: statistic})`` for the names in ``stats``.
 
-        The eager decode fast path (``kvcache_ext._C.append_and_attend``, csrc/ops.h): the
-        allocator's ``prepare_append``, the ``store_append`` and ``attention_run`` ops' C++
-        functions and the plan, in one pybind call, on the page addresses the allocator keeps.
-        It stays because it is faster: through the ops (``append`` + ``ragged_attention``) a
-        SmolLM2 layer's decode call took 1.39-1.42x as long, a decode step 1.03-1.06x
-        (bench/decode_calls.py --paths fast,ops; bench/results/decode-calls-cpu-2026-11-27.json).
-        Not for ``torch.compile``, which traces the ops."""
-        out = _C.append_and_attend(self._allocator, checks.tensor(q, "q"), checks.tensor(k, "k"),
-                                   checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
-                                   scale if type(scale) is float else
-                                   checks.real(scale, "scale", what="a finite number"))
-        # Pages may have been added: the state is taken when something next reads it (taking it
-        # costs Python work per slab, and a store whose heads have unequal lengths adds pages
-        # on many decode steps: bench/decode_calls.py).
-        if self._allocator.state_version != self._state_version:
-            self._stale = True
-        return out
-
-    def append_attend_evict(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                            scale: float, *, rule: str, sinks: int = 0, recent: int = 0,
-                            last_pos: torch.Tensor | None = None,
-                            budget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """A decode step of eviction in slot layout, in one host call (``_C.append_attend_evict``,
-        csrc/ops.h): ``append_and_attend``, then by ``rule``
-
-        - ``"mass"``: score channel 0 of every token adds the attention it received from q (over
-          the query heads of its KV head); a token's score is that channel (H2O);
-        - ``"position"``: no channel changes; a token's score is its position (StreamingLLM);
-
-        and with ``budget`` = ``(k, k_host)`` (k [B, H] integers on the store's device, int32
-        taken without conversion; ``k_host`` the same on the host), when a segment holds more
-        than its k[b, h] tokens every segment keeps its k[b, h] best, the protected ones first
-        (position < ``sinks``, or position > last_pos[b] - ``recent``; ``last_pos`` [B] on the
-        device, each row's newest position), as ``select(k, scores)`` +
-        ``compact(keep, lens=min(len, k), stable=False)`` would. No host sync.
-        Returns out [B, Hq, n, D]. Nothing changes when an argument is refused."""
-        k_device, k_host = (None, None) if budget is None else budget
-        out = _C.append_attend_evict(self._allocator, checks.tensor(q, "q"), checks.tensor(k, "k"),
-                                     checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
-                                     scale if type(scale) is float else
-                                     checks.real(scale, "scale", what="a finite number"),
-                                     rule=rule, sinks=sinks, recent=recent, last_pos=last_pos,
-                                     budget=k_device, budget_host=k_host)
-        if self._allocator.state_version != self._state_version:   # as append_and_attend
-            self._stale = True
-        return out
+        Eager (``plan`` None): one host call (``_C.decode_step``, csrc/ops.h: the op's work with
+        the page allocator's host steps, under ``torch.compile`` the same through the op): the
+        new token gets its pages and the attention its plan first; the eviction runs only when a
+        segment holds more than its budget, and the new lengths, min(len, k), go back to the
+        allocator with the pages emptied (no sync). Nothing changes when an argument is refused. Captured (``plan``: a plan of the pages
+        held, ``attention_plan_of_pages``): no host step, so a CUDA graph can capture the call;
+        the pages must hold the token (``has_room``), the eviction always runs (a top-k of k
+        keeps a segment within its budget whole) and every page stays held; the caller notes
+        the host lengths after each run (``note_appended``, ``note_kept_in_pages``)."""
+        flags, codes = _decode_flags(stats, accumulate)
+        k_device = k_host = kept = None
+        if rule is not None:
+            if budget is None:
+                raise ValueError("decode_step: an eviction by a rule needs budget=(k [S] on the store's device, "
+                                 "k_host [S] on the host)")
+            k_device, k_host = budget
+        if type(scale) is not float:
+            scale = checks.real(scale, "scale", what="a finite number")
+        if accumulate or rule is not None:
+            self._allocator.check_writable("decode_step")
+        captured = plan is not None
+        if captured:
+            pos32, rank, counts = pos, None, None
+        else:
+            before = self._allocator.len_host
+            pos32, rank, counts = self._allocator.prepare_append(checks.tensor(k, "k"), checks.tensor(v, "v"),
+                                                                 checks.as_tensor(pos, "pos"), valid)
+            self._refresh()
+            plan = self._allocator.attention_plan(q.shape[1] // self._heads if isinstance(q, torch.Tensor)
+                                                  and q.dim() == 4 else 1)
+            if rule is not None:   # the host lengths after the append: no sync
+                lens = torch.tensor(self._allocator.len_host, dtype=torch.int64)
+                kept = torch.minimum(lens, checks.tensor(k_host, "budget").reshape(-1).long())
+                if torch.equal(kept, lens):   # no segment over its budget: nothing to evict
+                    rule = k_device = kept = None
+        try:
+            out, *fields = ops.store_decode_step(
+                self._pool, self._table, self._len, q, k, v, pos32, rank, counts, plan, q_pos, scale,
+                self._page_size, self._channels, *flags, codes, rule, sinks if rule else 0,
+                recent if rule else 0, last_pos if rule and recent else None, k_device)
+        except Exception:
+            if not captured:   # refused before it wrote anything: the host lengths go back
+                self._allocator.cancel_append(before)
+            raise
+        if kept is not None:
+            self._allocator.finish_compact(kept)
+        return out, {name: fields[STAT_NAMES.index(name)] for name in stats}
 
     # --- a decode step captured in a CUDA graph (kvcache_ext.hf.decode_graph) -------------------
     def append_in_pages(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -218,21 +249,26 @@ class RaggedKVStore:
         (``has_room``) and advances the host lengths after each run (``note_appended``)."""
         ops.store_append(*self._current(), k, v, pos, None, None, self._page_size, self._channels)
 
-    def evict_in_pages(self, k: torch.Tensor, *, rule: str, sinks: int = 0, recent: int = 0,
-                       last_pos: torch.Tensor | None = None) -> None:
-        """Keeps the k[s] best tokens of every segment by ``rule`` (``select(k, rule=...)``)
-        and compacts them unordered (``compact(stable=False)``), through the store_topk and
-        store_compact ops alone: no host step, so a CUDA graph can capture it. Every page stays
-        held; the caller notes the new host lengths after each run (``note_kept_in_pages``).
-        k: [S] integers on the store's device."""
-        self._allocator.check_writable("evict_in_pages")
+    def evict_by_rule(self, k: torch.Tensor, *, rule: str, sinks: int = 0, recent: int = 0,
+                      last_pos: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
+        """Keeps the k[s] best tokens of every segment by ``rule`` (``select(k, rule=...)``) and
+        compacts them unordered (``compact(stable=False)``), through the store_topk and
+        store_compact ops. k: [S] integers on the store's device. ``kept`` ([B, H] integers on
+        the host): the lengths this leaves, min(len, k), given back to the page allocator with
+        the pages emptied (no sync). Without it no host step runs, so a CUDA graph can capture
+        the call: every page stays held, and the caller notes the new host lengths after each
+        run (``note_kept_in_pages``)."""
+        self._allocator.check_writable("evict_by_rule")
         state = self._current()
         keep, _ = ops.store_topk(*state, None, k, 1, self._page_size, self._head_dim, self._channels,
                                  self._dtype, rule, sinks, recent, last_pos)
         ops.store_compact(*state, keep, self._page_size, self._head_dim, self._channels, self._dtype, False)
+        if kept is not None:
+            self._allocator.finish_compact(kept.reshape(-1))
 
     def note_kept_in_pages(self, k_host: torch.Tensor) -> None:
-        """The host lengths after ``evict_in_pages`` of k_host ([S] integers on the host): min(len, k)."""
+        """The host lengths after ``evict_by_rule`` of k_host ([S] integers on the host) without
+        ``kept``: min(len, k)."""
         self._allocator.note_kept_in_pages(k_host)
 
     def has_room(self, n: int) -> bool:

@@ -12,6 +12,7 @@ from kvcache_ext.policies.across_layers import AcrossLayers
 from kvcache_ext.policies.adakv import AdaKV
 from kvcache_ext.policies.ahakv import AhaKV
 from kvcache_ext.policies.allocation import Allocation
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.caote import CAOTE, FastCAOTE, caote_policy
 from kvcache_ext.policies.expected_attention import ExpectedAttention
 from kvcache_ext.policies.h2o import H2O
@@ -35,7 +36,8 @@ from kvcache_ext.policies.tova import TOVA
 from kvcache_ext.policies.uniform import Uniform
 from kvcache_ext.policies.views import CacheView, ModelParts, PromptView
 
-__all__ = ["Policy", "ModelShape", "Scorer", "ReconstructionScorer", "Allocation", "Schedule", "Protection",
+__all__ = ["Policy", "ModelShape", "Scorer", "Capabilities", "ReconstructionScorer", "Allocation", "Schedule",
+           "Protection",
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "KVzip", "ExpectedAttention", "CAOTE", "FastCAOTE", "caote_policy",
            "Pooling", "Pooled", "Spans", "Spanned", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",

@@ -16,8 +16,8 @@ class AcrossLayers(Allocation):
     per head (its count / H, float64) so that the layer holds its count exactly under
     ``AdaKV``; alone, each head gets the nearest whole token. KVzip selects this way
     ("layerwise=False" in its code); its scores are attention probabilities, comparable
-    across layers. (Rounding each layer to whole tokens per head, as before 2026-11-26, moved
-    up to H / 2 tokens per layer away from that top-k.)
+    across layers. (Rounding each layer to whole tokens per head instead would move up to
+    H / 2 tokens per layer away from that top-k.)
 
     It needs every layer's scores at once, which only a scorer that scores a prompt after the
     whole model ran has (``reconstructs``, KVzip); ``Policy`` refuses it otherwise. Use it as

@@ -15,7 +15,7 @@ ACROSS_RANKS = ("exact", "per_rank")   # how a row's budget is split when its he
 @dataclass
 class AdaKV(Allocation):
     """Splits a layer's budget over its KV heads by where the best scores are
-    (research/seed-001-adakv.md §1-2):
+    (Ada-KV, Feng et al., 2024, §3.3-3.6, Algorithms 1-3):
 
     1. Algorithm 2: take the H * B best scores over all heads of a row (B = the layer's
        per-head budget, H heads); head i's count B*_i = how many of them are its own.
@@ -43,6 +43,8 @@ class AdaKV(Allocation):
     alpha: float = 0.5
     layers: Allocation = field(default_factory=Uniform)
     across_ranks: str = "exact"
+
+    equal_heads = False   # head_budgets splits a row's budget by its heads' scores
 
     def __post_init__(self):
         layers = "a layer schedule, Uniform(), Pyramid() or AcrossLayers()"

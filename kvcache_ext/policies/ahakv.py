@@ -1,6 +1,7 @@
 """AhaKV (Gu et al., 2025): recent accumulation of a length-adaptive softmax, times a value prior.
 
-research/seed-002-ahakv.md is the specification; equation numbers are the paper's.
+Equation, algorithm and section numbers are the paper's; docs/policies.md ("AhaKV") gives every
+choice the paper leaves open.
 
 - RA, Recent Accumulation (Eq. 5): the score of token j sums the attention it gets from the
   last ``r`` query rows only, so every token outside the window has the same number of terms.
@@ -10,7 +11,7 @@ research/seed-002-ahakv.md is the specification; equation numbers are the paper'
   ``gamma`` the squared L2 norms of the value vectors, average-pooled along the sequence.
 - Algorithm 1: keep the ``B_r`` newest tokens (a protection here) and the top ``B_s`` by score;
   while decoding, ``F_t = SGsoftmax(A_t) + F_{t-1}`` at every step and evict again.
-- Score pooling (the seed spec's errata, the paper's Fig. 3 caption: "pooling is applied to
+- Score pooling (not in the paper's equations; its Fig. 3 caption: "pooling is applied to
   smooth scores and prevent excessive text sparsification"): the score the top-k reads is
   ``F^`` max-pooled with kernel 7 along the positions (``score_pool``), blind to padding and to
   the ``B_r`` recent tokens; the running score F itself is not pooled.
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache_ext.checks import Bool, Choice, Instance, Int, Optional, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.pooling import KERNEL, Pooling
 from kvcache_ext.policies.protection import Protection, newest
 from kvcache_ext.policies.scorer import Scorer
@@ -44,7 +46,7 @@ def sg_lambda(i, k, d: int) -> torch.Tensor:
     """Eq. 12, ``lam = sqrt(2 ln(i / k) / d)`` (float64, natural log), elementwise over i and k.
 
     Where ``i <= k`` the logarithm is not positive and Eq. 12 has no real value (the paper does
-    not say what to do, seed-002 §3.4 item 4); ``ln(i / k)`` is clamped at 0 there, so
+    not say what to do); ``ln(i / k)`` is clamped at 0 there, so
     ``lam = 0``: Eq. 12's own limit at i = k, a uniform scoring softmax, never a NaN.
     """
     i = torch.as_tensor(i, dtype=torch.float64)
@@ -54,14 +56,14 @@ def sg_lambda(i, k, d: int) -> torch.Tensor:
 
 @dataclass
 class AhaKV(Scorer):
-    """Score of a cached token (seed-002 §4, Algorithm 1):
+    """Score of a cached token (the paper's §4, Algorithm 1):
 
     - prompt (one-shot prefill, Alg. 1 lines 6-11): ``F^_s = gamma_bar * F_s``, where ``F_s[j]``
       is the SG-softmax attention of token j summed over the last ``rows`` real queries of the
       prompt (causal, blind to padding), and ``gamma_bar`` the pooled value norms over their max;
     - every decode step (lines 26-27): ``F_t = F_{t-1} + SG-softmax attention of the new query``
       over the cached keys and its own (``B + 1`` keys), the new token starting at 0; no value
-      prior on these increments (the literal reading, seed-002 §4.2; ``decode_prior=True``
+      prior on these increments (Algorithm 1 read literally; ``decode_prior=True``
       multiplies each increment by the current cache's ``gamma_bar`` instead);
     - a prefill block over the cache (``BlockwisePrefill``, not in the paper): like the prompt,
       with the cache plus the block as the sequence and the block's last ``rows`` real queries
@@ -74,42 +76,46 @@ class AhaKV(Scorer):
     lines 7, 12, 28, 30): ``Protection(recent=recent)``, plus ``sinks`` first positions (not in
     the paper, 0 = faithful). The budget B is the policy's; B_s = B - B_r is what the score picks.
 
-    Parameters (defaults: seed-002 §7, §3, §4; paper ambiguities are options):
+    Parameters (defaults: the paper's where it gives one, §5.2.1; where it is ambiguous, an
+    option, its default explained in docs/policies.md, "AhaKV"):
 
     - ``recent``: B_r = 32 (§5.2.1, "a fixed recent budget of 32").
     - ``rows``: r, the accumulated query rows (Eq. 5). ``None`` = ``recent`` (Alg. 1 and App. E
       use the B_r recent rows; Eq. 5 as printed spans r + 1 rows).
     - ``kernel``: the AvgPool window of Eq. 13 (stride 1, same length). The paper gives no size;
-      7 is the spec's pseudo-code default. Padding and the sequence ends do not count
-      (``count_include_pad=False``, seed-002 §4.1, §10 item 11).
-    - ``reading``: what lam multiplies (seed-002 §3.2). ``"consistent"`` (default): the raw
-      ``Q K^T`` (lam replaces 1/sqrt(d), as Eq. 7-10 derive it). ``"literal"``: Alg. 1 line 6's
-      ``Q K^T / sqrt(d)`` (d the head dim, not the model's scale), i.e. ``lam / sqrt(d)``.
+      7 is our choice. Padding and the sequence ends do not count (``count_include_pad=False``,
+      so that the first and last tokens are not deflated).
+    - ``reading``: what lam multiplies (Eq. 7-10 and Alg. 1 line 6 disagree). ``"consistent"``
+      (default): the raw ``Q K^T`` (lam replaces 1/sqrt(d), as Eq. 7-10 derive it). ``"literal"``:
+      Alg. 1 line 6's ``Q K^T / sqrt(d)`` (d the head dim, not the model's scale), i.e.
+      ``lam / sqrt(d)``.
     - ``budget_k``: k of Eq. 12, "the token number of the budget": ``"total"`` = B (default,
-      §3.4 item 3) or ``"selected"`` = B - recent. B is this layer's per-head budget of the
-      eviction (``view.budget``: the layer's average over heads under Ada-KV, the layer's own
-      under a pyramid, ``decode_target`` at ``EveryNSteps(target=...)``).
+      the paper does not say which) or ``"selected"`` = B - recent. B is this layer's per-head
+      budget of the eviction (``view.budget``: the layer's average over heads under Ada-KV, the
+      layer's own under a pyramid, ``decode_target`` at ``EveryNSteps(target=...)``).
     - ``prefill_i``: i of Eq. 12 for a prompt's (or block's) window row at position p:
-      ``"row"`` = p + 1, the tokens that row sees (Eq. 9's per-row lam_i, default, §3.4 item 1),
+      ``"row"`` = p + 1, the tokens that row sees (Eq. 9's per-row lam_i, default),
       or ``"prompt"`` = n, the prompt length so far (one lam per row of the batch).
-    - ``decode_i``: i of Eq. 12 at a decode step (§3.4 item 2): ``"prefill"`` (default, option C:
-      lam stays at its prefill value, i = n, the tokens seen at the row's latest scoring from a
-      window: the prompt, or the latest block with several real queries; with none, a prompt
-      of one token say, ``"position"`` is used),
-      ``"position"`` (B: i = tokens seen, the new token's position + 1) or ``"cache"`` (A: i =
+    - ``decode_i``: i of Eq. 12 at a decode step (the paper does not say): ``"prefill"`` (default,
+      §5.2.1's "use Eq. 12 to initialize the parameter lam": lam stays at its prefill value,
+      i = n, the tokens seen at the row's latest scoring from a window: the prompt, or the
+      latest block with several real queries; with none, a prompt of one token say,
+      ``"position"`` is used),
+      ``"position"`` (i = tokens seen, the new token's position + 1) or ``"cache"`` (i =
       the keys in the softmax, that head's cached tokens with the new one, B + 1).
     - ``gqa``: how the G query heads of a KV head combine (the paper is per head and silent on
-      GQA, §4.5): ``"mean"`` (default; the spec's group aggregation G1, "sum or mean give the
-      same top-k"), ``"sum"`` or ``"max"``, of each head's sum over the window rows (of each
-      head's decode increment). ``gamma_bar`` is per KV head (V is).
+      GQA): ``"mean"`` (default; the same top-k as ``"sum"``), ``"sum"`` or ``"max"``, of each
+      head's sum over the window rows (of each head's decode increment). ``gamma_bar`` is per
+      KV head (V is).
     - ``decode_prior``: see above, default False (the literal Algorithm 1).
     - ``sinks``: attention sinks kept besides the window, default 0 (the paper keeps none).
     - ``score_pool``: the pooling of the eviction score (``kvcache_ext.policies.pooling``),
-      default ``Pooling(7, "max")`` (errata of seed-002, measured: 0/18 passkey answers
-      unpooled, 16/18 pooled); ``None`` = the reading before the errata (only the value norms
-      of Eq. 13 are pooled).
+      default ``Pooling(7, "max")`` (the Fig. 3 caption's pooling of the scores; unpooled,
+      AhaKV misses nearly every passkey prompt of docs/results.md); ``None`` = only the value
+      norms of Eq. 13 are pooled.
 
-    Every softmax, norm and running score is float32 (seed-002 §10 item 3).
+    Every softmax, norm and running score is float32 (``||v||^2`` can overflow fp16, and the
+    decode sums run over hundreds of steps).
     """
 
     recent: int = 32
@@ -124,10 +130,9 @@ class AhaKV(Scorer):
     sinks: int = 0
     score_pool: Pooling | None = field(default_factory=Pooling)
 
-    channels = 1                 # the running eviction score F of Algorithm 1
-    needs_kv = True              # the scoring softmax over the cached keys, the value prior
-    needs_queries = True
-    updates_from_view = True
+    # One channel: the running eviction score F of Algorithm 1; the keys for the scoring
+    # softmax over the cache, the values for the value prior.
+    capabilities = Capabilities(channels=1, updates_from_view=True, needs_kv=True, needs_queries=True)
 
     def __post_init__(self):
         check_fields(self, "AhaKV", recent=Int(0), rows=Optional(Int(1)), kernel=KERNEL,

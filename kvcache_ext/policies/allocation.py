@@ -11,6 +11,10 @@ class Allocation:
     Budgets include the protected tokens (sinks, recent window).
     ``whole_model``: the layers' budgets come from every layer's scores at once
     (``layer_budgets``, AcrossLayers), which only a reconstructing scorer gives.
+    ``equal_heads``: ``head_budgets`` gives every KV head of a row the layer's budget, whatever
+    the scores (then a head keeps its budget without looking at the others: the store can
+    evict each head by itself, by a scorer's slot rule). An allocation that overrides
+    ``head_budgets`` to split by the scores sets it False.
 
     Under tensor parallelism (a model's heads split over ranks, ``policies.ranks``) the engine
     hands these methods one rank's heads, unless the allocation says it splits over every
@@ -19,6 +23,7 @@ class Allocation:
     (``layer_budgets`` gets every rank's heads of every layer: KVzip's global top-k)."""
 
     whole_model = False
+    equal_heads = True
 
     @property
     def heads_across_ranks(self) -> bool:

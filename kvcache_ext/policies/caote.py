@@ -8,16 +8,17 @@ is evicted and the rest renormalized (Theorem 3.2):
     c_j = h_j / (1 - h_j) * || V h^T - v_j ||_2              (CAOTE, Eq. 8 / 21)
     c_j = h_j / (1 - h_j) * || mean_i v_i - v_j ||_2          (FastCAOTE, Eq. 23)
 
-The tokens with the smallest ``c`` are evicted. See docs/sections/caote.md and
-research/seed-000-caote.md (§3-5, §9.3, §12) for every choice the paper leaves open.
+The tokens with the smallest ``c`` are evicted. docs/policies.md ("CAOTE and FastCAOTE") gives
+every choice the paper leaves open.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvcache_ext.checks import Bool, Choice, Instance, Int, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.h2o import H2O
 from kvcache_ext.policies.policy import Policy
 from kvcache_ext.policies.schedule import EveryStep
@@ -50,9 +51,9 @@ def caote_scores(alpha: torch.Tensor, values: torch.Tensor, mask: torch.Tensor |
     ``fast=False``: Eq. 8 / 21, the reference vector is ``X = V alpha^T``.
     ``fast=True``: Eq. 23, the reference vector is the plain mean of the candidates' values.
 
-    Computed in float32 whatever the inputs' dtype, in the numerically stable form of
-    research/seed-000-caote.md §9.3: only the largest weight j* can exceed 1/2, so for every
-    other token ``1 - alpha_j >= 1/2`` and the paper's formula is well conditioned. For j*,
+    Computed in float32 whatever the inputs' dtype, in a numerically stable form (not in the
+    paper; docs/policies.md, "What it computes"): only the largest weight j* can exceed 1/2, so
+    for every other token ``1 - alpha_j >= 1/2`` and the paper's formula is well conditioned. For j*,
     ``1 - alpha_j*`` is the sum of the other weights (no cancellation), and CAOTE uses the
     identity of Eq. 17-19, ``c_j* = alpha_j* * ||X'_j* - v_j*||`` with ``X'_j*`` the weighted
     mean of the other values (the output after evicting j*), so a dominant sink neither gets
@@ -86,7 +87,8 @@ def caote_scores(alpha: torch.Tensor, values: torch.Tensor, mask: torch.Tensor |
 
 
 def aggregate_groups(c: torch.Tensor, how: str) -> torch.Tensor:
-    """c [B, H, G, L] per query head -> [B, H, L] per KV head (research/seed-000-caote.md §4.9)."""
+    """c [B, H, G, L] per query head -> [B, H, L] per KV head (the paper never mentions GQA;
+    docs/policies.md, "GQA")."""
     if c.shape[2] == 1:
         return c[:, :, 0]
     if how == "group_l2":      # the L2 norm of the G heads' concatenated output errors
@@ -112,16 +114,18 @@ class CAOTE(Wrapper):
     - ``base``: any score-based scorer with non-negative scores (H2O, TOVA, SnapKV, AhaKV,
       Random or your own). StreamingLLM is refused: its score is a position, not a retention
       score.
-    - ``gqa``: how the G query heads of a KV head combine (research/seed-000-caote.md §4.9 and
-      its errata). ``"shared"`` (default): one CAOTE score per KV head from the base's own
-      score (``cache_scores`` / ``prompt_scores``), so that base and base+CAOTE differ only by
+    - ``gqa``: how the G query heads of a KV head combine (the paper never mentions GQA;
+      docs/policies.md, "GQA"). ``"shared"`` (default): one CAOTE score per KV head from the
+      base's own score (``cache_scores`` / ``prompt_scores``), so that base and base+CAOTE differ only by
       CAOTE (TOVA's layer average stays TOVA's). Per query head, from the base's per-head
       scores (``Scorer.prompt_head_scores`` / ``cache_head_scores``; H2O, TOVA and SnapKV have
-      them), then combined: ``"group_l2"`` (§4.9 option 1) sqrt(sum_g c_g^2), the L2 norm of the
-      group's concatenated output errors; ``"mean"``, ``"sum"``, ``"max"`` (option 2). A base
-      with no per-head scores is refused with those when CAOTE is built.
+      them), then combined: ``"group_l2"`` sqrt(sum_g c_g^2), the L2 norm of the group's
+      concatenated output errors (App. B.2 concatenates the heads' errors); ``"mean"``,
+      ``"sum"``, ``"max"``. A base with no per-head scores is refused with those when CAOTE is
+      built.
     - ``output_after_eviction``: a block's (or decode step's) output is computed over the
-      tokens kept, Eq. 7 read literally (research/seed-000-caote.md §2.2, §12 item 2).
+      tokens kept, Eq. 7 read literally (§2: "computing attention output using the top-b
+      tokens").
     - ``max_groups``: a base whose per-head scores need state of their own (H2O's per-head
       accumulators) keeps it in this many float32 channels, fixed before the model's G is
       known (G <= max_groups).
@@ -143,7 +147,7 @@ class CAOTE(Wrapper):
             raise ValueError("CAOTE needs a score-based base scorer: StreamingLLM's score is the token "
                              "position (keep the newest), not a retention score that Eq. 22 can turn "
                              "into an attention distribution; the paper has no Sink+CAOTE "
-                             "(research/seed-000-caote.md §4.4)")
+                             "(Goel et al., 2025, App. C.1)")
         if isinstance(self.base, CAOTE):
             raise ValueError("CAOTE(CAOTE(...)): CAOTE scores are not attention weights; wrap the base "
                              "scorer once")
@@ -163,18 +167,13 @@ class CAOTE(Wrapper):
     def inner(self) -> Scorer:
         return self._scoring
 
-    @property
-    def evict_stats(self) -> tuple[str, ...]:
-        extra = ("last",) if self.per_head else ()   # one query's per-head row
-        return tuple(dict.fromkeys(tuple(self._scoring.evict_stats) + extra))
-
-    @property
-    def needs_kv(self) -> bool:
-        return True
-
-    @property
-    def needs_queries(self) -> bool:   # per-head scores of a block come from its queries' rows
-        return self._scoring.needs_queries or self.per_head
+    def wraps(self, inner: Capabilities) -> Capabilities:
+        # A per-head reading reads one query's per-head row (``last``) and, for a block, its
+        # queries' rows; every reading weighs by the values (Eq. 21).
+        extra = ("last",) if self.per_head else ()
+        return replace(inner, evict_stats=tuple(dict.fromkeys(inner.evict_stats + extra)), needs_kv=True,
+                       needs_queries=inner.needs_queries or self.per_head,
+                       output_after_eviction=self.output_after_eviction)
 
     # --- scores -----------------------------------------------------------------------------
     def prompt_scores(self, p: PromptView):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView, softmax_over_keys
@@ -53,8 +54,7 @@ class ExpectedAttention(Scorer):
     epsilon: float = 0.0
     sinks: int = 4
 
-    needs_kv = True
-    needs_queries = True
+    capabilities = Capabilities(needs_kv=True, needs_queries=True)
 
     def __post_init__(self):
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
@@ -73,6 +73,13 @@ class ExpectedAttention(Scorer):
 
     def default_protection(self) -> Protection:
         return Protection(sinks=self.sinks)
+
+    def check_model(self, model) -> None:
+        # It rotates whole heads with the model's one rotary embedding (rotary(x, positions)).
+        if not model.one_rope:
+            raise ValueError("ExpectedAttention needs one RoPE over the whole head for every layer; this "
+                             "model has a RoPE per layer type (Gemma 3) or a partial rotary factor: "
+                             "use another scorer")
 
     def prompt_scores(self, p: PromptView):
         return self.expected(p.q, p.pos, p.valid, p.k, p.v, p.valid, p.last_pos, p.scale, p.model.rotary), None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcache_ext.checks import Int, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
@@ -15,7 +16,8 @@ from kvcache_ext.policies.views import CacheView, PromptView
 class H2O(Scorer):
     """Score of a token = attention it has received since it entered the cache, summed over
     every query (prompt and generated) and over the G query heads that share its KV head
-    (research/seed-000-caote.md §4.1: the accumulated reading, kept in float32).
+    (the accumulated reading of CAOTE, Goel et al., 2025, §3.2 and App. B.1: "the sum of
+    attention score to token 1 by all future tokens"; kept in float32).
 
     ``recent``: the newest tokens always kept (H2O's local window; 0 = pure accumulation,
     as the CAOTE paper evaluates it).
@@ -35,24 +37,13 @@ class H2O(Scorer):
             self._check_groups(model.groups)
 
     @property
-    def channels(self) -> int:
-        return 1 + self.query_heads
-
-    @property
-    def update_stats(self) -> tuple[str, ...]:
-        return ("mass", "last") if self.query_heads else ("mass",)
-
-    @property
-    def updates_from_view(self) -> bool:
-        return self.query_heads > 0       # a block's per-head sums need each head's rows
-
-    @property
-    def needs_queries(self) -> bool:
-        return self.query_heads > 0
-
-    @property
-    def needs_kv(self) -> bool:
-        return self.query_heads > 0
+    def capabilities(self) -> Capabilities:
+        # Per-query-head accumulators (query_heads): a block's per-head sums need each head's
+        # rows, from a padded view with the queries.
+        per_head = self.query_heads > 0
+        return Capabilities(channels=1 + self.query_heads, accumulates=("mass",), updates_from_view=per_head,
+                            update_stats=("last",) if per_head else (), needs_queries=per_head,
+                            needs_kv=per_head, slot_rule="mass")
 
     def default_protection(self) -> Protection:
         return Protection(recent=self.recent)
@@ -75,9 +66,6 @@ class H2O(Scorer):
             channels += [per_head.permute(0, 1, 3, 2), total.new_zeros(B, H, n, self.query_heads - G)]
         return per_head, torch.cat(channels, dim=-1)
 
-    def update(self, channels, stats):
-        channels[..., 0] += stats["mass"]
-
     def update_view(self, view: CacheView) -> torch.Tensor:
         """The per-query-head accumulators (``query_heads``): one query's row per head is the
         kernel's ``last``; a block's are the column sums of each head's rows."""
@@ -90,17 +78,8 @@ class H2O(Scorer):
         new[..., 1:1 + G] += mass.masked_fill(~view.mask[..., None], 0.0)
         return new
 
-    scores_in_slots = True
-
-    @property
-    def slot_rule(self) -> str | None:
-        return None if self.query_heads else "mass"
-
     def cache_scores(self, view: CacheView):
         return view.channels[..., 0]
-
-    def slot_scores(self, channels, stats, pos):
-        return channels[:, 0]
 
     def with_query_head_state(self, max_groups: int) -> "H2O":
         return replace(self, query_heads=max_groups)

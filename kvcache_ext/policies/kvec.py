@@ -1,6 +1,7 @@
 """K-VEC (coverage-driven KV cache eviction): SnapKV's windowed score, re-scored with a longer
 window on the least focused heads, plus a cross-layer coverage bonus, with each head's own best
-tokens protected (research/seed-004-kvec.md; the paper's Eq. 8-16 and Algorithm 1)."""
+tokens protected (*Coverage-Driven KV Cache Eviction for Efficient and Improved Inference of LLM*,
+an anonymous submission: its Eq. 8-16 and Algorithm 1)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache_ext.checks import Choice, Int, Real, check_fields
-from kvcache_ext.policies.allocation import Allocation
 from kvcache_ext.policies.pooling import KERNEL, POOLING_MODES, Pooling
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
@@ -67,14 +67,14 @@ class KVECLayer:
 
 @dataclass
 class KVEC(Scorer):
-    """K-VEC, one-shot at prefill, layer by layer (research/seed-004-kvec.md §2-5).
+    """K-VEC, one-shot at prefill, layer by layer (the paper's §4 and §5.1, Algorithm 1).
 
     Per layer l, on the last ``window`` (O) prompt queries' causal softmax rows:
 
     1. Eq. 8: P[h, t] = mean over the O window queries of the attention to t, per query head,
        then over the G query heads of KV head h (``gqa``), then pooled along positions
-       (``kernel``, ``pooling``: max-pool of kernel 7 by default, SnapKV's, per the seed spec's
-       errata and §5.1, "details adapted from the SnapKV"; ``kernel=1`` is the equations read
+       (``kernel``, ``pooling``: max-pool of kernel 7 by default, SnapKV's, as §5.1's "details
+       and parameters are adapted from the SnapKV" reads; ``kernel=1`` is the equations read
        literally). The pooling is blind to padding and to the ``keep_recent`` tokens.
     2. Eq. 10-11: the ``delta`` KV heads with the lowest standard deviation of P over the
        candidate tokens (the least focused) get P recomputed over the last ``extended_window``
@@ -99,7 +99,7 @@ class KVEC(Scorer):
     keep_recent: int = 0          # 0 = Eq. 9 literally (top-B of all T tokens)
     kernel: int = 7               # pooling of P along positions (SnapKV's); 1 = none (the equations)
     pooling: str = "max"
-    gqa: str = "mean"             # query heads -> KV head for P (§6)
+    gqa: str = "mean"             # query heads -> KV head for P (not in the paper; docs/policies.md)
     importance_heads: str = "query"   # Eq. 13's max_h over the query heads, or over the KV heads
 
     def __post_init__(self):
@@ -127,7 +127,8 @@ class KVEC(Scorer):
     def check(self, schedule) -> None:
         if schedule.evicts_over_cache:
             raise ValueError(
-                "K-VEC is a one-shot prefill policy (research/seed-004-kvec.md §5): its scores need "
+                "K-VEC is a one-shot prefill policy (the paper's §5.1: \"applied during the pre-fill "
+                "phase of each layer\"): its scores need "
                 "every layer's dense prompt attention and the coverage counts of the layers before "
                 "it, and the paper evicts nothing while decoding; use schedule=OneShot(), not "
                 f"{schedule}")
@@ -135,7 +136,7 @@ class KVEC(Scorer):
     def check_policy(self, policy) -> None:
         """Raises ValueError for a policy K-VEC cannot serve (allocation, protection, schedule)."""
         alloc = policy.allocation
-        if type(alloc).head_budgets is not Allocation.head_budgets:
+        if not alloc.equal_heads:
             raise ValueError(
                 f"K-VEC cannot use {alloc}: it needs every KV head of a layer to keep the same "
                 "budget B, known before scoring. Eq. 16 protects beta*B tokens per head, and the "

@@ -9,7 +9,7 @@ is likely to need too, so the scores do not depend on the question.
 
 The passes run the model, so this scorer has no per-layer ``prompt_scores``: it is a
 ``ReconstructionScorer``; the patched model defers the compression of a fresh prompt,
-``kvcache_ext.engine.reconstruction`` runs the passes (``patch(..., tokenizer=...)`` tokenizes
+``kvcache_ext.hf.reconstruction`` runs the passes (``patch(..., tokenizer=...)`` tokenizes
 the instructions) and then every layer keeps its budget by these scores. Compression is
 therefore one-shot only.
 """
@@ -41,9 +41,8 @@ class KVzip(ReconstructionScorer):
     - ``chunk``: context tokens reconstructed per pass (1024; KVzip's code and kvpress use 2048).
       A pass holds one chunk's activations besides the cache, so this bounds the extra memory;
       a smaller chunk also makes the passes cheaper (each pass's own causal attention and its
-      scores' product grow with the chunk). Measured on the default model (docs/results.md,
-      "The chunk size"): 1024 answered as often as 2048 and cost 2.2x a dense prefill at 2K-4K
-      tokens where 2048 cost 2.5-2.8x.
+      scores' product grow with the chunk). On the default model 1024 answers as often as
+      2048 and costs less (docs/results.md, "KVzip's defaults, measured", has the figures).
     - ``prompt`` / ``continue_prompt``: the instruction before the first chunk and before the
       later ones, text (tokenized with the tokenizer given to ``patch``) or token ids.
     - ``overlap``: the last tokens of the previous chunk, fed after ``continue_prompt`` so that
@@ -63,7 +62,7 @@ class KVzip(ReconstructionScorer):
       template's prefix: ``"chat"`` (the default: the template's text before a user's message,
       nothing without a template) or text / token ids; ``None``: the whole context is rebuilt
       and scored. A row that does not open with them is rebuilt whole. docs/results.md
-      measures both readings ("chat" answered more at keep 0.05: 16 of 32 prompts against 10).
+      measures both readings ("chat" answers more at small keep fractions).
     """
 
     chunk: int = 1024

@@ -24,6 +24,9 @@ class ModelShape:
     kv_heads: int       # KV heads per layer (of this rank)
     head_dim: int
     ranks: int = 1      # tensor-parallel ranks the model's heads are split over
+    # One rotary embedding (the model's ``rotary_emb``) turns the whole of every layer's head:
+    # False for a RoPE per layer type (Gemma 3) or a partial rotary factor.
+    one_rope: bool = True
 
     @property
     def groups(self) -> int:
@@ -37,12 +40,16 @@ class ModelShape:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, heads, kv_heads, head_dim)
+        rope = getattr(config, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        one_rope = config.model_type != "gemma3_text" and partial == 1.0
+        return cls(config.num_hidden_layers, heads, kv_heads, head_dim, one_rope=one_rope)
 
     def per_rank(self, ranks: int) -> "ModelShape":
         """The shape each of ``ranks`` tensor-parallel ranks sees, when the model's heads are
         split evenly over them (``hf.tensor_parallel`` checks that they are)."""
-        return ModelShape(self.num_layers, self.heads // ranks, self.kv_heads // ranks, self.head_dim, ranks)
+        return ModelShape(self.num_layers, self.heads // ranks, self.kv_heads // ranks, self.head_dim, ranks,
+                          self.one_rope)
 
 
 @dataclass
@@ -86,7 +93,7 @@ class Policy:
         if self.protection.size >= INT32_MAX:
             raise ValueError(f"Policy protection {self.protection} protects 2^31 - 1 tokens or more")
         self.scorer.check_policy(self)
-        if self.allocation.whole_model and not self.scorer.reconstructs:
+        if self.allocation.whole_model and not self.scorer.capabilities.reconstructs:
             raise ValueError(f"{self.allocation} splits the budget by every layer's scores at once, which "
                              f"only a scorer that reconstructs the prompt (KVzip) has; {type(self.scorer).__name__} "
                              "scores one layer at a time")

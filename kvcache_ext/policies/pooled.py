@@ -1,6 +1,6 @@
 """Pooled(base): any score-based scorer with its eviction scores pooled along positions.
 
-SnapKV, AhaKV and K-VEC pool as their papers (and the seed specs' errata) say; ``Pooled`` gives
+SnapKV, AhaKV and K-VEC pool by default (docs/policies.md, "Pooling", says why); ``Pooled`` gives
 the same smoothing to any other scorer (H2O, TOVA, RoCo, ScissorHands, your own), for the
 pooling ablation of docs/results.md or because a method keeps whole spans better that way.
 """
@@ -37,10 +37,6 @@ class Pooled(Wrapper):
     @property
     def inner(self) -> Scorer:
         return self.base
-
-    @property
-    def output_after_eviction(self) -> bool:
-        return self.base.output_after_eviction
 
     # --- pooled scores -----------------------------------------------------------------------
     def _pool(self, scores, pos, real, last_pos) -> torch.Tensor:

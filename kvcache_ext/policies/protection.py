@@ -32,7 +32,8 @@ class Protection:
     def mask(self, pos: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
         """pos [B, H, L] positions, last_pos [B] newest position per row -> protected [B, H, L].
         Also elementwise: pos [capacity] in slot layout with last_pos [capacity], each slot's
-        row's newest position (``RaggedLayerKV.evict_in_slots``)."""
+        row's newest position (what a slot rule's eviction computes in the store:
+        csrc/select/slot_rule.h)."""
         return (pos < self.sinks) | newest(pos, last_pos, self.recent)
 
     def apply(self, scores: torch.Tensor, pos: torch.Tensor, last_pos: torch.Tensor,

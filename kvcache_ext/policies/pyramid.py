@@ -14,8 +14,9 @@ class Pyramid(Allocation):
     """Per-head budget of layer l falls linearly from ``max`` (layer 0) to ``min`` (last layer),
     averaging the policy's budget over the layers.
 
-    The Ada-KV paper gives no formula (research/seed-001-adakv.md §2.5); this is the schedule
-    of the public Ada-KV code that implements Ada-Pyramid (§10), applied to the budget that is
+    The Ada-KV paper gives no formula (Feng et al., 2024, §3.6: "pre-set hyper-parameters");
+    this is the schedule of the public Ada-KV code that implements Ada-Pyramid (its
+    ``pyram_mode``, ``pyram_beta``), applied to the budget that is
     left after the protected tokens (its "prefix" budget): min = b // beta, max = 2b - min;
     if max >= the prompt's unprotected length n, then max = n and min = 2b - max;
     step = (max - min) // (layers - 1); layer l keeps max - l * step. ``beta`` = 20 as there.

@@ -8,7 +8,7 @@ rank's cache holds its own heads; what crosses ranks is only what an allocation 
 heads (Ada-KV exact) or over every layer (KVzip's global top-k) needs: the scores.
 ``hf.tensor_parallel`` finds the ranks of a model; ``ModelParts.ranks`` carries them to the
 engine (``engine.across_ranks``) and to the scorers whose score of a head reads every head of
-the layer (TOVA's mean over heads: ``Scorer.reads_every_head``).
+the layer (TOVA's mean over heads: ``Capabilities.reads_every_head``).
 """
 from __future__ import annotations
 

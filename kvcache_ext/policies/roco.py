@@ -1,6 +1,7 @@
 """RoCo (the "Robust Cache omission" policy of *On the Efficacy of Eviction Policy for
-Key-Value Constrained Generative Language Model Inference*): evict the token of lowest mean
-attention, but only among the tokens whose attention has settled (lowest standard deviation)."""
+Key-Value Constrained Generative Language Model Inference*, Ren and Zhu, 2024): evict the token
+of lowest mean attention, but only among the tokens whose attention has settled (lowest standard
+deviation)."""
 from __future__ import annotations
 
 import math
@@ -9,23 +10,26 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext.checks import Int, Real, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
 
 @dataclass
 class RoCo(Scorer):
-    """RoCo, per (layer, KV head), from research/seed-003-roco.md §2 (labels R1-R7 there).
+    """RoCo, per (layer, KV head), as the paper's §4.3 defines it. The paper numbers none of
+    these formulas; R1-R7 are our labels (as in docs/policies.md and the tests).
 
     Three float32 channels per cached token, summed over every query that has attended to it
-    since it entered the cache (no window, no decay; §2.1), GQA rows averaged over the G query
-    heads of the group before anything is accumulated (paper App. A, §2.4):
+    since it entered the cache (no window, no decay; §4.3), GQA rows averaged over the G query
+    heads of the group before anything is accumulated (paper App. A; the EasyKV code squares
+    after averaging):
 
     - channel 0: G * Acc, the probability summed over the queries and the G heads (the
-      kernel's ``mass``; divided by G when scored, since ``update`` does not know G), R1;
+      kernel's ``mass``; divided by G when scored, since the accumulation does not know G), R1;
     - channel 1: Acc^2, the squares of the group-averaged probabilities (``sum_sq``), R2;
     - channel 2: Count, the queries that saw the token, its own query included (``count``;
-      §2.1 [A], the EasyKV code counts it), R3.
+      the paper's "attended by future tokens" leaves it open, the EasyKV code counts it), R3.
 
     At an eviction, MAS = Acc / Count (R4) and Std = sqrt(Acc^2 / Count - MAS^2), the
     population standard deviation (R5). The scope leaves out the r tokens of largest Std
@@ -36,9 +40,9 @@ class RoCo(Scorer):
 
     - ``robust``: r as a fraction of the budget B of the eviction (``view.budget``, the layer's
       average per-head budget), r = floor(robust * B). Default 0.5: "r = B/2" (paper §5.1.5,
-      stated for the local window and applied to the Std scope by the spec, §2.6 [A], §5).
-    - ``fresh``, ``sinks``: the EasyKV code's guards (§2.6 [C]), off by default (paper-exact).
-      The ``fresh`` newest positions and the positions below ``sinks`` get Std = +inf, so
+      stated for the local window and read for the Std scope as well).
+    - ``fresh``, ``sinks``: the EasyKV code's guards (not in the paper), off by default
+      (paper-exact). The ``fresh`` newest positions and the positions below ``sinks`` get Std = +inf, so
       they are among the r excluded tokens (they use up part of r, as in the code).
       ``Protection(...)`` on the policy instead keeps tokens on top of r.
 
@@ -48,15 +52,16 @@ class RoCo(Scorer):
       MAS ties are kept by the lower position (the engine's selection rule). Padding is never
       among the r.
     - A token with Count = 1 has Std = 0 exactly (one sample), so a fresh token is always in
-      scope and only its MAS (its own query's attention) can save it (§2.6 [N]).
-    - E[a^2] - E[a]^2 is clamped at 0 and Count = 0 reads as MAS = Std = 0 (§7.6).
-    - The scope is built once per eviction, however many tokens it removes (a block; §2.3 [C]).
+      scope and only its MAS (its own query's attention) can save it.
+    - E[a^2] - E[a]^2 is clamped at 0 and Count = 0 reads as MAS = Std = 0.
+    - The scope is built once per eviction, however many tokens it removes (a block; as the
+      EasyKV code does).
     - One-shot prefill (``prompt_scores``): the channels are seeded from the dense causal
-      attention of the prompt (EasyKV's ``keep_attention=True`` reading, §2.5 [A]) and the
+      attention of the prompt (EasyKV's ``keep_attention=True`` reading) and the
       prompt is evicted to the budget in one step with that scope.
     - Order of evict and append: the engine appends a block (or decode token), attends over
       cache + block, folds the block's statistics in, then evicts down to B (the EasyKV code's
-      order, §2.5 [C]; the new tokens are candidates). The paper's Fig. 1 evicts b tokens before
+      order; the new tokens are candidates). The paper's Fig. 1 evicts b tokens before
       appending (n <= B always); that makes the decisions of this engine at budget B - b with
       the same r (``robust`` scaled by B / (B - b)), except that it skips the eviction after
       the prompt's last block.
@@ -66,8 +71,7 @@ class RoCo(Scorer):
     fresh: int = 0
     sinks: int = 0
 
-    channels = 3
-    update_stats = ("mass", "sum_sq", "count")
+    capabilities = Capabilities(channels=3, accumulates=("mass", "sum_sq", "count"))
 
     def __post_init__(self):
         check_fields(self, "RoCo", fresh=Int(0), sinks=Int(0),
@@ -92,11 +96,6 @@ class RoCo(Scorer):
         pos = p.pos[:, None, :].expand(B, H, n)
         mask = p.valid[:, None, :].expand(B, H, n)
         return self._scores(channels, G, pos, mask, p.last_pos, p.budget), channels
-
-    def update(self, channels, stats):
-        channels[..., 0] += stats["mass"]
-        channels[..., 1] += stats["sum_sq"]
-        channels[..., 2] += stats["count"].float()
 
     def cache_scores(self, view: CacheView):
         return self._scores(view.channels, view.groups, view.pos, view.mask, view.last_pos, view.budget)

@@ -8,16 +8,17 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext.checks import Bool, Real, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
 
 @dataclass
 class ScissorHands(Scorer):
-    """The RoCo paper's ScissorHands baseline (research/seed-003-roco.md §3, Table 1, §5.1.4):
+    """The RoCo paper's ScissorHands baseline (Ren and Zhu, 2024, §4.1, Table 1, §5.1.4):
     the score of a token is the number of queries that gave it more than their average
-    attention, AQAS(j) = sum_t 1[a_{t,j} > 1 / n_t] (R10; n_t = the keys query t sees, so its
-    row's mean is 1 / n_t), and the lowest AQAS outside the local window of the r newest
+    attention, AQAS(j) = sum_t 1[a_{t,j} > 1 / n_t] (R10, our label; n_t = the keys query t
+    sees, so its row's mean is 1 / n_t), and the lowest AQAS outside the local window of the r newest
     tokens is evicted. This is the paper's definition, not the original ScissorHands
     algorithm (no history window; the paper describes none).
 
@@ -27,8 +28,8 @@ class ScissorHands(Scorer):
       floor(window * B); default 0.5, "r = B/2 following H2O" (paper §5.1.5). The r newest
       positions of each row score +inf.
     - ``inclusive``: whether a_{t,j} = 1 / n_t counts as above average. The paper does not say
-      (§3 [A], §8.6); default False, "above average" read strictly (the first EasyKV commit
-      counted >=).
+      (§4.1: "1 indicating above average"); default False, "above average" read strictly (the
+      first EasyKV commit counted >=).
     - Ties of AQAS (integers, frequent) keep the lower position (the engine's rule).
 
     One float32 channel, AQAS. The indicator needs each query's row, which the kernel's
@@ -41,10 +42,7 @@ class ScissorHands(Scorer):
     window: float = 0.5
     inclusive: bool = False
 
-    channels = 1
-    needs_kv = True
-    needs_queries = True
-    updates_from_view = True
+    capabilities = Capabilities(channels=1, updates_from_view=True, needs_kv=True, needs_queries=True)
 
     def __post_init__(self):
         check_fields(self, "ScissorHands", inclusive=Bool(),

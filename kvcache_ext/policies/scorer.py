@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.views import CacheView, PromptView
 
@@ -12,16 +13,20 @@ GQA_MODES = ("mean", "max")
 class Scorer:
     """Base class of the scorers. A scorer is a small dataclass of its paper's parameters.
 
+    - ``capabilities``: what it needs of the engine and what it offers, one frozen value
+      (``policies.capabilities.Capabilities``): its per-token channels and the statistics
+      accumulated into them, the statistics and view parts its scores read, and whether the
+      store can score a token by its rule (``slot_rule``). The engine reads nothing else of a
+      scorer's needs.
     - ``prompt_scores``: scores of a fresh prompt's tokens from the dense prompt (one-shot
       prefill), and the initial values of the scorer's per-token channels.
-    - ``update``: folds the statistics of an attention over the cache into the channels
-      (elementwise, so it works on any layout); called after every attention over the cache
-      when the schedule will evict again.
+    - ``update_view`` (``capabilities.updates_from_view``): the new channels from a padded view,
+      after every attention over the cache while the schedule will evict again.
     - ``cache_scores``: scores of the cached tokens at an eviction step.
 
-    State between calls: the per-token channels (``channels`` of them, kept by the storage
-    beside each token: ``view.channels``), and two dicts that the cache owns and empties when
-    it is reset: ``view.layer_state``, this layer's (AhaKV's prompt length), and
+    State between calls: the per-token channels (``capabilities.channels`` of them, kept by the
+    storage beside each token: ``view.channels``), and two dicts that the cache owns and
+    empties when it is reset: ``view.layer_state``, this layer's (AhaKV's prompt length), and
     ``view.cache_state``, one that every layer of the cache shares, for state carried from
     layer to layer (K-VEC's coverage counts). Keys are the scorer's to choose (prefixed by its
     name: a wrapper and its base see the same dicts). Nothing else of a view outlives the call.
@@ -30,22 +35,7 @@ class Scorer:
     rather than from one layer's attention subclasses ``ReconstructionScorer``.
     """
 
-    channels: int = 0                        # float32 per-token channels the scorer owns
-    update_stats: tuple[str, ...] = ()       # statistics ``update`` reads
-    evict_stats: tuple[str, ...] = ()        # statistics ``cache_scores`` reads (latest call)
-    stats_window: int | None = None          # evict_stats over the last queries of a call only
-    needs_kv: bool = False                   # ``cache_scores`` reads view.k / view.v
-    needs_queries: bool = False              # views carry the latest call's queries (view.q)
-    output_after_eviction: bool = False      # a block's output over the kept tokens only (CAOTE Eq. 7)
-    updates_from_view: bool = False          # ``update_view`` runs after every attention over the cache
-    reconstructs: bool = False               # True for a ReconstructionScorer (below)
-    scores_in_slots: bool = False            # ``slot_scores`` gives ``cache_scores`` (below)
-    slot_rule: str | None = None             # the compiled decode step's form of the scorer (below)
-    needs_token_ids: bool = False            # views carry the rows' token ids (Spanned); patch then needs a tokenizer
-    # A head's score reads every KV head of the layer (TOVA's mean over heads). Under tensor
-    # parallelism such a scorer combines the ranks' heads itself (``view.model.ranks``: a
-    # collective), so the engine has every rank evict at the same steps (``engine.across_ranks``).
-    reads_every_head: bool = False
+    capabilities: Capabilities = Capabilities()
 
     def default_protection(self) -> Protection:
         return Protection()
@@ -60,35 +50,19 @@ class Scorer:
 
     def check_model(self, model) -> None:
         """Raises ValueError for a model this scorer cannot serve; ``patch`` calls it with the
-        model's ``ModelShape`` (layers, query and KV heads, head dim, ``groups`` = G)."""
+        model's ``ModelShape`` (layers, query and KV heads, head dim, ``groups`` = G, and
+        whether one rotary embedding turns every layer's whole head: ``one_rope``)."""
 
     def prompt_scores(self, p: PromptView) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def update(self, channels: torch.Tensor, stats: dict) -> None:
-        """channels [..., C] and stats in the same (any) slot layout."""
-
     def update_view(self, view: CacheView) -> torch.Tensor:
-        """With ``updates_from_view``: the new channels [B, H, L, C] of the cached tokens, from a
-        padded view (for state the kernel's statistics cannot give)."""
+        """With ``capabilities.updates_from_view``: the new channels [B, H, L, C] of the cached
+        tokens, from a padded view (for state the kernel's statistics cannot give)."""
         raise NotImplementedError
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
         raise NotImplementedError
-
-    def slot_scores(self, channels: torch.Tensor, stats: dict, pos: torch.Tensor) -> torch.Tensor:
-        """With ``scores_in_slots``: ``cache_scores`` computed elementwise in the storage's own
-        slot layout (channels [capacity, C], the eviction statistics and pos [capacity]), for a
-        scorer that needs nothing else of a view (no rows, budget, queries or neighbours). The
-        engine then evicts without building a padded view (``engine.eviction.evicts_in_slots``)."""
-        raise NotImplementedError(f"{type(self).__name__} scores through a padded view only")
-
-    # ``slot_rule``: a scorer whose decode-time ``update`` and ``slot_scores`` are one of the
-    # forms the store's compiled decode step knows (``RaggedKVStore.append_attend_evict``) names
-    # it, and its decode steps then run in one C++ call per layer (``engine.eviction``):
-    #   "mass": update adds the attention mass to channel 0; slot_scores is channel 0 (H2O);
-    #   "position": no update; slot_scores is the position (StreamingLLM).
-    # tests/test_patch.py checks each such scorer's compiled step against its Python one.
 
     # --- per-query-head scores: what CAOTE's per-head readings (gqa="group_l2", ...) wrap ------
     # A scorer that rates tokens per query head before it combines the G heads of a KV head
@@ -115,11 +89,12 @@ class ReconstructionScorer(Scorer):
     them while it reconstructs the prompt (KVzip's context reconstruction), over several
     forward passes of the whole model; it has no per-layer ``prompt_scores``.
 
-    The engine (``kvcache_ext.engine.reconstruction``) keeps each layer's dense prompt aside
-    after a one-shot prefill, marks the tokens to rebuild (``rebuilt``), feeds the inputs of
-    ``passes`` through the model, and folds each pass's attention probabilities over the
-    prompt into one score per KV head and token with ``pass_scores`` (the largest so far is
-    kept); then every layer keeps its budget by those scores. What it asks of the scorer:
+    The engine keeps each layer's dense prompt aside after a one-shot prefill
+    (``kvcache_ext.engine.reconstruction``), marks the tokens to rebuild (``rebuilt``), feeds
+    the inputs of ``passes`` through the model (``kvcache_ext.hf.reconstruction``), and folds
+    each pass's attention probabilities over the prompt into one score per KV head and token
+    with ``pass_scores`` (the largest so far is kept); then every layer keeps its budget by
+    those scores. What it asks of the scorer:
 
     - ``softmax``: the keys a pass's scoring softmax runs over: ``"context"``, every key the
       query sees (the model's own probabilities); ``"chunk"``, the first ``sinks`` tokens, the
@@ -135,7 +110,7 @@ class ReconstructionScorer(Scorer):
     Such a scorer needs the one-shot schedule (its scores come once, after the prompt).
     """
 
-    reconstructs = True
+    capabilities = Capabilities(reconstructs=True)
     softmax: str = "context"                 # "context" or "chunk" (above)
     sinks: int = 0                           # the first positions, always rated
 
@@ -167,7 +142,7 @@ class ReconstructionScorer(Scorer):
 
     def prompt_scores(self, p: PromptView):
         raise RuntimeError(f"{type(self).__name__} scores come from reconstruction passes of the whole model; "
-                           "the patched model runs them (kvcache_ext.engine.reconstruction)")
+                           "the patched model runs them (kvcache_ext.hf.reconstruction)")
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
         raise RuntimeError(f"{type(self).__name__} evicts once, after the prompt (one-shot schedule only)")

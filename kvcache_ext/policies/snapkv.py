@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_ext.checks import Choice, Int, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.pooling import KERNEL, POOLING_MODES, Pooling
 from kvcache_ext.policies.protection import Protection, newest
 from kvcache_ext.policies.scorer import GQA_MODES, Scorer, group_reduce
@@ -22,7 +23,7 @@ class SnapKV(Scorer):
     ``kvcache_ext.policies.pooling``: blind to padding and to the window, which SnapKV's code
     cuts off before pooling). The window itself is always kept and counts toward the budget.
 
-    Defaults are the Ada-KV paper's SnapKV settings (research/seed-001-adakv.md §2.4, §5):
+    Defaults are the Ada-KV paper's SnapKV settings (Feng et al., 2024, §3.6 and §4.1):
     window 32, max pooling, kernel 7 (``kernel=1``: no pooling). ``order``: SnapKV's and the
     Ada-KV code's convention (average the window, then pool) by default; ``"pool_then_mean"``
     is Ada-KV's Alg. 3 line 4 read literally, which needs each window query's row and so is
@@ -38,8 +39,6 @@ class SnapKV(Scorer):
     gqa: str = "mean"
     order: str = "mean_then_pool"
 
-    evict_stats = ("mass", "last")
-
     def __post_init__(self):
         check_fields(self, "SnapKV", window=Int(1), kernel=KERNEL, pooling=Choice(POOLING_MODES),
                      gqa=Choice(GQA_MODES), order=Choice(ORDERS))
@@ -49,8 +48,8 @@ class SnapKV(Scorer):
         return Pooling(self.kernel, self.pooling)
 
     @property
-    def stats_window(self) -> int:
-        return self.window
+    def capabilities(self) -> Capabilities:
+        return Capabilities(evict_stats=("mass", "last"), stats_window=self.window)
 
     def default_protection(self) -> Protection:
         return Protection(recent=self.window)

@@ -8,11 +8,12 @@ the patched model notes the ids of every call. See docs/policies.md, "Spans".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvcache_ext.checks import Instance, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import newest
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.spans import Spans
@@ -34,12 +35,10 @@ class Spanned(Wrapper):
     base: Scorer
     spans: Spans = field(default_factory=Spans)
 
-    needs_token_ids = True
-
     def __post_init__(self):
         check_fields(self, "Spanned", base=Instance(Scorer, "a kvcache_ext.policies scorer"),
                      spans=Instance(Spans, "a kvcache_ext.policies.Spans"))
-        if self.base.reconstructs:
+        if self.base.capabilities.reconstructs:
             raise ValueError(f"Spanned base must score one layer at a time; got {type(self.base).__name__}, "
                              "which scores by reconstructing the prompt (its scores are not read per layer)")
 
@@ -47,9 +46,8 @@ class Spanned(Wrapper):
     def inner(self) -> Scorer:
         return self.base
 
-    @property
-    def output_after_eviction(self) -> bool:
-        return self.base.output_after_eviction
+    def wraps(self, inner: Capabilities) -> Capabilities:
+        return replace(inner, needs_token_ids=True)   # the spans come from the rows' token ids
 
     # --- shared scores --------------------------------------------------------------------
     def _share(self, scores, pos, real, last_pos, view) -> torch.Tensor:

@@ -10,8 +10,8 @@ of its row (``TokenIds``, every position the row has seen, so a kept token's spa
 evicted neighbours) and the vocabulary's kinds (``TokenKinds``, from the tokenizer):
 
 - ``"number"``: a maximal run of digit tokens with no whitespace inside; every other token is
-  a span of its own (the least change to the scores: what the issue that brought spans in,
-  a number cut to its first digits, needs);
+  a span of its own (the least change to the scores that keeps a number from being cut to
+  its first digits);
 - ``"word"``: a run of tokens with no whitespace or punctuation between them, split where
   digits meet letters (so a number is a word of its own, and so is a punctuation token);
 - ``"sentence"``: the tokens up to and including one that ends in ".", "!" or "?" or holds a

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache_ext.checks import Int, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
@@ -26,11 +27,7 @@ class StreamingLLM(Scorer):
         H = p.k.shape[1]
         return p.pos.float()[:, None, :].expand(-1, H, -1).contiguous(), None
 
-    scores_in_slots = True
-    slot_rule = "position"
+    capabilities = Capabilities(slot_rule="position")
 
     def cache_scores(self, view: CacheView):
         return view.pos.float()
-
-    def slot_scores(self, channels, stats, pos):
-        return pos.float()

@@ -5,13 +5,15 @@ from dataclasses import dataclass
 
 
 from kvcache_ext.checks import Bool, check_fields
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView, PromptView
 
 
 @dataclass
 class TOVA(Scorer):
-    """Score of a token = attention from the last query (research/seed-000-caote.md §4.2).
+    """Score of a token = attention from the last query (TOVA, Oren et al., 2024; as CAOTE,
+    Goel et al., 2025, §2, writes it: ``f_j = A_{-1,j}``).
 
     ``per_head=False`` (the default, as the TOVA authors do it): the last query's attention
     averaged over all heads of the layer, so every head ranks tokens the same way.
@@ -20,14 +22,13 @@ class TOVA(Scorer):
 
     per_head: bool = False
 
-    evict_stats = ("last",)
-
     def __post_init__(self):
         check_fields(self, "TOVA", per_head=Bool())
 
     @property
-    def reads_every_head(self) -> bool:
-        return not self.per_head
+    def capabilities(self) -> Capabilities:
+        # The default mean over every head of the layer reads every KV head.
+        return Capabilities(evict_stats=("last",), reads_every_head=not self.per_head)
 
     def prompt_scores(self, p: PromptView):
         B, H, n, _ = p.k.shape

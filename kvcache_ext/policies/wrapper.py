@@ -1,16 +1,18 @@
-"""Wrapper: a scorer that scores on top of another one (CAOTE, Pooled) and otherwise is it."""
+"""Wrapper: a scorer that scores on top of another one (CAOTE, Pooled, Spanned) and otherwise is it."""
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
+from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.views import CacheView
 
 
 class Wrapper(Scorer):
-    """Forwards the state a scorer keeps (channels, statistics, updates) and its checks to
-    ``inner``, the scorer that runs underneath; a subclass changes only how scores are read."""
+    """Forwards the state a scorer keeps (its capabilities, updates) and its checks to
+    ``inner``, the scorer that runs underneath; a subclass changes only how scores are read,
+    and says what that changes of the capabilities in ``wraps``."""
 
     @property
     def inner(self) -> Scorer:
@@ -19,40 +21,15 @@ class Wrapper(Scorer):
         raise NotImplementedError(f"{type(self).__name__} must define Wrapper.inner")
 
     @property
-    def channels(self) -> int:
-        return self.inner.channels
+    def capabilities(self) -> Capabilities:
+        """The inner scorer's capabilities as a whole, less what reads its own scores (the
+        store's slot rule, reconstruction passes: a wrapper's scores are its own), with what
+        the subclass changes (``wraps``)."""
+        return self.wraps(replace(self.inner.capabilities, slot_rule=None, reconstructs=False))
 
-    @property
-    def update_stats(self) -> tuple[str, ...]:
-        return tuple(self.inner.update_stats)
-
-    @property
-    def evict_stats(self) -> tuple[str, ...]:
-        return tuple(self.inner.evict_stats)
-
-    @property
-    def stats_window(self) -> int | None:
-        return self.inner.stats_window
-
-    @property
-    def needs_kv(self) -> bool:
-        return self.inner.needs_kv
-
-    @property
-    def needs_queries(self) -> bool:
-        return self.inner.needs_queries
-
-    @property
-    def updates_from_view(self) -> bool:
-        return self.inner.updates_from_view
-
-    @property
-    def needs_token_ids(self) -> bool:
-        return self.inner.needs_token_ids
-
-    @property
-    def reads_every_head(self) -> bool:
-        return self.inner.reads_every_head
+    def wraps(self, inner: Capabilities) -> Capabilities:
+        """The wrapper's capabilities from its inner scorer's (scores aside): by default those."""
+        return inner
 
     def default_protection(self) -> Protection:
         return self.inner.default_protection()
@@ -66,8 +43,5 @@ class Wrapper(Scorer):
     def check_model(self, model) -> None:
         self.inner.check_model(model)
 
-    def update(self, channels: torch.Tensor, stats: dict) -> None:
-        self.inner.update(channels, stats)
-
-    def update_view(self, view: CacheView) -> torch.Tensor:
+    def update_view(self, view: CacheView):
         return self.inner.update_view(view)

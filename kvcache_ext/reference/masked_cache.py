@@ -1,6 +1,7 @@
-"""The reference path of a patched model: a dense, full-size cache where eviction only masks.
+"""The reference path of a patched model: a dense, full-size cache where eviction only masks
+(``MaskedLayerKV``; ``kvcache_ext.hf.cache.MaskedCache`` is the cache of them).
 
-Same interface as ``kvcache_ext.engine.ragged_storage.RaggedLayerKV``, written in plain PyTorch and
+The engine's ``LayerStorage`` (``kvcache_ext.engine.storage``) written in plain PyTorch and
 independent of the compiled kernels: attention is ``reference.ragged_attention`` (float64),
 selection is ``reference.segmented_topk`` / ``grouped_topk`` (a full sort). Evicted tokens
 stay in memory, masked per head, which is how masking-based tools implement head-wise
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcache_ext.hf.cache import RaggedCache
 from kvcache_ext.reference.attention import ragged_attention
 from kvcache_ext.reference.select import grouped_topk, segmented_topk
 
@@ -50,8 +50,9 @@ class MaskedLayerKV:
         n = values.shape[2]
         self.channels[:, :, -n:] = values.float() * keep[..., None]
 
-    def write_channels(self, channels) -> None:
-        self.channels = channels
+    def accumulate(self, stats, names) -> None:
+        for channel, name in enumerate(names):
+            self.channels[..., channel] += stats[name].float()
 
     def set_channels(self, padded) -> None:
         order, _ = self._order()
@@ -64,9 +65,17 @@ class MaskedLayerKV:
         out, st = ragged_attention(q, self.k, self.v, self.pos, self.alive, scale, q_pos)
         return out, ({name: st[name] for name in stats} if stats else None)
 
-    def append_and_attend(self, k, v, pos, q, scale):
-        self.append(k, v, pos, None)
-        return self.attend(q, scale, None, ())[0]
+    def decode_step(self, k, v, pos, q, scale, step):
+        """The step as its parts: append, attend, accumulate, evict by the rule."""
+        B, H = k.shape[:2]
+        self.append(k, v, pos, None if step.valid is None else step.valid[:, None, None].expand(B, H, 1))
+        q_pos = None if step.valid is None else pos.masked_fill(~step.valid[:, None], -1)
+        out, stats = self.attend(q, scale, q_pos, tuple(dict.fromkeys(step.stats + step.accumulate)))
+        if step.accumulate:
+            self.accumulate(stats, step.accumulate)
+        if step.evict is not None:
+            self.evict_by_rule(step.evict, step.last_pos)
+        return out, ({name: stats[name] for name in step.stats} if step.stats else None)
 
     def _order(self):
         """The alive tokens of every head first, in position order, as the ragged store keeps them."""
@@ -102,14 +111,20 @@ class MaskedLayerKV:
         kept = torch.zeros_like(self.alive).scatter_(2, order, keep)
         self.alive &= kept
 
-    def append_attend_evict(self, k, v, pos, q, scale, rule, protection, last_pos, budget):
-        """The reference runs every step through the engine's general path."""
-        return None
-
-    def evict_in_slots(self, scorer, protection, stats, last_pos, k, k_host) -> bool:
-        """The reference evicts through the padded view only: the ragged store's slot-layout
-        eviction is tested against it."""
-        return False
+    def evict_by_rule(self, evict, last_pos) -> None:
+        """Every head of row b keeps its ``evict.budget[b]`` best tokens by the slot rule (channel
+        0, or the position), protected tokens (position < sinks, or among the ``recent`` newest
+        of the row) first."""
+        budget = evict.budget_host.long().to(self.pos.device)
+        if bool((self.lens.to(budget.device) <= budget[:, None]).all()):
+            return
+        scores = (self.channels[..., 0] if evict.rule == "mass" else self.pos.float()).float()
+        protected = self.pos < evict.sinks
+        if evict.recent:
+            protected |= self.pos > last_pos.to(self.pos.device)[:, None, None] - evict.recent
+        scores = scores.masked_fill(protected, float("inf"))
+        order, _ = self._order()
+        self.evict(scores.gather(2, order), budget[:, None].expand(self.pos.shape[:2]))
 
     def grouped_counts(self, scores, mask, k):
         flat, pos, lens, order = self._flat(scores)
@@ -143,21 +158,20 @@ class MaskedLayerKV:
     def trim(self, extra: int) -> None:
         """Nothing to release: a masked cache keeps every token."""
 
+    def shrink_to_fit(self) -> None:
+        """Nothing to release: a masked cache keeps every token."""
+
+    graph_ready = False   # no pages for a captured step to append into: its steps stay eager
+
     @property
     def lens(self) -> torch.Tensor:
         return self.alive.sum(dim=-1).cpu()
 
     @property
+    def num_pages(self) -> int:
+        return 0
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: the full-size K and V (evicted tokens included) plus the masks."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.alive, self.channels))
-
-
-class MaskedCache(RaggedCache):
-    """The reference path's cache: full-size dense K/V per layer, evicted tokens masked.
-    ``kvcache_ext.patch(model, policy).new_cache(reference=True)`` builds one."""
-
-    storage = MaskedLayerKV
-
-    def storage_factory(self):
-        return self.storage   # a dense cache has no pages

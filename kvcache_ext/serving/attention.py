@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvcache_ext.engine.eviction import layer_forward, prefill_dense
+from kvcache_ext.engine.forward import layer_forward, prefill_dense
 
 
 @dataclass

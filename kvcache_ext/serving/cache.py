@@ -30,6 +30,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 from kvcache_ext.hf import cache as hf_cache
 from kvcache_ext.serving.admission import NEEDS_SHARED_PREFIX, TOO_LARGE, Admission, Footprint
+from kvcache_ext.serving.attention import attend_packed
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,14 @@ class StepRequest:
 
 @dataclass(frozen=True)
 class PackedLayer:
-    """What ``update`` hands the attention function for one layer of one step."""
+    """What ``update`` hands the patched attention function for one layer of one step
+    (``hf.cache.set_pending``): ``attend`` runs each request's share of the packed batch."""
 
     cache: "RaggedPagedCache"
     layer_idx: int
+
+    def attend(self, dense, module, query, key, value, scaling, window=None):
+        return attend_packed(self, dense, module, query, key, value, scaling, window)
 
 
 class RaggedPagedCache(PagedAttentionCache):
@@ -85,7 +90,8 @@ class RaggedPagedCache(PagedAttentionCache):
         self.handle, self.scheduler = handle, scheduler
         self.requests, self.chunks, self.step, self.step_closed = {}, {}, [], False
         self.admission = Admission(budget_bytes)
-        self.footprint = Footprint(handle.shape, self.dtype.itemsize, handle.page_size, handle.policy.scorer.channels)
+        self.footprint = Footprint(handle.shape, self.dtype.itemsize, handle.page_size,
+                                   handle.policy.scorer.capabilities.channels)
         # The engine reads no past token through its own indices (each request attends over its
         # ragged cache): its scheduler then charges no read budget, and builds no read index.
         self.read_cache_limit = 0
@@ -127,7 +133,7 @@ class RaggedPagedCache(PagedAttentionCache):
                              "per sequence")
         self.release_unread()      # a prefix unshared since: its room is free again
         prefix = self.prefixes.match(state.initial_tokens)
-        if prefix is None and self.handle.policy.scorer.reconstructs:
+        if prefix is None and self.handle.policy.scorer.capabilities.reconstructs:
             raise ValueError(f"request {state.request_id} {NEEDS_SHARED_PREFIX}: "
                              f"{type(self.handle.policy.scorer).__name__} scores a prompt by re-running the model "
                              "over it (reconstruction passes), which the continuous batching engine does not run: "
@@ -146,15 +152,17 @@ class RaggedPagedCache(PagedAttentionCache):
             self.arrived_on[state.request_id] = prefix
 
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
-        """True when the request holds a reservation, or gets one now. A one-shot policy's
-        prompt that fits in a step waits for a step with room for all of it (split, it would be
-        held dense until its last chunk)."""
+        """True when the request holds a reservation, or gets one now. A prompt that fits in a
+        step waits for a step with room for all of it: split, a one-shot policy's would be held
+        dense until its last chunk, and a block-wise prefill's would count its blocks from each
+        chunk's start and make room for the rest of its sequence after the first chunk, so
+        neither would hold what it holds alone (``Footprint.request_bytes``)."""
         if state.request_id in self.admission.reserved:
             return True
         if state.request_id in self.waiting_for_room:    # its shared prefix matched: it waits for room
             return False
         prompt = len(state.remaining_prefill_tokens)
-        if (self.handle.policy.schedule.prefill_block is None and request_len < prompt <= self.max_batch_tokens):
+        if request_len < prompt <= self.max_batch_tokens:
             return False
         need = self.request_bytes(state)
         if dry_run:

@@ -41,7 +41,7 @@ def patching_model_manager(policy: Policy | None, page_size: int = 16, shared_sy
     (``shared_system_ids``, ``handle.share_prefix``)."""
     from transformers.cli.serving.model_manager import ModelManager
 
-    import kvcache_ext
+    from kvcache_ext.hf.patching import is_patched, patch
 
     class PatchingModelManager(ModelManager):
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
@@ -52,8 +52,8 @@ def patching_model_manager(policy: Policy | None, page_size: int = 16, shared_sy
 
         def load_model_and_processor(self, *args, **kwargs):
             model, processor = super().load_model_and_processor(*args, **kwargs)
-            if policy is not None and not kvcache_ext.is_patched(model):   # loaded now (else: as it was)
-                handle = kvcache_ext.patch(model, policy, page_size=page_size, tokenizer=processor)
+            if policy is not None and not is_patched(model):   # loaded now (else: as it was)
+                handle = patch(model, policy, page_size=page_size, tokenizer=processor)
                 if shared_system is not None:
                     handle.share_prefix(shared_system_ids(processor, shared_system))
             return model, processor

@@ -1,12 +1,12 @@
-"""The Python half of bench/gpu_verify.sh: the kernel table, the checks at benchmark scale, the
+"""The Python half of bench/tools/gpu_verify.sh: the kernel table, the checks at benchmark scale, the
 sanitizers' driver and the final report.
 
-    python bench/gpu_verify.py table [--device cuda|cpu] [--quick] [--out JSON]
-    python bench/gpu_verify.py tc [--device cuda|cpu] [--quick] [--out JSON]
-    python bench/gpu_verify.py sanitize-driver [--device cuda|cpu]
-    python bench/gpu_verify.py report JSON [--e2e JSON] [--stages JSON] [--tc JSON]
+    python bench/tools/gpu_verify.py table [--device cuda|cpu] [--quick] [--out JSON]
+    python bench/tools/gpu_verify.py tc [--device cuda|cpu] [--quick] [--out JSON]
+    python bench/tools/gpu_verify.py sanitize-driver [--device cuda|cpu]
+    python bench/tools/gpu_verify.py report JSON [--e2e JSON] [--stages JSON] [--tc JSON]
 
-``table``: every kernel of issue 42 against its torch baseline (bench/kernels.py: top-k segmented
+``table``: every store and selection kernel against its torch baseline (bench/kernels.py: top-k segmented
 and grouped, compaction, append; bench/attention.py: decode and prefill attention), each with
 wall and kernel time, plus correctness at benchmark scale (top-k keep masks against an exact
 sort, compaction against a gather of the dense cache, append against the tokens appended,
@@ -14,7 +14,7 @@ attention against SDPA, which bench/attention.py measures; its attention runs th
 so on CUDA its prefill row is the tensor-core prefill's). Writes the rows to JSON (default
 bench/results/gpu-verify-<device>-<date>.json, with the device, date and commit).
 
-``tc``: the tensor-core kernels of issue 43 against the same calls with their switches off (the
+``tc``: the tensor-core kernels against the same calls with their switches off (the
 scalar kernel) and SDPA, in interleaved runs: the prefill (csrc/attention/prefill_cuda.cu, the
 default on CUDA; KVCACHE_EXT_TC_PREFILL=0 off) on causal blocks of 64 and 256 queries on a
 uniform store, with and without statistics; the decode (csrc/attention/decode_tc_cuda.cu,
@@ -44,12 +44,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/
 import common  # noqa: E402,F401  (first: it puts a built checkout ahead of an installed copy)
 import kvcache_ext  # noqa: E402
-from common import RESULTS, build_description, device_name, git_commit  # noqa: E402
+from common import RESULTS, build_description, device_name, run_metadata  # noqa: E402
 
-# The goals of issue 42 (and issue 18's attention targets, bench/attention.py).
+# The goals (and the attention targets of bench/attention.py).
 TOPK_GOAL = 1.0            # fair torch.topk time / ours (wall)
 COMPACT_COPY_GOAL = 0.70   # of the copy bandwidth, by kernel time
 COMPACT_TORCH_GOAL = 1.0   # index_select time / ours (wall)
@@ -182,12 +182,11 @@ def table(args) -> dict:
         checks.append({"check": f"attention {r['case']} {r['lengths']} B={r['batch']} Hkv={r['kv_heads']} "
                                 f"= SDPA (max abs diff {diff if diff is None else f'{diff:.2g}'} <= {tol})",
                        "ok": diff is not None and diff <= tol})
-    doc = {"benchmark": "gpu-verify", "device": device_name(device), "date": datetime.date.today().isoformat(),
-           "commit": git_commit(), "torch": torch.__version__, "build": build_description(),
+    doc = {"benchmark": "gpu-verify", **run_metadata(device), "torch": torch.__version__, "build": build_description(),
            "copy_GBps": copy_gbps, "kernel_time": "profiler (CUDA)" if gpu else "wall time (CPU)",
            "kernels": rows, "attention": attn, "checks": checks}
     out = args.out or os.path.join(RESULTS, f"gpu-verify-{'cpu' if not gpu else device_name(device).replace(' ', '-')}"
-                                            f"-{doc['date']}.json")
+                                            f"-{datetime.date.today().isoformat()}.json")
     if not args.quick or args.out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
@@ -198,13 +197,13 @@ def table(args) -> dict:
 
 
 def decode_case_name(r: dict) -> str:
-    """'uniform', 'skewed' or 'batch 1': the decode cases of issue 43's table."""
+    """'uniform', 'skewed' or 'batch 1': the decode cases of the table."""
     return "batch 1" if r["batch"] == 1 and r["kv_heads"] == 1 else r["lengths"]
 
 
 def tc_table(args) -> dict:
     """The tensor-core kernels against the scalar ones (their switches at 1 and 0) and SDPA: the
-    prefill on causal blocks of 64 and 256 queries, the decode on issue 43's three decode cases
+    prefill on causal blocks of 64 and 256 queries, the decode on the three decode cases
     (the bench stage's: uniform and skewed lengths, batch 1 with one KV head)."""
     import attention as att
     from common import copy_bandwidth
@@ -242,13 +241,12 @@ def tc_table(args) -> dict:
                        "ok": (sdpa is not None or kernel == "decode") and (sdpa is None or sdpa <= tol)
                        and off <= tol
                        and r["tc_stats_mass_max_abs_diff_vs_switch_off"] <= 1e-3 * max(1.0, r["tc_stats_mass_max"])})
-    doc = {"benchmark": "gpu-verify-tc", "device": device_name(device), "date": datetime.date.today().isoformat(),
-           "commit": git_commit(), "torch": torch.__version__, "build": build_description(),
+    doc = {"benchmark": "gpu-verify-tc", **run_metadata(device), "torch": torch.__version__, "build": build_description(),
            "switch": att.TC_SWITCH, "decode_switch": att.TC_DECODE_SWITCH, "copy_GBps": copy_gbps,
            "attention": rows, "checks": checks}
     if not args.quick or args.out:
         out = args.out or os.path.join(RESULTS, f"gpu-verify-tc-{device_name(device).replace(' ', '-')}"
-                                                f"-{doc['date']}.json")
+                                                f"-{datetime.date.today().isoformat()}.json")
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -364,7 +362,7 @@ def e2e_rows(e2e: dict) -> list[tuple]:
         if method == "full" or full is None:
             continue
         # The host work a patched model adds to a decode step (over HF's own, the full cache's),
-        # as a share of the step: issue 43 asks <= 10 % (a step the host does not hold back).
+        # as a share of the step: the goal is <= 10 % (a step the host does not hold back).
         # A step replayed from a CUDA graph leaves HF's own host work out too: its share is
         # all of its host time.
         graphed = method.endswith("-graph")
@@ -384,6 +382,11 @@ def e2e_rows(e2e: dict) -> list[tuple]:
     return out
 
 
+def _commit(doc) -> str:
+    """A result's commit as printed: its short hash, ``+dirty`` when the tree differed from it."""
+    return f"{doc.get('commit')}{'+dirty' if doc.get('dirty') else ''}"
+
+
 def print_report(doc=None, e2e=None, stages=None, tc=None) -> None:
     rows = report_rows(doc, e2e, stages, tc)
     head = ("metric", "ours (wall / kernel)", "baseline (wall / kernel)", "ratio", "goal", "met")
@@ -392,10 +395,10 @@ def print_report(doc=None, e2e=None, stages=None, tc=None) -> None:
     widths = [max(len(r[i]) for r in cells) for i in range(6)]
     print()
     if doc:
-        print(f"{doc['device']}, {doc['date']}, commit {doc['commit']}; kernel time: {doc['kernel_time']}; "
+        print(f"{doc['device']}, {doc['date']}, commit {_commit(doc)}; kernel time: {doc['kernel_time']}; "
               f"copy {doc['copy_GBps']:.0f} GB/s")
     elif tc:
-        print(f"{tc['device']}, {tc['date']}, commit {tc['commit']}; wall time")
+        print(f"{tc['device']}, {tc['date']}, commit {_commit(tc)}; wall time")
     for i, r in enumerate(cells):
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
         if i == 0:
@@ -405,8 +408,8 @@ def print_report(doc=None, e2e=None, stages=None, tc=None) -> None:
 
 
 def tc_decode_rows(r: dict, copy_gbps: float | None) -> list[tuple]:
-    """One decode case: the tensor-core decode against the switch off, and both against issue
-    43's goal for the case (of copy, or SDPA on the padded cache for skewed lengths)."""
+    """One decode case: the tensor-core decode against the switch off, and both against the
+    case's goal (of copy, or SDPA on the padded cache for skewed lengths)."""
     case = decode_case_name(r)
     name = f"decode {case} B={r['batch']} Hkv={r['kv_heads']}"
     import attention as att
@@ -431,8 +434,8 @@ def tc_decode_rows(r: dict, copy_gbps: float | None) -> list[tuple]:
 
 # --- the sanitizers' driver -----------------------------------------------------------------
 def sanitize_driver(args) -> int:
-    """Every store op on small stores, and the compiled decode step, on the device and on the CPU;
-    the results must agree."""
+    """Every store op on small stores, and a decode step evicting by a slot rule, on the device and
+    on the CPU; the results must agree."""
     device = args.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
     bad = []
@@ -487,13 +490,16 @@ def sanitize_driver(args) -> int:
             one = more[:, :, :1].contiguous().to(dev)
             store.replace(torch.zeros(batch, heads, dtype=torch.long), one, one, torch.full((batch,), 10**6))
 
-            def decode_step(rule, at):   # the compiled decode step, evicting to 6 per head
+            def decode_step(rule, at):   # a decode step through the ops, evicting by a slot rule to 6 per head
                 tok = torch.randn(batch, heads, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
                 q1 = torch.randn(batch, heads * 2, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
                 p1 = torch.full((batch, 1), at).to(dev)
                 budget = torch.full((batch, heads), 6)
-                store.append_attend_evict(q1, tok, tok, p1, 0.125, rule=rule, sinks=1, recent=2,
-                                          last_pos=p1[:, 0], budget=(budget.to(dev), budget))
+                store.append(tok, tok, p1)
+                _, step_stats = kvcache_ext.ragged_attention(q1, store, 0.125, stats=True)
+                store.add_to_scores(0, step_stats.mass.float())          # H2O's channel
+                store.evict_by_rule(budget.to(torch.int32).view(-1).to(dev), rule=rule, sinks=1, recent=2,
+                                    last_pos=p1[:, 0], kept=torch.minimum(store.lens, budget))
             decode_step("position", 10**6 + 1)       # by position: the same tokens on both devices
             stores[dev] = (store.to_dense(), out.float().cpu(), mass.cpu(), grp.cpu())
             decode_step("mass", 10**6 + 2)           # by mass: near ties may differ; not compared

@@ -1,43 +1,43 @@
 #!/usr/bin/env bash
-# One command for a lent GPU (bench/README.md, "GPU check"): build for sm_90, then one table of
+# One command for a lent GPU (docs/gpu.md): build for sm_90, then one table of
 # every kernel against its baseline with correctness at benchmark scale, the sanitizers, and an
 # end-to-end run, within one device call of at most 9 minutes.
 #
-#   bench/gpu_verify.sh [--stages LIST] [--budget S] [--dry-run] [--e2e-args "ARGS"]
+#   bench/tools/gpu_verify.sh [--stages LIST] [--budget S] [--dry-run] [--e2e-args "ARGS"]
 #                       [--pytest-args "ARGS"]
-#   bench/gpu_verify.sh --pack          # here, before a call that builds the gtest binary
-#   bench/gpu_verify.sh --device cpu --quick --stages bench   # the CPU smoke run (tests/)
+#   bench/tools/gpu_verify.sh --pack          # here, before a call that builds the gtest binary
+#   bench/tools/gpu_verify.sh --device cpu --quick --stages bench   # the CPU smoke run (tests/)
 #
 # Stages, in order (default: env,build,bench,tc,sanitize,e2e; LIST is comma-separated):
 #   env       nvidia-smi, torch, nvcc, compute-sanitizer: what the machine is
 #   build     the extension in place for the GPU's own arch only; skipped when .gpucarry/build
 #             holds a build of the same sources for the same torch and Python (what an earlier
-#             call sent back in $OUT/build.tar.gz: bench/README.md, "GPU check")
-#   bench     bench/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
+#             call sent back in $OUT/build.tar.gz: docs/gpu.md)
+#   bench     bench/tools/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
 #             and prefill attention, each against its torch baseline (wall and kernel time), and
 #             the checks against the reference at benchmark scale
-#   tc        the tensor-core kernels (issue 43): the prefill (the default on CUDA,
+#   tc        the tensor-core kernels: the prefill (the default on CUDA,
 #             KVCACHE_EXT_TC_PREFILL=0 the scalar kernel) and the decode (opt-in,
 #             KVCACHE_EXT_TC_DECODE=1): tests/test_prefill_tc.py and tests/test_decode_tc.py
-#             (both paths; they set the switches per test), then bench/gpu_verify.py tc (blocks
+#             (both paths; they set the switches per test), then bench/tools/gpu_verify.py tc (blocks
 #             of 64 and 256 causal queries, and the three decode cases, against the switch at 0
 #             and SDPA), in processes of their own so that a fault there leaves the other
 #             stages' results whole
-#   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/gpu_verify.py
+#   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/tools/gpu_verify.py
 #             sanitize-driver (small stores through every op, both compaction paths, a prefill
 #             block by default and with KVCACHE_EXT_TC_PREFILL=0, a decode call with
 #             KVCACHE_EXT_TC_DECODE=1)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 1 and 4, one-shot
 #             SnapKV at 1024 tokens per head and H2O evicting every step (each eager, and with
 #             its decode steps in a CUDA graph: snapkv-graph, h2o-step-graph) and the full
-#             cache (the default --e2e-args below: issue 42's per-step goal, issue 43's host
-#             share at batch 1); Ada-SnapKV and the masked
+#             cache (the default --e2e-args below: the per-step eviction goal, the host's
+#             share of a step at batch 1); Ada-SnapKV and the masked
 #             head-wise cache go in a second call (--stages e2e --e2e-args "... --methods ...")
 #   Optional, for a second call (not in the default):
 #   test      pytest's CUDA cases, one process per file (a crash in one hides no other)
 #   gtest     builds the gtest binary (CMake, the same arch; GoogleTest from --pack) and runs
 #             its CUDA twins, then memcheck over them
-#   probe     bench/gpu_probe.py --gdb: does an error raised in C++ reach Python
+#   probe     bench/tools/gpu_probe.py --gdb: does an error raised in C++ reach Python
 #   ncu       bench/nsight/profile.sh --set detailed: Nsight Compute over the store, selection
 #             and attention kernels, its summary under bench/results/
 #
@@ -49,7 +49,7 @@
 # each stage's status and seconds) goes to bench/results/gpu-verify-<gpu>-<date>-stages.json,
 # the table's rows to bench/results/gpu-verify-<gpu>-<date>.json, the e2e run's to
 # bench/results/e2e-<gpu>-<date>-<time>.json. The last thing printed is the table
-# (bench/gpu_verify.py report). When $OUT is set (the device tool), bench/results and the
+# (bench/tools/gpu_verify.py report). When $OUT is set (the device tool), bench/results and the
 # build (for the next call to carry) are packed into $OUT.
 #
 # --device cpu runs the bench, tc and e2e stages on the CPU (with --quick: tiny sizes), without a
@@ -58,8 +58,8 @@
 # Environment: PYTHON (default python3), MAX_JOBS (default: all cores).
 set -uo pipefail
 
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-root=$(cd "$here/.." && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)   # bench/tools
+root=$(cd "$here/../.." && pwd)
 cd "$root"
 
 ALL_STAGES="env build bench tc sanitize e2e test gtest probe ncu"
@@ -78,14 +78,10 @@ carry="$root/.gpucarry"
 results=${GPU_VERIFY_RESULTS:-$root/bench/results}   # elsewhere: the CPU smoke test's
 logs="$results/gpu-verify"
 
-# Seconds each stage is expected to take on an H100 (16 cores), from docs/gpu.md's runs: on
-# 2026-11-27 (bench/results/gpu-verify-NVIDIA-H100-80GB-HBM3-2026-11-27-stages.json) the build
-# (sm_90, no gtest binary) took 109 s, bench about 40, tc 38, sanitize 41 (three tools over the
-# small driver, most of it torch's start-up under the sanitizer), e2e 40 (an 8B model's random
-# weights, three methods at 8K x 4, 36 decode steps; the default now adds snapkv-graph,
-# h2o-step-graph and batch 1; tc now adds tests/test_decode_tc.py and three decode cases of
-# 1 GiB), pytest's CUDA files 133 s (2026-11-26); memcheck over 346 gtest cases ran past 4 min
-# (2026-11-26). Rounded up, for a GPU or a machine slower than that one.
+# Seconds each stage is expected to take on an H100 (16 cores), from the stages' summary of the
+# last run there (docs/gpu.md), rounded up for the stages that have grown since and for a slower
+# machine: the build (sm_90, no gtest binary) about 110 s; sanitize is mostly torch's start-up
+# under the sanitizer; memcheck over the gtest cases runs past 4 min.
 declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=100 [sanitize]=80 [e2e]=120
                      [test]=180 [gtest]=240 [probe]=60 [ncu]=200)
 
@@ -122,6 +118,14 @@ source_hash() {
     -o -name '*.py' -o -name '*.txt' \) | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-16
 }
 
+# HEAD's short hash, +dirty when the tree differs from it (bench/results aside): bench/common.py's.
+tree_commit() {
+  local c
+  c=$(git rev-parse --short HEAD 2>/dev/null) || return 1
+  git diff --quiet HEAD -- . ':!bench/results' || c="$c+dirty"
+  echo "$c"
+}
+
 # --- --pack: run here, before a device call that builds the gtest binary ------------------
 if [ "$pack" = 1 ]; then
   mkdir -p "$carry"  # ignored by .gitignore: it travels only when named in carry
@@ -129,16 +133,16 @@ if [ "$pack" = 1 ]; then
     [ -d /usr/src/googletest ] || die "/usr/src/googletest not found: apt-get install libgtest-dev"
     cp -r /usr/src/googletest "$carry/googletest"
   fi
-  commit=$(git rev-parse --short HEAD)
-  git diff --quiet HEAD -- . ':!bench/results' || commit="$commit+dirty"
+  commit=$(tree_commit)
   echo "$commit" > "$carry/commit"
   echo "packed $carry ($(du -sh "$carry" | cut -f1)): googletest source, commit $commit"
-  echo "carry it: run(command='bash bench/gpu_verify.sh ...', carry=['.gpucarry'])"
+  echo "carry it: run(command='bash bench/tools/gpu_verify.sh ...', carry=['.gpucarry'])"
   exit 0
 fi
 
-commit=$(cat "$carry/commit" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-export KVCACHE_EXT_COMMIT=$commit
+# The tree travels to a device machine without .git: the commit --pack recorded names it there.
+commit=$(cat "$carry/commit" 2>/dev/null || tree_commit || echo unknown)
+[ "$commit" = unknown ] || export KVCACHE_EXT_COMMIT=$commit
 # The checkout's kvcache_ext when it holds a built extension (the build stage builds one in
 # place), else the installed copy (a pip-installed CI run): as bench/common.py decides.
 checkout_first() {
@@ -240,13 +244,13 @@ stage_build() {
   fi
   "$PYTHON" -c "import kvcache_ext, json; info = kvcache_ext.build_info(); print(json.dumps(info)); \
 assert info['cuda'], 'built without CUDA'" || return 1
-  # A private static libstdc++ in _C made every error that formats an integer crash (2026-11-26).
+  # A private static libstdc++ in _C made every error that formats an integer crash.
   "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_build.py -k libstdcxx
 }
 
 stage_bench() {
   # shellcheck disable=SC2086  # quick is empty or one flag
-  "$PYTHON" bench/gpu_verify.py table --device "$device" $quick --out "$table_json"
+  "$PYTHON" bench/tools/gpu_verify.py table --device "$device" $quick --out "$table_json"
 }
 
 stage_tc() {
@@ -257,14 +261,14 @@ stage_tc() {
     "$PYTHON" -m pytest -q -p no:cacheprovider -rfE --maxfail=5 tests/test_prefill_tc.py tests/test_decode_tc.py || rc=1
   fi
   # shellcheck disable=SC2086  # quick is empty or one flag
-  "$PYTHON" bench/gpu_verify.py tc --device "$device" $quick --out "$tc_json" || rc=1
+  "$PYTHON" bench/tools/gpu_verify.py tc --device "$device" $quick --out "$tc_json" || rc=1
   return $rc
 }
 
 stage_sanitize() {
   local rc=0 tool
   command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer not found"; return 1; }
-  # Small stores, every op, both compaction paths (bench/gpu_verify.py sanitize-driver).
+  # Small stores, every op, both compaction paths (bench/tools/gpu_verify.py sanitize-driver).
   # racecheck and synccheck instrument our kernels only (kns: a substring of the kernel's name;
   # every kernel of ours is in namespace kvcache_ext): ours are the ones whose shared memory and
   # barriers are in question, and torch's would only slow the run.
@@ -277,7 +281,7 @@ stage_sanitize() {
     # Without torch's caching allocator every tensor is its own allocation, so an access past
     # one is out of bounds for memcheck instead of landing in a cached neighbour.
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 50 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      --print-limit 20 "${extra[@]}" "$PYTHON" bench/gpu_verify.py sanitize-driver --device cuda \
+      --print-limit 20 "${extra[@]}" "$PYTHON" bench/tools/gpu_verify.py sanitize-driver --device cuda \
       || { echo "$tool: exit $?"; rc=1; }
   done
   return $rc
@@ -313,7 +317,7 @@ stage_gtest() {
     cmake -S "$carry/googletest" -B build/googletest -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_INSTALL_PREFIX="$root/build/googletest-install" -DBUILD_GMOCK=OFF >/dev/null \
       && cmake --build build/googletest -j "$jobs" >/dev/null && cmake --install build/googletest >/dev/null \
-      || { echo "building GoogleTest from $carry/googletest failed (bench/gpu_verify.sh --pack first)"; return 1; }
+      || { echo "building GoogleTest from $carry/googletest failed (bench/tools/gpu_verify.sh --pack first)"; return 1; }
     gtest_args=(-DCMAKE_PREFIX_PATH="$root/build/googletest-install")
   fi
   cmake -S . -B build/gtest -G Ninja -DPython3_EXECUTABLE="$(command -v "$PYTHON")" -DKVCACHE_EXT_CUDA=ON \
@@ -323,7 +327,7 @@ stage_gtest() {
     --gtest_brief=1
 }
 
-stage_probe() { "$PYTHON" bench/gpu_probe.py --gdb; }
+stage_probe() { "$PYTHON" bench/tools/gpu_probe.py --gdb; }
 
 stage_ncu() { PYTHON=$PYTHON bench/nsight/profile.sh --set detailed; }
 
@@ -331,13 +335,13 @@ describe() {
   case $1 in
     env) echo "nvidia-smi; torch, nvcc and compute-sanitizer versions" ;;
     build) echo "TORCH_CUDA_ARCH_LIST=<gpu arch> $PYTHON setup.py build_ext --inplace (or .gpucarry/build when its key matches)" ;;
-    bench) echo "$PYTHON bench/gpu_verify.py table --device $device $quick --out $table_json" ;;
-    tc) echo "$PYTHON -m pytest tests/test_prefill_tc.py tests/test_decode_tc.py; $PYTHON bench/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
-    sanitize) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PYTHON bench/gpu_verify.py sanitize-driver" ;;
+    bench) echo "$PYTHON bench/tools/gpu_verify.py table --device $device $quick --out $table_json" ;;
+    tc) echo "$PYTHON -m pytest tests/test_prefill_tc.py tests/test_decode_tc.py; $PYTHON bench/tools/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
+    sanitize) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PYTHON bench/tools/gpu_verify.py sanitize-driver" ;;
     e2e) echo "$PYTHON bench/e2e.py --no-progress --device $device --out $e2e_json" $e2e_args ;;
     test) echo "for f in" $TEST_FILES "; do $PYTHON -m pytest \$f -k 'cuda or build' $pytest_args; done" ;;
     gtest) echo "cmake -S . -B build/gtest -DKVCACHE_EXT_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=<arch> && $gtest_bin --gtest_filter='*Cuda*'; compute-sanitizer memcheck over it" ;;
-    probe) echo "$PYTHON bench/gpu_probe.py --gdb" ;;
+    probe) echo "$PYTHON bench/tools/gpu_probe.py --gdb" ;;
     ncu) echo "bench/nsight/profile.sh --set detailed" ;;
   esac
 }
@@ -359,19 +363,20 @@ checkout_first
 if [ "$dry" = 1 ]; then
   echo "plan: ~$planned s of the budget of $budget s (less $reserve s for the report and packing)"
   [ "$planned" -le $((budget - reserve)) ] || echo "WARNING: the plan's estimate exceeds the budget: later stages will be skipped"
-  echo "dry run: would write $summary, $table_json, $tc_json and print the table (bench/gpu_verify.py report)"
+  echo "dry run: would write $summary, $table_json, $tc_json and print the table (bench/tools/gpu_verify.py report)"
   exit 0
 fi
 
 # --- the summary, the table, and what goes back ---------------------------------------------
-"$PYTHON" - "$summary" "$commit" <<PY
+"$PYTHON" - "$summary" <<PY
 import datetime, json, os, sys
-path, commit = sys.argv[1], sys.argv[2]
+path = sys.argv[1]
 stages = {$(for s in "${!status[@]}"; do printf '"%s": {"status": "%s", "seconds": %s}, ' "$s" "${status[$s]}" "${seconds[$s]}"; done)}
+sys.path.insert(0, "bench")
 import torch
+from common import run_metadata   # device, date, commit (\$KVCACHE_EXT_COMMIT where there is no .git)
 doc = json.load(open(path)) if os.path.exists(path) else {"stages": {}}
-doc.update(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", date=datetime.date.today().isoformat(), commit=commit,
-           torch=torch.__version__)
+doc.update(**run_metadata("cuda" if torch.cuda.is_available() else "cpu"), torch=torch.__version__)
 for name, st in stages.items():
     st["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     doc["stages"][name] = st
@@ -382,4 +387,4 @@ if [ -n "${OUT:-}" ]; then
   [ -d "$carry/build" ] && tar czf "$OUT/build.tar.gz" -C "$root" .gpucarry/build
 fi
 echo "stages: $(for s in "${stage_list[@]}"; do printf '%s %s (%s s); ' "$s" "${status[$s]:-not run}" "${seconds[$s]:-0}"; done)"
-"$PYTHON" bench/gpu_verify.py report "$table_json" --e2e "$e2e_json" --stages "$summary" --tc "$tc_json"
+"$PYTHON" bench/tools/gpu_verify.py report "$table_json" --e2e "$e2e_json" --stages "$summary" --tc "$tc_json"

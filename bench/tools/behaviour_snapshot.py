@@ -9,9 +9,9 @@ block-wise prefill, every-step and every-N-steps eviction, the wrapped and query
 scorers). It records the logits of every step and, per layer and head, the positions the
 cache holds.
 
-    python bench/behaviour_snapshot.py --out /tmp/old.pt        # at the old commit
-    python bench/behaviour_snapshot.py --out /tmp/new.pt        # at the new one
-    python bench/behaviour_snapshot.py --compare /tmp/old.pt /tmp/new.pt
+    python bench/tools/behaviour_snapshot.py --out /tmp/old.pt        # at the old commit
+    python bench/tools/behaviour_snapshot.py --out /tmp/new.pt        # at the new one
+    python bench/tools/behaviour_snapshot.py --compare /tmp/old.pt /tmp/new.pt
 
 ``--compare`` prints one line per case and exits with status 1 when any logits differ or any
 kept position does (logits are compared exactly: the same kernels on the same inputs give the
@@ -25,7 +25,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/tools -> the root
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 STEPS = 6          # decode steps after the prompt
 PROMPT = 40        # tokens of the longer prompt (the other is 29, left-padded)
@@ -69,15 +70,16 @@ def kept_positions(cache) -> list:
 
 
 @torch.no_grad()
-def run_case(arch: str, kv_heads: int, policy) -> dict:
+def run_case(arch: str, kv_heads: int, policy, padded: bool = True) -> dict:
     import kvcache_ext
     from tiny_models import VOCAB, tiny_model
     model = tiny_model(arch, heads=4, kv_heads=kv_heads, head_dim=16)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (2, PROMPT), generator=gen)
     mask = torch.ones(2, PROMPT, dtype=torch.long)
-    mask[1, : PROMPT - 29] = 0
-    ids[1, : PROMPT - 29] = 0
+    if padded:
+        mask[1, : PROMPT - 29] = 0
+        ids[1, : PROMPT - 29] = 0
     key = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
     logits = []
     with kvcache_ext.patch(model, policy) as handle:
@@ -88,7 +90,10 @@ def run_case(arch: str, kv_heads: int, policy) -> dict:
         for _ in range(STEPS):
             nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-            out = model(nxt, attention_mask=mask, position_ids=pos, use_cache=True, **{key: cache})
+            # Unpadded: no mask, as generate passes none when no token is padding (the decode
+            # steps that need no validity mask).
+            step_mask = {"attention_mask": mask} if padded else {}
+            out = model(nxt, position_ids=pos, use_cache=True, **step_mask, **{key: cache})
             pos = pos + 1
             logits.append(out.logits[:, -1])
         kept = kept_positions(cache)
@@ -99,8 +104,10 @@ def snapshot() -> dict:
     results = {}
     for arch, kv_heads in (("llama", 2), ("qwen3", 1), ("mistral", 4)):
         for name, policy in policies().items():
-            results[f"{arch}/{name}"] = run_case(arch, kv_heads, policy)
-            print(f"{arch}/{name}", flush=True)
+            for padded in (True, False):
+                case = f"{arch}/{name}" + ("" if padded else "/unpadded")
+                results[case] = run_case(arch, kv_heads, policy, padded)
+                print(case, flush=True)
     return results
 
 

@@ -1,16 +1,14 @@
 """Which errors raised in C++ reach Python on this machine, and which kill the process.
 
-On the first GPU run (H100, torch 2.11, 2026-11-26) two bad inputs handed to the CUDA
-attention op crashed pytest with a segmentation fault instead of raising: head_dim 8 (a
-ValueError from csrc/attention/attention_cuda.cu), and a q of the wrong batch (a ValueError
-from csrc/ops.cpp), right after a float32 q for a float16 store had raised its TypeError from
-the same op. The same checks raise on CPU, and in the gtest binary (no Python) the head_dim
-check raised on CUDA too. Each case below raises one error in its own process, so that one
-crash does not hide the others:
+An extension linked against a private static libstdc++ can crash where a C++ exception should
+reach Python as an error (docs/gpu.md, "Building the CUDA kernels"): bad inputs handed to the
+CUDA attention op (head_dim 8, a q of the wrong batch, a q of the wrong dtype) must raise their
+ValueError or TypeError from csrc/, as the same checks do on the CPU. Each case below raises one
+error in its own process, so that one crash does not hide the others:
 
-    python bench/gpu_probe.py                 # every case; a table and a JSON line
-    python bench/gpu_probe.py --case NAME     # one case in this process (what the table runs)
-    python bench/gpu_probe.py --gdb           # also a native backtrace of each crash (cuda-gdb)
+    python bench/tools/gpu_probe.py                 # every case; a table and a JSON line
+    python bench/tools/gpu_probe.py --case NAME     # one case in this process (what the table runs)
+    python bench/tools/gpu_probe.py --gdb           # also a native backtrace of each crash (cuda-gdb)
 
 Exit status: 0 when every case raised the error it should, 1 otherwise. Without a GPU (or
 a CUDA build) the CUDA cases are skipped and said so.
@@ -24,7 +22,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/
 import common  # noqa: E402,F401  (a checkout's built extension ahead of an installed copy)
 
 import kvcache_ext  # noqa: E402
@@ -94,11 +92,11 @@ def cuda_kernel_head_dim():
 
 
 def cuda_pybind_dtype():
-    """The same check as cuda_op_dtype reached through pybind11 (the eager fast path,
-    _C.append_and_attend), not the dispatcher."""
+    """A dtype check reached through pybind11 (the host page allocator's prepare_append, which
+    RaggedKVStore.append calls first), not the dispatcher."""
     store = _store("cuda")
-    k = torch.randn(1, 2, 1, 64, dtype=torch.float16, device="cuda")
-    store.append_and_attend(torch.randn(1, 2, 1, 64, device="cuda"), k, k, torch.tensor([8]), 0.125)
+    k = torch.randn(1, 2, 1, 64, device="cuda")   # float32 for a float16 store
+    store.append(k, k, torch.tensor([8]))
 
 
 # name -> (function, the exception it must raise)
