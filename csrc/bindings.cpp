@@ -98,6 +98,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("score_channels", &PageAllocator::score_channels)
       .def_property_readonly("page_size", &PageAllocator::page_size)
       .def_property_readonly("like", &PageAllocator::like);
+  // The eager decode step (ops.h): prepare_append + attention_plan + store_decode_step's work
+  // + finish_compact after an eviction, in one host call.
+  m.def("decode_step", &kvcache_ext::ops::decode_step, py::arg("allocator"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("pos"), py::arg("valid"), py::arg("q_pos"), py::arg("scale"), py::arg("mass"),
+        py::arg("last"), py::arg("sum_sq"), py::arg("count"), py::arg("accumulate"), py::arg("rule"),
+        py::arg("sinks"), py::arg("recent"), py::arg("last_pos"), py::arg("budget"), py::arg("budget_host"));
   // The page addresses the ops read on the current stream (ops.h), held by a captured graph.
   m.def("page_addresses",
         [](const std::vector<at::Tensor>& pool, const at::Tensor& page_table, const at::Tensor& len,

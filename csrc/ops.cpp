@@ -21,6 +21,7 @@
 #include "common/device_dispatch.h"
 #include "select/slot_rule.h"
 #include "select/topk.h"
+#include "store/page_allocator.h"
 #include "store/score_channels.h"
 #include "store/store_kernels.h"
 
@@ -829,6 +830,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_dec
   DecodeWork w = check_decode_work(device, B, st.segments, score_channels, want_mass, want_last, want_sum_sq,
                                    want_count, accumulate, rule, sinks, recent, last_pos, budget);
   return decode_step_on(st, pool, len, q, k, v, in, plan, q_pos, scale, page_size, w);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_step(
+    PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& pos, const c10::optional<at::Tensor>& valid, const c10::optional<at::Tensor>& q_pos,
+    double scale, bool want_mass, bool want_last, bool want_sum_sq, bool want_count,
+    at::IntArrayRef accumulate, const c10::optional<std::string>& rule, int64_t sinks, int64_t recent,
+    const c10::optional<at::Tensor>& last_pos, const c10::optional<at::Tensor>& budget,
+    const c10::optional<at::Tensor>& budget_host) {
+  const int64_t B = allocator.batch(), H = allocator.heads(), S = allocator.num_segments();
+  const c10::Device device = allocator.device();
+  // Everything that the page allocator's append does not check, before it changes anything.
+  check_query(q, device, allocator.dtype(), B, H, allocator.head_dim(), scale);
+  TORCH_CHECK_VALUE(q.size(2) == 1, "q must have one query per head (a decode step), got shape ", q.sizes());
+  check_defined(k, "k");
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1, "k must have shape [batch, heads, 1, head_dim] (one "
+                    "token per segment: a decode step), got ", k.sizes());
+  DecodeWork w = check_decode_work(device, B, S, allocator.score_channels(), want_mass, want_last, want_sum_sq,
+                                   want_count, accumulate, rule, sinks, recent, last_pos, budget);
+  std::vector<int64_t> keep_host;  // the budgets on the host: min(len, budget) after the eviction
+  if (w.evicts) {
+    TORCH_CHECK_VALUE(budget_host.has_value() && budget_host->defined() && budget_host->device().is_cpu() &&
+                          is_integer_dtype(budget_host->scalar_type()) && budget_host->numel() == S,
+                      "an eviction by a rule needs budget_host, the budget's ", S, " integers on the host");
+    const at::Tensor host = budget_host->to(at::kLong).contiguous();
+    keep_host.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + S);
+    for (int64_t s = 0; s < S; ++s)
+      TORCH_CHECK_VALUE(keep_host[s] >= 0, "budget_host must be >= 0, got budget_host[", s, "] = ", keep_host[s]);
+  }
+  if (q_pos.has_value() && q_pos->defined()) query_positions(*q_pos, device, B, 1);  // checked now
+  if (w.evicts || !w.accumulate.empty()) allocator.check_writable("decode_step (its channels or eviction)");
+  AppendInputs in;
+  std::tie(in.pos32, in.rank, in.counts) = allocator.prepare_append(k, v, pos, valid);
+  const at::Tensor plan = allocator.attention_plan(q.size(1) / H);
+  if (w.evicts) {  // only when a segment holds more than its budget (the host lengths: no sync)
+    const std::vector<int32_t>& held = allocator.len_host();
+    bool over = false;
+    for (int64_t s = 0; s < S; ++s) {
+      over = over || held[s] > keep_host[s];
+      keep_host[s] = std::min<int64_t>(held[s], keep_host[s]);
+    }
+    w.evicts = over;
+  }
+  StateView st;
+  st.view = allocator.view();
+  st.segments = S;
+  st.capacity = allocator.capacity();
+  auto result = decode_step_on(st, allocator.pool(), allocator.len_device(), q, k, v, in, plan, q_pos, scale,
+                               allocator.page_size(), w);
+  if (w.evicts) allocator.finish_compact(at::tensor(keep_host, at::kLong));
+  return result;
 }
 
 }  // namespace kvcache_ext::ops

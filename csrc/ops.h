@@ -169,6 +169,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_dec
     int64_t sinks = 0, int64_t recent = 0, const c10::optional<at::Tensor>& last_pos = c10::nullopt,
     const c10::optional<at::Tensor>& budget = c10::nullopt);
 
+// decode_step (not an op): store_decode_step on a store's page allocator, its host steps
+// included, in one host call: the eager decode step (RaggedKVStore.decode_step; torch.compile
+// and a CUDA graph take the op). It checks q, scale and the eviction's and channels' arguments
+// first (nothing changes when it refuses them), then runs
+//   allocator.prepare_append(k, v, pos, valid) + allocator.attention_plan
+//   + store_decode_step's work on the state view the allocator keeps (no per-slab lookup)
+//   + after an eviction, allocator.finish_compact(min(len, budget_host)): the new lengths
+//     known on the host, no read-back; the eviction runs only when a segment holds more than
+//     its budget.
+// budget [S] integers on the store's device and budget_host the same on the host come with
+// `rule`. Returns what store_decode_step returns. Why it is not only the op: a step through
+// the op and the allocator's Python-called host steps costs a host-bound decode step more
+// than the 5 % by which a pybind path may stay (docs/architecture.md, "One decode step").
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_step(
+    PageAllocator& allocator, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& pos, const c10::optional<at::Tensor>& valid, const c10::optional<at::Tensor>& q_pos,
+    double scale, bool want_mass, bool want_last, bool want_sum_sq, bool want_count,
+    at::IntArrayRef accumulate, const c10::optional<std::string>& rule, int64_t sinks, int64_t recent,
+    const c10::optional<at::Tensor>& last_pos, const c10::optional<at::Tensor>& budget,
+    const c10::optional<at::Tensor>& budget_host);
+
 // page_addresses (not an op): the device tensor of page addresses that the ops called on this
 // state on the current stream read (cached per pool and stream, see ops.cpp). A CUDA graph
 // captured over the ops holds the raw pointer: its owner (kvcache_ext.hf.decode_graph) keeps

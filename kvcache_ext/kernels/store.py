@@ -211,6 +211,14 @@ class RaggedKVStore:
             k_device, k_host = budget
         if type(scale) is not float:
             scale = checks.real(scale, "scale", what="a finite number")
+        if plan is None and not torch.compiler.is_compiling():
+            # The eager step in one host call (csrc/ops.h decode_step): the allocator's host
+            # steps and the op's work on the state view it keeps.
+            out, *fields = _C.decode_step(self._allocator, q, k, v, pos, valid, q_pos, scale, *flags, codes, rule,
+                                          sinks if rule else 0, recent if rule else 0,
+                                          last_pos if rule and recent else None, k_device, k_host)
+            self._refresh()   # the step may have added pages
+            return out, {name: fields[STAT_NAMES.index(name)] for name in stats}
         if accumulate or rule is not None:
             self._allocator.check_writable("decode_step")
         captured = plan is not None
