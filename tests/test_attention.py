@@ -293,10 +293,9 @@ def test_decode_step_is_the_reference_step(device, dtype, B, H, G):
         newest = pos[:, 0] if valid is None else pos[:, 0].masked_fill(~valid, -1)
         last_pos = torch.maximum(last_pos, newest)
         evict = EvictByRule(rule, 1, 2, budget, budget.cpu()) if step >= 3 else None
-        decode = DecodeStep(stats=("mass", "last"), accumulate=("mass",), evict=evict, valid=valid,
-                            last_pos=last_pos)
-        got, got_stats = ragged.decode_step(kv, v, pos, q, 0.25, decode)
-        want, want_stats = masked.decode_step(kv, v, pos, q, 0.25, decode)
+        decode = DecodeStep(stats=("mass", "last"), accumulate=("mass",), evict=evict, last_pos=last_pos)
+        got, got_stats = ragged.decode_step(kv, v, pos, q, 0.25, decode, valid)
+        want, want_stats = masked.decode_step(kv, v, pos, q, 0.25, decode, valid)
         torch.testing.assert_close(got.float(), want.float(), **tol)
         if evict is None:   # the statistics are of the tokens before the eviction
             for name in ("mass", "last"):

@@ -186,7 +186,7 @@ def test_slot_rule_eviction_equals_the_view_eviction(policy, monkeypatch):
     served = []
     decode_step = RaggedLayerKV.decode_step
     monkeypatch.setattr(RaggedLayerKV, "decode_step",
-                        lambda self, *a: served.append(a[-1].evict is not None) or decode_step(self, *a))
+                        lambda self, *a: served.append(a[5].evict is not None) or decode_step(self, *a))
     with kvcache_ext.patch(model, policy) as handle:
         rule_cache = handle.new_cache()
         by_rule = _decode_unpadded(model, rule_cache, ids, steps)
@@ -518,7 +518,7 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
         want = decode_logits(model, reference, fed)
         steps = []
         decode_step = RaggedLayerKV.decode_step
-        monkeypatch.setattr(RaggedLayerKV, "decode_step", lambda self, *a: steps.append(a[-1]) or decode_step(self, *a))
+        monkeypatch.setattr(RaggedLayerKV, "decode_step", lambda self, *a: steps.append(a[5:]) or decode_step(self, *a))
         for module, name in ((decode, "cache_view"), (decode, "evict"), (eviction, "cache_view"), (eviction, "evict")):
             monkeypatch.setattr(module, name, lambda *a, _name=name, **k: pytest.fail(f"decode called {_name}"))
         monkeypatch.setattr(type(policy.allocation), "head_budgets",
@@ -526,7 +526,7 @@ def test_decode_after_a_one_shot_prompt_only_appends(allocation, monkeypatch):
         got = decode_logits(model, ragged, fed)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert len(steps) == 6 * 2                          # steps x layers: append and attend, nothing else
-    assert all((s.stats, s.accumulate, s.evict, s.valid, s.plan) == ((), (), None, None, None) for s in steps)
+    assert all((s.stats, s.accumulate, s.evict, valid, plan) == ((), (), None, None, None) for s, valid, plan in steps)
     for layer in ragged.layers:
         assert (layer.state.seen, layer.state.decode_steps) == (40 + 6, 6)
 

@@ -14,7 +14,7 @@ The host counts of a step (tokens seen, decode steps) are advanced by the caller
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvcache_ext.engine.eviction import cache_view, evict, rule_eviction
 from kvcache_ext.engine.state import LayerState
@@ -25,7 +25,7 @@ from kvcache_ext.engine.storage import DecodeStep, EvictByRule
 class DecodeWork:
     """What a layer's decode steps of one kind do (``decode_work``).
 
-    ``step``: the storage call's work (its ``valid`` and ``plan`` filled per call). ``view_stats``: the statistics ``update_view`` reads, and ``evict_stats`` those of
+    ``step``: the storage call's work, the same object at every step of the kind. ``view_stats``: the statistics ``update_view`` reads, and ``evict_stats`` those of
     an eviction after the storage call (``evicts``): by the slot rule (``rule``) when the step
     could not run it inside the storage call, else scored on a padded view."""
 
@@ -84,8 +84,7 @@ def decode(state: LayerState, q, k, v, pos, valid, scale, plan=None):
     work = work_of(state, evicts_now(state))
     newest = pos[:, 0] if valid is None else pos[:, 0].masked_fill(~valid, -1)
     state.note_newest(newest)   # in place: protection of the recent tokens reads it, this token included
-    step = work.step if valid is None and plan is None else replace(work.step, valid=valid, plan=plan)
-    out, stats = state.kv.decode_step(k, v, pos, q, scale, step)
+    out, stats = state.kv.decode_step(k, v, pos, q, scale, work.step, valid, plan)
     if work.in_storage:
         return out
     q_pos = None if valid is None else pos.masked_fill(~valid[:, None], -1)

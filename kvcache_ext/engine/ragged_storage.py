@@ -33,6 +33,8 @@ class RaggedLayerKV:
         self.store = store
         # The per-head budgets of an eviction by a slot rule, made from the row budgets they came from.
         self._budget_source, self._per_head_budget = None, None
+        # The store's call of the engine's decode step, prepared for the DecodeStep it was made for.
+        self._step, self._call = None, None
         # Whether each segment's tokens lie in the store in position order: false once an
         # eviction compacted without keeping the order (``compact(stable=False)``: per-step
         # eviction by a slot rule, whose scores do not depend on it). The padded views the
@@ -81,30 +83,35 @@ class RaggedLayerKV:
             self.store.add_to_scores(channel, stats[name].float())
 
     # --- a decode step ---------------------------------------------------------------------
-    def decode_step(self, k, v, pos, q, scale, step: DecodeStep):
+    def decode_step(self, k, v, pos, q, scale, step: DecodeStep, valid=None, plan=None):
         """One decode step (``LayerStorage.decode_step``) in one op (``RaggedKVStore.decode_step``):
         the append, the attention with the statistics the step reads, the channel updates and
-        the eviction by a slot rule. Eager (``step.plan`` None): with the page allocator's host
-        steps around it (pages for the new token, the plan, the lengths after an eviction).
-        Captured (a plan): into pages the segments already hold and with that plan, no host
-        step; the graph's owner checks the room before every run and notes the host side after
-        it (``note_graph_step``)."""
-        B, H = k.shape[:2]
-        valid = step.valid
-        evict = step.evict
-        rule = sinks = recent = budget = None
-        if evict is not None:
-            per_head, per_head_host = self._per_head(evict.budget, evict.budget_host)
-            rule, sinks, recent, budget = evict.rule, evict.sinks, evict.recent, (per_head.view(-1),
-                                                                                   per_head_host.view(-1))
+        the eviction by a slot rule. Eager (``plan`` None): with the page allocator's host steps
+        around it (pages for the new token, the plan, the lengths after an eviction), in one
+        host call. Captured (a plan): into pages the segments already hold and with that plan,
+        no host step; the graph's owner checks the room before every run and notes the host side
+        after it (``note_graph_step``). The store's call is prepared once per ``step`` (the
+        engine hands the same one at every step of a kind)."""
+        if step is not self._step:
+            self._step, self._call = step, self._decode_call(step)
+        if step.evict is not None:
             self._in_position_order = False   # its compaction is unordered
-        out, stats = self.store.decode_step(
-            q, k.contiguous(), v.contiguous(), pos, scale,
-            valid=None if valid is None else valid[:, None, None].expand(B, H, 1),
-            q_pos=None if valid is None else pos.masked_fill(~valid[:, None], -1),
-            stats=step.stats, accumulate=step.accumulate, rule=rule, sinks=sinks or 0, recent=recent or 0,
-            last_pos=step.last_pos, budget=budget, plan=step.plan)
-        return out, (stats or None)
+        k, v = k.contiguous(), v.contiguous()   # (HF's k and v are views of a projection's output)
+        if valid is None:
+            return self._call(q, k, v, pos, scale, None, None, plan)
+        B, H = k.shape[:2]
+        return self._call(q, k, v, pos, scale, valid[:, None, None].expand(B, H, 1),
+                          pos.masked_fill(~valid[:, None], -1), plan)
+
+    def _decode_call(self, step: DecodeStep):
+        """The store's call for ``step``'s work (``RaggedKVStore.decode_call``)."""
+        evict = step.evict
+        if evict is None:
+            return self.store.decode_call(stats=step.stats, accumulate=step.accumulate)
+        per_head, per_head_host = self._per_head(evict.budget, evict.budget_host)
+        return self.store.decode_call(stats=step.stats, accumulate=step.accumulate, rule=evict.rule,
+                                      sinks=evict.sinks, recent=evict.recent, last_pos=step.last_pos,
+                                      budget=(per_head.view(-1), per_head_host.view(-1)))
 
     def evict_by_rule(self, evict: EvictByRule, last_pos: torch.Tensor) -> None:
         """Every head of row b keeps its ``evict.budget[b]`` best tokens by the rule, the

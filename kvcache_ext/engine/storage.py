@@ -38,28 +38,22 @@ class EvictByRule:
 @dataclass(frozen=True)
 class DecodeStep:
     """What a storage's decode step does besides appending one token per row and attending
-    with it (``LayerStorage.decode_step``): the policy's per-step work as data.
+    with it (``LayerStorage.decode_step``): the policy's per-step work as data, made once per
+    layer and kind of step (a storage may prepare its call once per ``DecodeStep``).
 
-    - ``valid`` [B] bool: the rows whose token is real (None: every row's); a padding token is
-      not stored and its query sees nothing.
     - ``stats``: the attention statistics to return.
     - ``accumulate``: the statistics added to channels 0, 1, ... of every token, in place
       (``Capabilities.accumulates``).
     - ``evict``: the step's eviction by a slot rule (``EvictByRule``), after the rest; None:
       no eviction in this call.
-    - ``last_pos`` [B]: each row's newest position, this token included (what protection of
-      the recent tokens reads).
-    - ``plan``: the attention plan of a step captured in a CUDA graph (the pages it holds):
-      the step then runs through the ops alone, no host work, and its owner notes the host
-      side after every run (``note_graph_step``). None: an eager step, host work included.
+    - ``last_pos`` [B]: the layer's tensor of each row's newest position, updated in place
+      before every step (this token included): what protection of the recent tokens reads.
     """
 
     stats: tuple[str, ...] = ()
     accumulate: tuple[str, ...] = ()
     evict: EvictByRule | None = None
-    valid: torch.Tensor | None = None
     last_pos: torch.Tensor | None = None
-    plan: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -75,11 +69,16 @@ class LayerStorage(Protocol):
         None) for the statistics named in ``stats`` (see ``AttentionStats``)."""
 
     def decode_step(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, q: torch.Tensor, scale: float,
-                    step: DecodeStep) -> tuple[torch.Tensor, dict | None]:
+                    step: DecodeStep, valid: torch.Tensor | None = None,
+                    plan: torch.Tensor | None = None) -> tuple[torch.Tensor, dict | None]:
         """One decode step of one layer, the one door of every decode step, eager or captured:
         appends k, v [B, H, 1, D] at ``pos`` [B, 1], attends with q [B, Hq, 1, D], then does
-        ``step``'s work (``DecodeStep``). Returns (out [B, Hq, 1, D], {name: stats} of
-        ``step.stats`` or None)."""
+        ``step``'s work (``DecodeStep``). ``valid`` [B] bool: the rows whose token is real
+        (None: every row's); a padding token is not stored and its query sees nothing.
+        ``plan``: the attention plan of a step captured in a CUDA graph (the pages it holds):
+        the step then runs with no host work, and its owner notes the host side after every
+        run (``note_graph_step``); None: an eager step, host work included. Returns (out [B, Hq,
+        1, D], {name: stats} of ``step.stats`` or None)."""
 
     # --- the scorer's channels ---------------------------------------------------------------
     def set_prompt_channels(self, values: torch.Tensor, keep: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ class SharedPrefix:
     @property
     def pages(self) -> int:
         """Pages its cache holds, over every layer."""
-        return sum(layer.state.kv.store.num_pages for layer in self.cache.layers if layer.state.kv is not None)
+        return sum(layer.state.kv.num_pages for layer in self.cache.layers if layer.state.kv is not None)
 
     def fork(self, max_cache_len: int | None = None) -> RaggedCache:
         """A cache for one sequence that starts with this prefix (``RaggedCache.fork``)."""

@@ -40,29 +40,47 @@ from kvcache_ext.kernels.select import budget_tensor
 _ACCUMULATED = {"mass": 0, "sum_sq": 2, "count": 3}
 
 
-_DECODE_FLAGS: dict = {}   # (stats, accumulate) -> what store_decode_step takes of them, made once
+class DecodeCall:
+    """A decode step's work on one store, checked once (``RaggedKVStore.decode_call``); calling
+    it, ``call(q, k, v, pos, scale, valid=None, q_pos=None, plan=None)``, runs one step
+    (``RaggedKVStore.decode_step``). What the engine's decode step of a layer hands its store at
+    every step, so that the step itself checks and converts nothing of it again."""
 
+    __slots__ = ("store", "stats", "flags", "codes", "rule", "sinks", "recent", "last_pos", "budget",
+                 "budget_host")
 
-def _decode_flags(stats, accumulate) -> tuple[tuple[bool, ...], list[int]]:
-    """The op's statistic flags for ``stats`` and its channel codes for ``accumulate`` (tuples of
-    statistic names), checked; a decode step asks the same every time, so they are kept."""
-    key = (stats, accumulate)
-    known = _DECODE_FLAGS.get(key) if isinstance(stats, tuple) and isinstance(accumulate, tuple) else None
-    if known is not None:
-        return known
-    for names, label in ((stats, "stats"), (accumulate, "accumulate")):
-        if isinstance(names, str) or not isinstance(names, (tuple, list)):
-            raise TypeError(f"{label} must be a tuple of statistic names from {STAT_NAMES}, got {names!r}")
-        unknown = [name for name in names if name not in STAT_NAMES]
-        if unknown:
-            raise ValueError(f"{label} names unknown statistics {unknown}; choose from {STAT_NAMES}")
-    if any(name not in _ACCUMULATED for name in accumulate):
-        raise ValueError(f"accumulate names statistics of one value per slot, {tuple(_ACCUMULATED)}, got "
-                         f"{tuple(accumulate)}")
-    known = (tuple(name in stats for name in STAT_NAMES), [_ACCUMULATED[name] for name in accumulate])
-    if isinstance(stats, tuple) and isinstance(accumulate, tuple):
-        _DECODE_FLAGS[key] = known
-    return known
+    def __init__(self, store: "RaggedKVStore", stats, accumulate, rule, sinks, recent, last_pos, budget):
+        for names, label in ((stats, "stats"), (accumulate, "accumulate")):
+            if isinstance(names, str) or not isinstance(names, (tuple, list)):
+                raise TypeError(f"{label} must be a tuple of statistic names from {STAT_NAMES}, got {names!r}")
+            unknown = [name for name in names if name not in STAT_NAMES]
+            if unknown:
+                raise ValueError(f"{label} names unknown statistics {unknown}; choose from {STAT_NAMES}")
+        if any(name not in _ACCUMULATED for name in accumulate):
+            raise ValueError(f"accumulate names statistics of one value per slot, {tuple(_ACCUMULATED)}, got "
+                             f"{tuple(accumulate)}")
+        if len(accumulate) > store.score_channels:
+            raise ValueError(f"accumulate names {len(accumulate)} channels but the store has "
+                             f"{store.score_channels} score channels")
+        self.store, self.stats = store, tuple(stats)
+        self.flags = tuple(name in stats for name in STAT_NAMES)
+        self.codes = [_ACCUMULATED[name] for name in accumulate]
+        self.rule = rule
+        self.sinks = self.recent = 0
+        self.last_pos = self.budget = self.budget_host = None
+        if rule is not None:
+            if budget is None:
+                raise ValueError("decode_step: an eviction by a rule needs budget=(k [S] on the store's device, "
+                                 "k_host [S] on the host)")
+            self.sinks = checks.integer(sinks, "sinks", 0)
+            self.recent = checks.integer(recent, "recent", 0)
+            self.last_pos = last_pos if self.recent else None
+            k_device, k_host = budget
+            self.budget = checks.tensor(k_device, "budget")
+            self.budget_host = checks.tensor(k_host, "budget_host").reshape(-1).long()
+
+    def __call__(self, q, k, v, pos, scale, valid=None, q_pos=None, plan=None) -> tuple[torch.Tensor, dict]:
+        return self.store._decode(self, q, k, v, pos, scale, valid, q_pos, plan)
 
 
 def _host(fn):
@@ -181,45 +199,61 @@ class RaggedKVStore:
                          self._page_size, self._channels)
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float, *,
-                    valid: torch.Tensor | None = None, q_pos: torch.Tensor | None = None, stats=(),
-                    accumulate=(), rule: str | None = None, sinks: int = 0, recent: int = 0,
-                    last_pos: torch.Tensor | None = None, budget: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    plan: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                    valid: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
+                    plan: torch.Tensor | None = None, **work) -> tuple[torch.Tensor, dict]:
         """A decode step in one op (``store_decode_step``): appends k, v [B, H, 1, D] at ``pos``
-        ([B, 1] integers; only the tokens of ``valid`` ([B, 1] or [B, H, 1] bool) when given),
-        attends with q [B, Hq, 1, D] (``q_pos`` as ``ragged_attention`` takes it), adds the
-        statistics ``accumulate`` (names among "mass", "sum_sq", "count") to score channels 0, 1,
-        ... of every slot, and with ``rule`` keeps each segment's k[s] best tokens by the rule
-        (as ``evict_by_rule``; ``budget`` = (k [S] integers on the store's device, k_host [S] on
-        the host)). Returns ``(out [B, Hq, 1, D], {name: statistic})`` for the names in ``stats``.
+        ([B, 1] integers; only the tokens of ``valid`` ([B, 1] or [B, H, 1] bool) when given)
+        and attends with q [B, Hq, 1, D] (``q_pos`` as ``ragged_attention`` takes it), doing
+        ``work`` besides (``decode_call``'s arguments: statistics returned, statistics added to
+        score channels, an eviction by a slot rule). Returns ``(out [B, Hq, 1, D], {name:
+        statistic})``. ``decode_call(**work)`` prepares the same once for every step.
 
         Eager (``plan`` None): one host call (``_C.decode_step``, csrc/ops.h: the op's work with
-        the page allocator's host steps, under ``torch.compile`` the same through the op): the
-        new token gets its pages and the attention its plan first; the eviction runs only when a
-        segment holds more than its budget, and the new lengths, min(len, k), go back to the
-        allocator with the pages emptied (no sync). Nothing changes when an argument is refused. Captured (``plan``: a plan of the pages
-        held, ``attention_plan_of_pages``): no host step, so a CUDA graph can capture the call;
-        the pages must hold the token (``has_room``), the eviction always runs (a top-k of k
-        keeps a segment within its budget whole) and every page stays held; the caller notes
-        the host lengths after each run (``note_appended``, ``note_kept_in_pages``)."""
-        flags, codes = _decode_flags(stats, accumulate)
-        k_device = k_host = kept = None
-        if rule is not None:
-            if budget is None:
-                raise ValueError("decode_step: an eviction by a rule needs budget=(k [S] on the store's device, "
-                                 "k_host [S] on the host)")
-            k_device, k_host = budget
+        the page allocator's host steps; under ``torch.compile`` the op with those steps as graph
+        breaks): the new token gets its pages and the attention its plan first; the eviction runs
+        only when a segment holds more than its budget, and the new lengths, min(len, k), go back
+        to the allocator with the pages emptied (no sync). Nothing changes when an argument is
+        refused. Captured (``plan``: a plan of the pages held, ``attention_plan_of_pages``): the
+        op alone, no host step, so a CUDA graph can capture the call; the pages must hold the
+        token (``has_room``), the eviction always runs (a top-k of k keeps a segment within its
+        budget whole) and every page stays held; the caller notes the host lengths after each
+        run (``note_appended``, ``note_kept_in_pages``)."""
+        return self.decode_call(**work)(q, k, v, pos, scale, valid, q_pos, plan)
+
+    def decode_call(self, *, stats=(), accumulate=(), rule: str | None = None, sinks: int = 0, recent: int = 0,
+                    last_pos: torch.Tensor | None = None,
+                    budget: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DecodeCall":
+        """A decode step's work, checked once, to run at every step (``DecodeCall``, the
+        arguments ``decode_step`` takes besides the tokens): ``stats``, the attention statistics
+        returned (names from ``STAT_NAMES``); ``accumulate``, the statistics added to score
+        channels 0, 1, ... of every slot ("mass", "sum_sq", "count": one value per slot); with
+        ``rule``, each segment keeps its k[s] best tokens by the rule, the protected ones first
+        (as ``evict_by_rule``: ``sinks``, ``recent``, ``last_pos`` [B] on the store's device,
+        read at every step), ``budget`` = (k [S] integers on the store's device, k_host [S] on
+        the host)."""
+        return DecodeCall(self, stats, accumulate, rule, sinks, recent, last_pos, budget)
+
+    def _decode(self, call: "DecodeCall", q, k, v, pos, scale, valid, q_pos, plan):
+        """``DecodeCall.__call__``: one decode step with ``call``'s work (see ``decode_step``)."""
         if type(scale) is not float:
             scale = checks.real(scale, "scale", what="a finite number")
         if plan is None and not torch.compiler.is_compiling():
-            # The eager step in one host call (csrc/ops.h decode_step): the allocator's host
-            # steps and the op's work on the state view it keeps.
-            out, *fields = _C.decode_step(self._allocator, q, k, v, pos, valid, q_pos, scale, *flags, codes, rule,
-                                          sinks if rule else 0, recent if rule else 0,
-                                          last_pos if rule and recent else None, k_device, k_host)
+            # The eager step in one host call: the allocator's host steps and the op's work on
+            # the state view it keeps.
+            out, *fields = _C.decode_step(self._allocator, q, k, v, pos, valid, q_pos, scale, *call.flags, call.codes,
+                                          call.rule, call.sinks, call.recent, call.last_pos, call.budget,
+                                          call.budget_host)
             self._refresh()   # the step may have added pages
-            return out, {name: fields[STAT_NAMES.index(name)] for name in stats}
-        if accumulate or rule is not None:
+        else:
+            out, fields = self._decode_through_the_op(call, q, k, v, pos, scale, valid, q_pos, plan)
+        return out, {name: fields[STAT_NAMES.index(name)] for name in call.stats} if call.stats else {}
+
+    def _decode_through_the_op(self, call: "DecodeCall", q, k, v, pos, scale, valid, q_pos, plan):
+        """The decode step through the ``store_decode_step`` op: with the page allocator's host
+        steps around it (under ``torch.compile``, as graph breaks), or, with a ``plan`` of the
+        pages held, alone (a CUDA graph's captured step)."""
+        rule, k_device, kept = call.rule, call.budget, None
+        if call.codes or rule is not None:
             self._allocator.check_writable("decode_step")
         captured = plan is not None
         if captured:
@@ -233,21 +267,21 @@ class RaggedKVStore:
                                                   and q.dim() == 4 else 1)
             if rule is not None:   # the host lengths after the append: no sync
                 lens = torch.tensor(self._allocator.len_host, dtype=torch.int64)
-                kept = torch.minimum(lens, checks.tensor(k_host, "budget").reshape(-1).long())
+                kept = torch.minimum(lens, call.budget_host)
                 if torch.equal(kept, lens):   # no segment over its budget: nothing to evict
                     rule = k_device = kept = None
         try:
             out, *fields = ops.store_decode_step(
                 self._pool, self._table, self._len, q, k, v, pos32, rank, counts, plan, q_pos, scale,
-                self._page_size, self._channels, *flags, codes, rule, sinks if rule else 0,
-                recent if rule else 0, last_pos if rule and recent else None, k_device)
+                self._page_size, self._channels, *call.flags, call.codes, rule, call.sinks if rule else 0,
+                call.recent if rule else 0, call.last_pos if rule else None, k_device)
         except Exception:
             if not captured:   # refused before it wrote anything: the host lengths go back
                 self._allocator.cancel_append(before)
             raise
         if kept is not None:
             self._allocator.finish_compact(kept)
-        return out, {name: fields[STAT_NAMES.index(name)] for name in stats}
+        return out, fields
 
     # --- a decode step captured in a CUDA graph (kvcache_ext.hf.decode_graph) -------------------
     def append_in_pages(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:

@@ -65,11 +65,11 @@ class MaskedLayerKV:
         out, st = ragged_attention(q, self.k, self.v, self.pos, self.alive, scale, q_pos)
         return out, ({name: st[name] for name in stats} if stats else None)
 
-    def decode_step(self, k, v, pos, q, scale, step):
+    def decode_step(self, k, v, pos, q, scale, step, valid=None, plan=None):
         """The step as its parts: append, attend, accumulate, evict by the rule."""
         B, H = k.shape[:2]
-        self.append(k, v, pos, None if step.valid is None else step.valid[:, None, None].expand(B, H, 1))
-        q_pos = None if step.valid is None else pos.masked_fill(~step.valid[:, None], -1)
+        self.append(k, v, pos, None if valid is None else valid[:, None, None].expand(B, H, 1))
+        q_pos = None if valid is None else pos.masked_fill(~valid[:, None], -1)
         out, stats = self.attend(q, scale, q_pos, tuple(dict.fromkeys(step.stats + step.accumulate)))
         if step.accumulate:
             self.accumulate(stats, step.accumulate)
