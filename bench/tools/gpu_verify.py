@@ -28,8 +28,10 @@ long segments: the multi-tile path; more segments than SMs, short: one tile each
 unordered one, top-k
 (segmented and grouped) and attention with statistics, the last also on a block of 32 rows per
 KV head both by default (the tensor-core prefill) and with KVCACHE_EXT_TC_PREFILL=0 (the scalar
-kernel), and a decode call on the tensor-core decode (KVCACHE_EXT_TC_DECODE=1). Run under compute-sanitizer by gpu_verify.sh; exits non-zero if a result differs from
-the CPU store's.
+kernel), a decode call on the tensor-core decode (KVCACHE_EXT_TC_DECODE=1), and decode steps
+evicting by a slot rule (the eager step, ``_C.decode_step``, and the ``store_decode_step`` op with
+the plan of the pages held, as a CUDA graph replays it). Run under compute-sanitizer by
+gpu_verify.sh; exits non-zero if a result differs from the CPU store's.
 
 ``report``: the one table gpu_verify.sh prints last: metric | ours (wall, kernel) | baseline |
 ratio | goal | met, from the table's JSON, the e2e JSON and the stages' summary.
@@ -434,8 +436,8 @@ def tc_decode_rows(r: dict, copy_gbps: float | None) -> list[tuple]:
 
 # --- the sanitizers' driver -----------------------------------------------------------------
 def sanitize_driver(args) -> int:
-    """Every store op on small stores, and a decode step evicting by a slot rule, on the device and
-    on the CPU; the results must agree."""
+    """Every store op on small stores, and decode steps evicting by a slot rule (eager, and through
+    the op as a CUDA graph replays it), on the device and on the CPU; the results must agree."""
     device = args.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
     bad = []
@@ -490,19 +492,23 @@ def sanitize_driver(args) -> int:
             one = more[:, :, :1].contiguous().to(dev)
             store.replace(torch.zeros(batch, heads, dtype=torch.long), one, one, torch.full((batch,), 10**6))
 
-            def decode_step(rule, at):   # a decode step through the ops, evicting by a slot rule to 6 per head
+            def decode_step(rule, at, captured):   # a decode step evicting by a slot rule to 6 per head
                 tok = torch.randn(batch, heads, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
                 q1 = torch.randn(batch, heads * 2, 1, 64, generator=gen).to(torch.bfloat16).to(dev)
                 p1 = torch.full((batch, 1), at).to(dev)
-                budget = torch.full((batch, heads), 6)
-                store.append(tok, tok, p1)
-                _, step_stats = kvcache_ext.ragged_attention(q1, store, 0.125, stats=True)
-                store.add_to_scores(0, step_stats.mass.float())          # H2O's channel
-                store.evict_by_rule(budget.to(torch.int32).view(-1).to(dev), rule=rule, sinks=1, recent=2,
-                                    last_pos=p1[:, 0], kept=torch.minimum(store.lens, budget))
-            decode_step("position", 10**6 + 1)       # by position: the same tokens on both devices
+                budget = torch.full((batch * heads,), 6)
+                work = dict(stats=("mass",), accumulate=("mass",), rule=rule, sinks=1, recent=2,
+                            last_pos=p1[:, 0], budget=(budget.to(torch.int32).to(dev), budget))
+                if captured:   # the op alone, as a CUDA graph replays it: pages held, the plan of them
+                    store.reserve(1)
+                    store.decode_step(q1, tok, tok, p1, 0.125, plan=store.attention_plan_of_pages(2), **work)
+                    store.note_appended(1)
+                    store.note_kept_in_pages(budget)
+                else:          # the eager step: one host call over the page allocator
+                    store.decode_step(q1, tok, tok, p1, 0.125, **work)
+            decode_step("position", 10**6 + 1, False)       # by position: the same tokens on both devices
             stores[dev] = (store.to_dense(), out.float().cpu(), mass.cpu(), grp.cpu())
-            decode_step("mass", 10**6 + 2)           # by mass: near ties may differ; not compared
+            decode_step("mass", 10**6 + 2, True)            # by mass: near ties may differ; not compared
         (d0, o0, m0, g0), (d1, o1, m1, g1) = stores["cpu"], stores[device]
         same = all(torch.equal(getattr(d0, f).cpu(), getattr(d1, f).cpu()) for f in ("k", "v", "pos", "lens"))
         close = torch.allclose(o0, o1, atol=2e-2, rtol=2e-2) and torch.allclose(m0, m1, atol=1e-3)

@@ -1,7 +1,9 @@
 """RaggedKVStore: the KV cache of one attention layer as one ragged segment per (batch item, KV head).
 
 Who does what. The kernels are torch custom ops (``kvcache_ext.kernels.ops``: append, replace,
-compact, top-k, attention); this class calls them. The compiled ``kvcache_ext._C.PageAllocator``
+compact, top-k, attention, a decode step); this class calls them, and an eager decode step
+enters the decode step op's function through one pybind call over the page allocator
+(``_C.decode_step``: its host steps included). The compiled ``kvcache_ext._C.PageAllocator``
 (csrc/store/page_allocator.h) is the host-side page allocator: it runs no kernel, it makes and
 grows the state the ops take and keeps the pages' bookkeeping (which segment owns which page,
 the free pages, the slabs, a host copy of the lengths). This class adds the defaults, the
@@ -20,8 +22,9 @@ The state, and who owns it. The state is three kinds of tensors on the store's d
   bookkeeping (host lengths, free pages): it makes no new tensor.
 - This class holds the current ones (``_pool``, ``_table``, ``_len``) and passes them to every
   op. It takes them again from the allocator (``_take_state``) right after each call that may
-  have made new ones: ``_refresh`` after ``prepare_append``, ``reserve``, ``repack`` and
-  ``shrink_to_fit`` (a plain version check in eager mode, a graph break under ``torch.compile``).
+  have made new ones: ``_refresh`` after ``prepare_append``, an eager decode step, ``reserve``,
+  ``repack`` and ``shrink_to_fit`` (a plain version check in eager mode, a graph break under
+  ``torch.compile``).
 - Nothing else holds them: ``state()`` hands the tensors out for the ops only, and every
   accessor (``k``, ``len``, ``page_table``, ...) returns a copy.
 """
