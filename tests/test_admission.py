@@ -11,13 +11,15 @@ import kvcache_ext
 from kvcache_ext.policies import (H2O, TOVA, AdaKV, BlockwisePrefill, EveryNSteps, EveryStep, Policy, Pyramid,
                                   SnapKV, StreamingLLM)
 from kvcache_ext.policies.policy import ModelShape
-from kvcache_ext.serving.admission import Footprint
 from tiny_models import VOCAB, tiny_model
 
 try:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 except ImportError:    # transformers 5.2 (CI's oldest): its engine has no such config
-    ContinuousBatchingConfig = None
+    pytest.skip("kvcache_ext.serving needs transformers' continuous batching engine (ContinuousBatchingConfig)",
+                allow_module_level=True)
+
+from kvcache_ext.serving.admission import Footprint  # noqa: E402 (the package imports the engine)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,7 +136,6 @@ def served_peaks(model, inputs, new_tokens, max_batch_tokens, monkeypatch):
     return list(seen.values())
 
 
-@pytest.mark.skipif(ContinuousBatchingConfig is None, reason="this transformers has no continuous batching engine")
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("policy,exact", cases(
     {name: EXACT[name] for name in ("snapkv", "h2o-every-step", "streamingllm-every-5", "tova-blocks")},
