@@ -50,9 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvcache_ext: the host page allocator of the ragged store, and build information "
             "(the kernels are the torch ops torch.ops.kvcache_ext.*)";
   py::class_<PageAllocator>(m, "PageAllocator")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, const at::Tensor&, int64_t>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, const at::Tensor&, int64_t,
+                    c10::optional<at::ScalarType>>(),
            py::arg("batch"), py::arg("heads"), py::arg("head_dim"), py::arg("score_channels"),
-           py::arg("like"), py::arg("page_size"))
+           py::arg("like"), py::arg("page_size"), py::arg("kv_dtype") = py::none())
       // The host halves of append and compact around their ops, and the state the Python store
       // passes to the ops.
       .def("prepare_append", &PageAllocator::prepare_append, py::arg("k"), py::arg("v"),
@@ -97,7 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("head_dim", &PageAllocator::head_dim)
       .def_property_readonly("score_channels", &PageAllocator::score_channels)
       .def_property_readonly("page_size", &PageAllocator::page_size)
-      .def_property_readonly("like", &PageAllocator::like);
+      .def_property_readonly("like", &PageAllocator::like)
+      .def_property_readonly("kv_dtype", &PageAllocator::kv_dtype);
   // The eager decode step (ops.h): prepare_append + attention_plan + store_decode_step's work
   // + finish_compact after an eviction, in one host call.
   m.def("decode_step", &kvcache_ext::ops::decode_step, py::arg("allocator"), py::arg("q"), py::arg("k"),
@@ -120,24 +122,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // per page and per segment (page_allocator.h), so that Python counts a store's bytes as the
   // store lays them out (serving's admission) rather than by a copy of the rule.
   m.def("page_layout",
-        [](int64_t page_size, int64_t head_dim, int64_t element_size, int64_t score_channels) {
+        [](int64_t page_size, int64_t head_dim, int64_t element_size, int64_t score_channels,
+           bool quantized) {
           kvcache_ext::ops::page_shift(page_size);
           TORCH_CHECK_VALUE(head_dim >= 1, "head_dim must be >= 1, got ", head_dim);
           TORCH_CHECK_VALUE(element_size >= 1, "element_size must be >= 1, got ", element_size);
           TORCH_CHECK_VALUE(score_channels >= 0, "score_channels must be >= 0, got ", score_channels);
+          TORCH_CHECK_VALUE(!quantized || element_size == 1, "quantized pages hold int8 K/V (element_size "
+                            "1), got element_size ", element_size);
           const auto record = kvcache_ext::store::page_record(page_size, head_dim, element_size,
-                                                              score_channels);
+                                                              score_channels, quantized);
           py::dict layout;
           layout["page_bytes"] = record.bytes;
-          layout["offsets"] = std::vector<int64_t>(record.offset, record.offset + 4);
-          layout["row_bytes"] = std::vector<int64_t>(record.row_bytes, record.row_bytes + 4);
+          layout["offsets"] = std::vector<int64_t>(record.offset, record.offset + kvcache_ext::store::kParts);
+          layout["row_bytes"] = std::vector<int64_t>(record.row_bytes, record.row_bytes + kvcache_ext::store::kParts);
           layout["page_address_bytes"] = kvcache_ext::PageAllocator::kPageAddressBytes;
           layout["table_entry_bytes"] = kvcache_ext::PageAllocator::kTableEntryBytes;
           layout["length_bytes"] = kvcache_ext::PageAllocator::kLengthBytes;
           return layout;
         },
         py::arg("page_size"), py::arg("head_dim"), py::arg("element_size"),
-        py::arg("score_channels"));
+        py::arg("score_channels"), py::arg("quantized") = false);
   {
     py::dict faults;  // store_check's codes (ops.h) -> what each says
     namespace ops = kvcache_ext::ops;

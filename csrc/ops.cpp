@@ -42,6 +42,7 @@ namespace {
 // state it is handed (checked, page addresses cached by pool: below).
 struct StateView {
   store::PagedView view;
+  at::ScalarType dtype;  // the pages' element type (is_page_dtype)
   at::Tensor page_base;
   int64_t segments = 0;
   int64_t capacity = 0;  // pages * page_size: the length of slot-layout tensors
@@ -204,11 +205,30 @@ at::Tensor check_selection_inputs(const at::Tensor& scores, const at::Tensor& po
   return k32;
 }
 
+// The pages' element types: a float store's K/V dtype, or int8 (quantized pages).
+bool is_page_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kChar;
+}
+
+// Rows handed to a store whose pages hold page_dtype (q, k, v): that dtype, or for int8 pages
+// any float dtype the kernels compute with (int8 pages quantize K and V as they store them).
+void check_rows_dtype(const at::Tensor& t, at::ScalarType page_dtype, const char* name) {
+  if (page_dtype != at::kChar) {
+    TORCH_CHECK_TYPE(t.scalar_type() == page_dtype, name, " must have the store's dtype ", page_dtype,
+                     ", got ", t.scalar_type());
+    return;
+  }
+  const at::ScalarType d = t.scalar_type();
+  TORCH_CHECK_TYPE(d == at::kFloat || d == at::kHalf || d == at::kBFloat16, name,
+                   " must be float32, float16 or bfloat16 (a store of int8 pages quantizes K and V as it "
+                   "stores them), got ", d);
+}
+
 void check_query(const at::Tensor& q, const c10::Device& device, at::ScalarType dtype,
                  int64_t batch, int64_t kv_heads, int64_t head_dim, double scale) {
   check_defined(q, "q");
   check_device(q, device, "q");
-  check_dtype(q, dtype, "q (the store's dtype)");
+  check_rows_dtype(q, dtype, "q");
   TORCH_CHECK_VALUE(q.dim() == 4, "q must be [batch, query heads, n, head_dim], got shape ", q.sizes());
   const int64_t Hq = q.size(1);
   TORCH_CHECK_VALUE(q.size(0) == batch, "q has batch ", q.size(0), " but the store has batch ", batch);
@@ -229,19 +249,21 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
   TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= 65536, "head_dim must be in [1, 65536], got ", head_dim);
   TORCH_CHECK_VALUE(score_channels >= 0 && score_channels <= 65536,
                     "score_channels must be in [0, 65536], got ", score_channels);
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                   "the store holds float32, float16 or bfloat16 K/V, got ", dtype);
+  TORCH_CHECK_TYPE(is_page_dtype(dtype),
+                   "the store holds float32, float16 or bfloat16 K/V, or int8 pages, got ", dtype);
   check_defined(page_table, "page_table");
   const c10::Device device = page_table.device();
   check_device_supported(device);
+  TORCH_CHECK_VALUE(dtype != at::kChar || device.is_cpu(), "int8 pages run on the CPU kernels only; on ",
+                    device, " the store holds float32, float16 or bfloat16 K/V");
   check_dtype(page_table, at::kInt, "page_table");
   TORCH_CHECK_VALUE(page_table.dim() == 2, "page_table must be [segments, width], got shape ",
                     page_table.sizes());
   check_contiguous(page_table, "page_table");
   const int64_t S = page_table.size(0);
   check_lengths(len, device, S);
-  const store::PageRecord record =
-      store::page_record(page_size, head_dim, c10::elementSize(dtype), score_channels);
+  const store::PageRecord record = store::page_record(page_size, head_dim, c10::elementSize(dtype),
+                                                      score_channels, /*quantized=*/dtype == at::kChar);
   int64_t pages = 0;
   for (size_t i = 0; i < pool.size(); ++i) {
     const at::Tensor& slab = pool[i];
@@ -255,6 +277,7 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
   }
   TORCH_CHECK_VALUE(pages <= (INT32_MAX >> shift), "the store cannot hold more than 2^31 - 1 slots");
   StateView st;
+  st.dtype = dtype;
   st.page_base = page_base_of(pool, record.bytes, device);
   st.view = store::PagedView{st.page_base.data_ptr<int64_t>(), page_table.data_ptr<int32_t>(),
                              page_table.size(1), shift, record};
@@ -278,6 +301,7 @@ AppendInputs check_append(const StateView& st, const at::Tensor& page_table, con
   const int64_t B = k.size(0), H = k.size(1), n = k.size(2), S = st.segments;
   check_device(k, device, "k");
   check_contiguous(k, "k");
+  check_rows_dtype(k, st.dtype, "k");
   TORCH_CHECK_VALUE(B * H == S, "k has batch x heads = ", B, " x ", H,
                     " segments but the page table has ", S);
   check_tokens(v, k, "v");
@@ -411,11 +435,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attend(
 void store_append(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                   const c10::optional<at::Tensor>& rank_in, const c10::optional<at::Tensor>& counts_in,
-                  int64_t page_size, int64_t score_channels) {
+                  int64_t page_size, int64_t score_channels, c10::optional<at::ScalarType> kv_dtype) {
   check_defined(k, "k");
   TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [batch, heads, n, head_dim], got ", k.sizes());
-  const StateView st =
-      state_view(pool, page_table, len, page_size, k.size(3), score_channels, k.scalar_type());
+  const StateView st = state_view(pool, page_table, len, page_size, k.size(3), score_channels,
+                                  kv_dtype.value_or(k.scalar_type()));
   const AppendInputs in = check_append(st, page_table, len, k, v, pos, rank_in, counts_in, page_size);
   append_tokens(st, len, k, v, in.pos32, in.rank, in.counts);
 }
@@ -426,8 +450,7 @@ void store_replace(at::TensorList pool, const at::Tensor& page_table, const at::
                    int64_t score_channels, at::ScalarType dtype, bool check_bounds) {
   const StateView st = state_view(pool, page_table, len, page_size, head_dim, score_channels, dtype);
   check_defined(k, "k");
-  TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the store's dtype ", dtype, ", got ",
-                   k.scalar_type());
+  check_rows_dtype(k, dtype, "k");
   TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1 && k.size(3) == head_dim,
                     "k must have shape [batch, heads, 1, head_dim = ", head_dim, "], got ", k.sizes());
   const c10::Device device = page_table.device();
@@ -780,7 +803,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_st
   const int64_t H = k.size(1), D = k.size(3), S = st.segments;
   append_tokens(st, len, k, v, in.pos32, in.rank, in.counts);
   at::Tensor out, mass, last, sum_sq, count;
-  std::tie(out, mass, last, sum_sq, count) = attend(st, q, len, plan, q_pos, scale, H, D, k.scalar_type(),
+  std::tie(out, mass, last, sum_sq, count) = attend(st, q, len, plan, q_pos, scale, H, D, st.dtype,
                                                     w.wants[0], w.wants[1], w.wants[2], w.wants[3]);
   at::Tensor* stats[4] = {&mass, &last, &sum_sq, &count};
   for (size_t c = 0; c < w.accumulate.size(); ++c) {
@@ -814,17 +837,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_dec
     const at::Tensor& plan, const c10::optional<at::Tensor>& q_pos, double scale, int64_t page_size,
     int64_t score_channels, bool want_mass, bool want_last, bool want_sum_sq, bool want_count,
     at::IntArrayRef accumulate, const c10::optional<std::string>& rule, int64_t sinks,
-    int64_t recent, const c10::optional<at::Tensor>& last_pos, const c10::optional<at::Tensor>& budget) {
+    int64_t recent, const c10::optional<at::Tensor>& last_pos, const c10::optional<at::Tensor>& budget,
+    c10::optional<at::ScalarType> kv_dtype) {
   // Everything is checked before anything is written.
   check_defined(k, "k");
   TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1, "k must have shape [batch, heads, 1, head_dim] (one "
                     "token per segment: a decode step), got ", k.sizes());
-  const at::ScalarType dtype = k.scalar_type();
+  const at::ScalarType dtype = kv_dtype.value_or(k.scalar_type());
   const int64_t B = k.size(0), H = k.size(1), D = k.size(3);
   const StateView st = state_view(pool, page_table, len, page_size, D, score_channels, dtype);
   const c10::Device device = page_table.device();
   const AppendInputs in = check_append(st, page_table, len, k, v, pos, rank, counts, page_size);
   check_query(q, device, dtype, B, H, D, scale);
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type(), "q must have k's dtype ", k.scalar_type(), ", got ",
+                   q.scalar_type());
   TORCH_CHECK_VALUE(q.size(2) == 1, "q must have one query per head (a decode step), got shape ", q.sizes());
   check_defined(plan, "plan");
   DecodeWork w = check_decode_work(device, B, st.segments, score_channels, want_mass, want_last, want_sum_sq,
@@ -842,7 +868,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_st
   const int64_t B = allocator.batch(), H = allocator.heads(), S = allocator.num_segments();
   const c10::Device device = allocator.device();
   // Everything that the page allocator's append does not check, before it changes anything.
-  check_query(q, device, allocator.dtype(), B, H, allocator.head_dim(), scale);
+  check_query(q, device, allocator.kv_dtype(), B, H, allocator.head_dim(), scale);
+  TORCH_CHECK_TYPE(q.scalar_type() == allocator.dtype(), "q must have the store's dtype ", allocator.dtype(),
+                   ", got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.size(2) == 1, "q must have one query per head (a decode step), got shape ", q.sizes());
   check_defined(k, "k");
   TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) == 1, "k must have shape [batch, heads, 1, head_dim] (one "
@@ -875,6 +903,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_st
   }
   StateView st;
   st.view = allocator.view();
+  st.dtype = allocator.kv_dtype();
   st.segments = S;
   st.capacity = allocator.capacity();
   auto result = decode_step_on(st, allocator.pool(), allocator.len_device(), q, k, v, in, plan, q_pos, scale,
@@ -891,7 +920,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_st
 
 TORCH_LIBRARY(kvcache_ext, m) {
   m.def("store_append(Tensor(a!)[] pool, Tensor page_table, Tensor(b!) len, Tensor k, Tensor v, "
-        "Tensor pos, Tensor? rank, Tensor? counts, int page_size, int score_channels) -> ()");
+        "Tensor pos, Tensor? rank, Tensor? counts, int page_size, int score_channels, "
+        "ScalarType? kv_dtype=None) -> ()");
   m.def("store_check(Tensor[] pool, Tensor page_table, Tensor len, int page_size, int head_dim, "
         "int score_channels, ScalarType dtype) -> Tensor");
   m.def("store_replace(Tensor(a!)[] pool, Tensor page_table, Tensor len, Tensor slot, Tensor k, "
@@ -916,7 +946,7 @@ TORCH_LIBRARY(kvcache_ext, m) {
         "Tensor v, Tensor pos, Tensor? rank, Tensor? counts, Tensor plan, Tensor? q_pos, float scale, "
         "int page_size, int score_channels, bool mass, bool last, bool sum_sq, bool count, "
         "int[] accumulate, str? rule=None, int sinks=0, int recent=0, Tensor? last_pos=None, "
-        "Tensor? budget=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? budget=None, ScalarType? kv_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {

@@ -10,7 +10,10 @@
 //   page_table [S, width] int32, the pages of each segment in token order;
 //   len        [S] int32, the live tokens of each segment;
 // owned by the Python RaggedKVStore and passed to every op (as vLLM and FlashInfer pass
-// their KV caches). The ops check the shapes, dtypes and devices of the state; its contents
+// their KV caches). An op's `dtype` (or `kv_dtype`) is the pages' element type: float32,
+// float16 or bfloat16, the dtype of the K, V and q handed to the ops; or int8, pages that
+// quantize K and V as they store them (store/quantize.h) and take K, V and q of any of those
+// float dtypes (CPU only: on CUDA an int8 store is refused). The ops check the shapes, dtypes and devices of the state; its contents
 // (page ids, and that the pages cover the lengths) are checked on CPU and trusted on CUDA,
 // where reading them would cost a device sync: they are what the store's page allocator
 // (PageAllocator, store/page_allocator.h) made. The allocator is not an op: it runs on the
@@ -39,10 +42,12 @@ int32_t page_shift(int64_t page_size);
 // live tokens of every segment. rank [S, n] int32 (-1: not stored) and counts [S] int32 (tokens
 // stored per segment) come together, for appends of some tokens only; without them every
 // token is stored. The segments' pages must already hold len + counts tokens. len += counts.
+// kv_dtype: the pages' element type (int8: quantized as stored); none: k's dtype.
 void store_append(at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len,
                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                   const c10::optional<at::Tensor>& rank, const c10::optional<at::Tensor>& counts,
-                  int64_t page_size, int64_t score_channels);
+                  int64_t page_size, int64_t score_channels,
+                  c10::optional<at::ScalarType> kv_dtype = c10::nullopt);
 
 // store_check: what every op trusts of the state's contents, reported per segment without a
 // host sync (int32 [S], on the state's device): 0 consistent, kStoreCheckNegativeLength
@@ -156,9 +161,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 // through the functions those ops run, on one state view; everything is checked before
 // anything is written. The host steps stay with the caller: the pages for the new token
 // before (PageAllocator::prepare_append, or pages already held in a CUDA graph), the lengths
-// after an eviction (finish_compact with min(len, budget), or note_kept_in_pages). Returns
-// (out, mass, last, sum_sq, count); a statistic not asked for is an empty tensor (one
-// computed only to accumulate too).
+// after an eviction (finish_compact with min(len, budget), or note_kept_in_pages). kv_dtype
+// as store_append takes it; q has k's dtype. Returns (out, mass, last, sum_sq, count); a
+// statistic not asked for is an empty tensor (one computed only to accumulate too).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_decode_step(
     at::TensorList pool, const at::Tensor& page_table, const at::Tensor& len, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
@@ -167,7 +172,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> store_dec
     int64_t score_channels, bool want_mass, bool want_last, bool want_sum_sq, bool want_count,
     at::IntArrayRef accumulate, const c10::optional<std::string>& rule = c10::nullopt,
     int64_t sinks = 0, int64_t recent = 0, const c10::optional<at::Tensor>& last_pos = c10::nullopt,
-    const c10::optional<at::Tensor>& budget = c10::nullopt);
+    const c10::optional<at::Tensor>& budget = c10::nullopt,
+    c10::optional<at::ScalarType> kv_dtype = c10::nullopt);
 
 // decode_step (not an op): store_decode_step on a store's page allocator, its host steps
 // included, in one host call: the eager decode step (RaggedKVStore.decode_step; torch.compile

@@ -261,6 +261,23 @@ def check_page_size(value, label: str = "page_size") -> int:
     return size
 
 
+KV_DTYPES = ("int8",)   # what pages may hold besides the model's own dtype
+
+
+def kv_dtype(value, label: str = "kv_dtype", dtype=None):
+    """The pages' element type asked for: None (the K/V dtype itself, ``dtype`` when given and
+    equal) or torch.int8 (``"int8"`` or ``torch.int8``: pages quantized per token and head);
+    anything else a clear error naming what is accepted."""
+    import torch
+    if value is None or (dtype is not None and value == dtype):
+        return None
+    if value in ("int8", torch.int8):
+        return torch.int8
+    raise (ValueError if isinstance(value, (str, torch.dtype)) else TypeError)(
+        f"{label} must be None (pages in the model's dtype) or 'int8' (torch.int8: K and V quantized per "
+        f"token and head, one float16 scale each), got {_with_type(value)}")
+
+
 def store_arguments(batch, heads, head_dim, score_channels, page_size, dtype, device):
     """``RaggedKVStore``'s arguments checked and normalized (the store checks their product)."""
     import torch

@@ -63,12 +63,16 @@ def slack(fp: Footprint, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("dtype,channels", [(torch.float32, 1), (torch.bfloat16, 0), (torch.float16, 3)])
-def test_a_store_holds_the_bytes_of_its_pages_and_table(page_size, dtype, channels):
-    """``Footprint.layer_bytes`` of a store's pages and page table is its ``nbytes``."""
+@pytest.mark.parametrize("dtype,channels,int8", [(torch.float32, 1, False), (torch.bfloat16, 0, False),
+                                                (torch.float16, 3, False), (torch.float32, 1, True),
+                                                (torch.bfloat16, 0, True)])
+def test_a_store_holds_the_bytes_of_its_pages_and_table(page_size, dtype, channels, int8):
+    """``Footprint.layer_bytes`` of a store's pages and page table is its ``nbytes`` (int8 pages:
+    one byte per K and V element, and their scales)."""
     H, D = 3, 6
-    store = kvcache_ext.RaggedKVStore(1, H, D, dtype=dtype, score_channels=channels, page_size=page_size)
-    fp = Footprint(ModelShape(1, H, H, D), dtype.itemsize, page_size, channels)
+    store = kvcache_ext.RaggedKVStore(1, H, D, dtype=dtype, score_channels=channels, page_size=page_size,
+                                      kv_dtype="int8" if int8 else None)
+    fp = Footprint(ModelShape(1, H, H, D), 1 if int8 else dtype.itemsize, page_size, channels, int8)
     assert store.nbytes == fp.layer_bytes(0, 0)
     for n, extra in [(5, 0), (1, 7), (19, 3)]:
         k = torch.randn(1, H, n, D).to(dtype)

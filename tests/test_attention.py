@@ -18,19 +18,27 @@ OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 STAT_TOL = 1e-5  # statistics are float32 on both sides
 
 
-def build_store(gen, B, H, D, dtype, device, prompt, evict, n_new):
+def build_store(gen, B, H, D, dtype, device, prompt, evict, n_new, kv_dtype=None):
     """A ragged store: `prompt` tokens, a random eviction (keep prob 1 - evict, so some
     segments end up empty or with one slot), then `n_new` block tokens at the next positions.
-    Returns the store and the positions of the block's tokens [B, n_new]."""
-    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device)
+    Returns the store and the positions of the block's tokens [B, n_new]. With int8 pages the
+    store also gets ``attended``: the K and V of every position [B, H, T, D] as the attention
+    sees them (``reference.as_attended``), for ``check_against_reference``."""
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, kv_dtype=kv_dtype)
+    ks, vs = [], []
     if prompt:
         k, v = (torch.randn(B, H, prompt, D, generator=gen).to(dtype) for _ in range(2))
         store.append(k.to(device), v.to(device), torch.arange(prompt))
         keep = torch.rand(store.capacity, generator=gen) >= evict
         store.compact(keep.to(device))
+        ks.append(k), vs.append(v)
     if n_new:
         k, v = (torch.randn(B, H, n_new, D, generator=gen).to(dtype) for _ in range(2))
         store.append(k.to(device), v.to(device), torch.arange(prompt, prompt + n_new))
+        ks.append(k), vs.append(v)
+    if kv_dtype is not None:
+        store.attended = tuple(reference.as_attended(torch.cat(x, 2) if x else torch.zeros(B, H, 0, D))
+                               for x in (ks, vs))
     q_pos = torch.arange(prompt, prompt + n_new).expand(B, n_new)
     return store, q_pos
 
@@ -38,8 +46,11 @@ def build_store(gen, B, H, D, dtype, device, prompt, evict, n_new):
 def check_against_reference(store, q, scale, q_pos, stats):
     out, got = kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=stats)
     dense = store.to_dense()
-    want_out, want = reference.ragged_attention(q.cpu(), dense.k.cpu(), dense.v.cpu(), dense.pos.cpu(),
-                                                dense.mask.cpu(), scale,
+    k, v = dense.k.cpu(), dense.v.cpu()
+    if store.kv_dtype == torch.int8:   # int8 pages: the exact K and V the kernel attends over, by position
+        pos = dense.pos.cpu().long()[..., None].expand(-1, -1, -1, store.head_dim)
+        k, v = (x.gather(2, pos) * dense.mask.cpu()[..., None] for x in store.attended)
+    want_out, want = reference.ragged_attention(q.cpu(), k, v, dense.pos.cpu(), dense.mask.cpu(), scale,
                                                 None if q_pos is None else q_pos.cpu())
     tol = OUT_TOL[q.dtype]
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
@@ -74,10 +85,11 @@ def check_against_reference(store, q, scale, q_pos, stats):
        prompt=st.integers(0, 300), evict=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
        n=st.sampled_from([1, 1, 2, 5, 16]), causal=st.booleans(),
        stats=st.sampled_from([False, True, ("mass",), ("last", "count"), ("sum_sq",)]),
-       scale=st.sampled_from([None, 0.05, 0.3]), seed=st.integers(0, 2**31 - 1))
-def test_random_stores(device, B, H, G, D, dtype, prompt, evict, n, causal, stats, scale, seed):
+       scale=st.sampled_from([None, 0.05, 0.3]), seed=st.integers(0, 2**31 - 1), int8=st.booleans())
+def test_random_stores(device, B, H, G, D, dtype, prompt, evict, n, causal, stats, scale, seed, int8):
     gen = torch.Generator().manual_seed(seed)
-    store, q_pos = build_store(gen, B, H, D, dtype, device, prompt, evict, n)
+    kv_dtype = torch.int8 if int8 and device == "cpu" else None   # int8 pages: the CPU kernels
+    store, q_pos = build_store(gen, B, H, D, dtype, device, prompt, evict, n, kv_dtype)
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).to(device)
     scale = 1 / math.sqrt(D) if scale is None else scale
     check_against_reference(store, q, scale, q_pos if causal else None, stats)
@@ -258,12 +270,15 @@ def test_bad_input(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, H, G", [(1, 1, 1), (2, 3, 3), (3, 2, 4)])
-def test_decode_step_is_the_reference_step(device, dtype, B, H, G):
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["pages-in-dtype", "int8-pages"])
+def test_decode_step_is_the_reference_step(device, dtype, B, H, G, kv_dtype):
     """A layer storage's decode step (append, attend, accumulate, evict by a slot rule: the
     engine's one decode door) on the ragged store against the reference's masked dense cache,
     over ragged segments (one empty before the steps, one of a single token), across page
     boundaries, with padded rows on some steps: the same outputs, statistics, channels and
-    kept positions."""
+    kept positions. int8 pages (CPU) against the reference holding what they give back."""
+    if kv_dtype is not None and device != "cpu":
+        pytest.skip("int8 pages run on the CPU kernels")
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     from kvcache_ext.engine.storage import DecodeStep, EvictByRule
     from kvcache_ext.reference.masked_cache import MaskedLayerKV
@@ -273,8 +288,8 @@ def test_decode_step_is_the_reference_step(device, dtype, B, H, G):
     lens = torch.randint(0, L + 1, (B, H), generator=gen)
     lens.view(-1)[0] = 0
     lens.view(-1)[-1] = 1 if B * H > 1 else 0
-    ragged = RaggedLayerKV(B, H, D, dtype, torch.device(device), 1, page_size=4)
-    masked = MaskedLayerKV(B, H, D, dtype, torch.device(device), 1)
+    ragged = RaggedLayerKV(B, H, D, dtype, torch.device(device), 1, page_size=4, kv_dtype=kv_dtype)
+    masked = MaskedLayerKV(B, H, D, dtype, torch.device(device), 1, kv_dtype=kv_dtype)
     k = torch.randn(B, H, L, D, generator=gen).to(dtype).to(device)
     keep = (torch.arange(L) < lens[..., None]).to(device)
     for storage in (ragged, masked):

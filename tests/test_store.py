@@ -61,12 +61,14 @@ OPS = ["append", "append_masked", "replace", "set_scores", "compact", "compact_u
 @pytest.mark.parametrize("device", DEVICES)
 @given(B=st.integers(1, 3), H=st.integers(1, 4), D=st.sampled_from([1, 4, 8, 64]),
        dtype=st.sampled_from(DTYPES), C=st.integers(0, 3), page_size=st.sampled_from([1, 2, 4, 16]),
-       ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=14), seed=st.integers(0, 2**31 - 1))
-def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, seed):
+       ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=14), seed=st.integers(0, 2**31 - 1),
+       int8=st.booleans())
+def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, seed, int8):
     gen = torch.Generator().manual_seed(seed)
+    kv_dtype = torch.int8 if int8 and device == "cpu" else None   # int8 pages: the CPU kernels
     store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, score_channels=C,
-                                      page_size=page_size)
-    ref = reference.ReferenceStore(B, H, D, dtype=dtype, score_channels=C)
+                                      page_size=page_size, kv_dtype=kv_dtype)
+    ref = reference.ReferenceStore(B, H, D, dtype=dtype, score_channels=C, kv_dtype=kv_dtype)
     next_pos = 0
     for op in ["append"] + ops:
         if op in ("append", "append_masked"):

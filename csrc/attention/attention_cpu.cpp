@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -293,9 +294,12 @@ void add_statistics(const Problem& p, const Plan& plan, Result& r, int64_t s, in
 // Unit u: the queries of its block against the tokens of its chunk. Leaves the unit's
 // maximum, sum and unnormalised output in the workspace; a tile unit leaves its exponentials
 // in ws.probs when statistics are asked for, a matrix unit adds its statistics itself.
-template <typename T>
+// T: the queries' element type; E: the pages' (T, or int8_t for int8 pages: the loops run
+// over the steps, and each token's K scale multiplies its logits, its V scale its weights).
+template <typename T, typename E>
 void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result& r, int64_t u) {
-  const Tiles<T>& tiles = attention::tiles<T>();
+  constexpr bool kQuantized = std::is_same_v<E, int8_t>;
+  const Tiles<E>& tiles = attention::tiles<E>();
   const int64_t block = u % plan.blocks;
   const auto [s, l0, cl] = chunk_range(p, plan, u / plan.blocks);
   const int64_t G = plan.groups, n = plan.n, D = plan.D;
@@ -303,14 +307,25 @@ void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result
   const store::PagedView& view = p.view;
 
   // The block's queries as scaled floats, row j = g * ib + (i - i0).
-  thread_local std::vector<float> qf, logits_buf, kv_f;
+  thread_local std::vector<float> qf, logits_buf, kv_f, k_scale, v_scale, weights;
   thread_local std::vector<int32_t> pos;
   qf.resize(rows * D);
   const T* q = p.q.data_ptr<T>() + s * G * n * D;
   for (int64_t g = 0; g < G; ++g) {
-    tiles.widen(q + (g * n + i0) * D, qf.data() + g * ib * D, ib * D);
+    attention::tiles<T>().widen(q + (g * n + i0) * D, qf.data() + g * ib * D, ib * D);
   }
   for (float& x : qf) x *= p.scale;
+  if constexpr (kQuantized) {  // the chunk's scales as floats
+    k_scale.resize(cl);
+    v_scale.resize(cl);
+    for_each_page_run<c10::Half>(view, store::kScale, s, l0, l0 + cl,
+                                 [&](int64_t l, int64_t run, const c10::Half* sc, const c10::Half*) {
+                                   for (int64_t t = 0; t < run; ++t) {
+                                     k_scale[l - l0 + t] = static_cast<float>(sc[2 * t]);
+                                     v_scale[l - l0 + t] = static_cast<float>(sc[2 * t + 1]);
+                                   }
+                                 });
+  }
 
   const bool keep_probs = ws.probs != nullptr && !plan.gemm;
   float* logits = keep_probs ? ws.probs + u * plan.rows_max * kChunk
@@ -318,19 +333,28 @@ void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   auto widen_part = [&](int part) {  // the chunk's K or V rows as floats [cl, D]
     kv_f.resize(cl * D);
-    for_each_page_run<T>(view, part, s, l0, l0 + cl,
-                         [&](int64_t l, int64_t run, const T* rows_p, const T*) {
+    for_each_page_run<E>(view, part, s, l0, l0 + cl,
+                         [&](int64_t l, int64_t run, const E* rows_p, const E*) {
                            tiles.widen(rows_p, kv_f.data() + (l - l0) * D, run * D);
                          });
+    if constexpr (kQuantized) {
+      const std::vector<float>& scale = part == store::kK ? k_scale : v_scale;
+      for (int64_t l = 0; l < cl; ++l)
+        for (int64_t d = 0; d < D; ++d) kv_f[l * D + d] *= scale[l];
+    }
     return at::from_blob(kv_f.data(), {cl, D}, f32);
   };
   if (plan.gemm) {
     at::Tensor out = at::from_blob(logits, {rows, cl}, f32);
     at::mm_out(out, at::from_blob(qf.data(), {rows, D}, f32), widen_part(store::kK).t());
   } else {
-    for_each_page_run<T>(view, store::kK, s, l0, l0 + cl, [&](int64_t l, int64_t run, const T* k, const T* next) {
+    for_each_page_run<E>(view, store::kK, s, l0, l0 + cl, [&](int64_t l, int64_t run, const E* k, const E* next) {
       tiles.logits(k, run, D, qf.data(), rows, logits + (l - l0), cl, next);
     });
+    if constexpr (kQuantized) {
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t l = 0; l < cl; ++l) logits[j * cl + l] *= k_scale[l];
+    }
   }
   if (p.q_pos.defined()) {  // causal by position: a slot in a query's future is masked
     pos.resize(cl);
@@ -363,8 +387,17 @@ void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result
     at::mm_out(out, at::from_blob(logits, {rows, cl}, f32), widen_part(store::kV));
   } else {
     std::fill(acc, acc + rows * D, 0.f);
-    for_each_page_run<T>(view, store::kV, s, l0, l0 + cl, [&](int64_t l, int64_t run, const T* v, const T* next) {
-      tiles.values(v, run, D, logits + (l - l0), cl, rows, acc, next);
+    // The weights of the V rows: the exponentials, times each token's V scale on int8 pages
+    // (a copy: the exponentials stay as they are for the statistics).
+    const float* w = logits;
+    if constexpr (kQuantized) {
+      weights.resize(rows * cl);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t l = 0; l < cl; ++l) weights[j * cl + l] = logits[j * cl + l] * v_scale[l];
+      w = weights.data();
+    }
+    for_each_page_run<E>(view, store::kV, s, l0, l0 + cl, [&](int64_t l, int64_t run, const E* v, const E* next) {
+      tiles.values(v, run, D, w + (l - l0), cl, rows, acc, next);
     });
   }
   if (plan.gemm && ws.probs != nullptr) {  // the unit is its segment's only chunk: final now
@@ -409,7 +442,7 @@ void merge_block(const Plan& plan, const Workspace& ws, T* out_all, int64_t w) {
     }
 }
 
-template <typename T>
+template <typename T, typename E>
 void attend_all(const Problem& p, Result& r) {
   const int64_t n = p.q.size(2), D = p.q.size(3);
   const Plan plan = make_plan(p, n, D);
@@ -455,7 +488,7 @@ void attend_all(const Problem& p, Result& r) {
   auto run_tasks = [&](int64_t task_begin, int64_t task_end) {
     const int64_t first = task_begin * per_task;
     for (int64_t u = first; u < task_end * per_task; ++u) {
-      attend_unit<T>(p, plan, ws, r, u);
+      attend_unit<T, E>(p, plan, ws, r, u);
       const int64_t s = plan.chunk_segment[u / plan.blocks];
       if (u + 1 == unit_begin(s + 1) && unit_begin(s) >= first) {
         finish_segment(s);
@@ -488,11 +521,15 @@ void attend_all(const Problem& p, Result& r) {
 }  // namespace
 
 void ragged_attention_cpu(const Problem& p, Result& r) {
-  // The store holds float32, float16 or bfloat16 (its constructor checks).
+  // q is float32, float16 or bfloat16; the pages hold the same, or int8 (the op checks).
+  const bool int8_pages = p.view.record.quantized();
   switch (p.q.scalar_type()) {
-    case at::kFloat: return attend_all<float>(p, r);
-    case at::kHalf: return attend_all<c10::Half>(p, r);
-    case at::kBFloat16: return attend_all<c10::BFloat16>(p, r);
+    case at::kFloat: return int8_pages ? attend_all<float, int8_t>(p, r) : attend_all<float, float>(p, r);
+    case at::kHalf:
+      return int8_pages ? attend_all<c10::Half, int8_t>(p, r) : attend_all<c10::Half, c10::Half>(p, r);
+    case at::kBFloat16:
+      return int8_pages ? attend_all<c10::BFloat16, int8_t>(p, r)
+                        : attend_all<c10::BFloat16, c10::BFloat16>(p, r);
     default: TORCH_CHECK(false, "ragged_attention_cpu: unsupported dtype ", p.q.scalar_type());
   }
 }

@@ -280,6 +280,7 @@ const Tiles<T>& tiles() {
 template const Tiles<float>& tiles<float>();
 template const Tiles<c10::BFloat16>& tiles<c10::BFloat16>();
 template const Tiles<c10::Half>& tiles<c10::Half>();
+template const Tiles<int8_t>& tiles<int8_t>();
 
 std::string cpu_isa() { return kIsaNames[current_isa().load()]; }
 

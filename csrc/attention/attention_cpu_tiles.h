@@ -28,7 +28,8 @@ struct Tiles {
   float (*max)(const float* x, int64_t count);
 };
 
-// The loops for the ISA in use (see cpu_isa()); T is float, c10::BFloat16 or c10::Half.
+// The loops for the ISA in use (see cpu_isa()); T is float, c10::BFloat16, c10::Half or
+// int8_t (int8 pages: the loops see the steps; the caller applies the rows' scales).
 template <typename T>
 const Tiles<T>& tiles();
 

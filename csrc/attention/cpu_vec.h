@@ -1,5 +1,5 @@
 // Portable SIMD for the CPU attention: W-lane float vectors (GCC/Clang vector extensions),
-// loads that widen fp32 / bf16 / fp16 rows to float in registers, and an exp.
+// loads that widen fp32 / bf16 / fp16 / int8 rows to float in registers, and an exp.
 //
 // The extension is compiled for the baseline x86-64 ISA; the code that uses these helpers is
 // instantiated once per ISA inside functions carrying a target attribute (attention_cpu_tiles.h),
@@ -26,6 +26,7 @@ struct Lanes {
   typedef uint32_t u __attribute__((vector_size(W * 4)));
   typedef uint16_t u16 __attribute__((vector_size(W * 2)));
   typedef _Float16 f16 __attribute__((vector_size(W * 2)));
+  typedef int8_t i8 __attribute__((vector_size(W)));
 };
 
 template <int W>
@@ -53,6 +54,13 @@ KVCACHE_ALWAYS_INLINE vf<W> load(const c10::BFloat16* p) {
 template <int W>
 KVCACHE_ALWAYS_INLINE vf<W> load(const c10::Half* p) {
   typename Lanes<W>::f16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return __builtin_convertvector(x, vf<W>);
+}
+
+template <int W>
+KVCACHE_ALWAYS_INLINE vf<W> load(const int8_t* p) {  // int8 pages: the steps, not yet scaled
+  typename Lanes<W>::i8 x;
   std::memcpy(&x, p, sizeof(x));
   return __builtin_convertvector(x, vf<W>);
 }

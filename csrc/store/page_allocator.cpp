@@ -48,7 +48,8 @@ at::Tensor to_device(const std::vector<T>& host, at::ScalarType dtype, const c10
 }  // namespace
 
 PageAllocator::PageAllocator(int64_t batch, int64_t heads, int64_t head_dim,
-                             int64_t score_channels, const at::Tensor& like, int64_t page_size)
+                             int64_t score_channels, const at::Tensor& like, int64_t page_size,
+                             c10::optional<at::ScalarType> kv_dtype)
     : batch_(batch), heads_(heads), head_dim_(head_dim), score_channels_(score_channels),
       page_size_(page_size) {
   TORCH_CHECK_VALUE(batch >= 1, "batch must be >= 1, got ", batch);
@@ -65,7 +66,13 @@ PageAllocator::PageAllocator(int64_t batch, int64_t heads, int64_t head_dim,
                    "the store holds float32, float16 or bfloat16 K/V, got ", dtype);
   check_device_supported(like.device());
   kv_options_ = like.options();
-  record_ = store::page_record(page_size, head_dim, like.element_size(), score_channels);
+  kv_dtype_ = kv_dtype.value_or(dtype);
+  TORCH_CHECK_TYPE(kv_dtype_ == dtype || kv_dtype_ == at::kChar, "kv_dtype must be the store's dtype ", dtype,
+                   " or int8 (quantized pages), got ", kv_dtype_);
+  TORCH_CHECK_VALUE(kv_dtype_ != at::kChar || like.device().is_cpu(), "int8 pages run on the CPU kernels "
+                    "only; on ", like.device(), " the store holds ", dtype, " K/V (kv_dtype=None)");
+  record_ = store::page_record(page_size, head_dim, c10::elementSize(kv_dtype_), score_channels,
+                               /*quantized=*/kv_dtype_ == at::kChar);
   const int64_t S = num_segments();
   const auto meta = at::TensorOptions().device(like.device());
   page_base_ = at::empty({0}, meta.dtype(at::kLong));
@@ -148,7 +155,7 @@ void PageAllocator::note_kept_in_pages(const at::Tensor& budget) {
 }
 
 at::Tensor PageAllocator::part_of(const at::Tensor& slab, int part) const {
-  return store::slab_part(slab, record_, part, page_size_, dtype());
+  return store::slab_part(slab, record_, part, page_size_, kv_dtype_);
 }
 
 at::Tensor PageAllocator::gather_part(int part) const {
@@ -162,9 +169,18 @@ at::Tensor PageAllocator::gather_part(int part) const {
     const auto meta = at::TensorOptions().device(device());
     if (part == store::kPos) return at::empty({0}, meta.dtype(at::kInt));
     if (part == store::kScores) return at::empty({0, score_channels_}, meta.dtype(at::kFloat));
-    return at::empty({0, head_dim_}, kv_options_);
+    if (part == store::kScale) return at::empty({0, 2}, meta.dtype(at::kHalf));
+    return at::empty({0, head_dim_}, meta.dtype(kv_dtype_));
   }
   return at::cat(pieces, 0);  // a copy even for one slab: callers cannot write the store
+}
+
+at::Tensor PageAllocator::gather_rows(int part) const {
+  const at::Tensor rows = gather_part(part);
+  if (!record_.quantized()) return rows;
+  // The twin of kvcache_ext.reference.dequantize: steps times the row's scale, in float32.
+  const at::Tensor scale = gather_part(store::kScale).select(1, part == store::kK ? 0 : 1).to(at::kFloat);
+  return (rows.to(at::kFloat) * scale.unsqueeze(1)).to(dtype());
 }
 
 size_t PageAllocator::slab_of(int64_t page) const {

@@ -29,10 +29,13 @@ class PageAllocator {
   static constexpr int64_t kTableEntryBytes = sizeof(int32_t);
   static constexpr int64_t kLengthBytes = sizeof(int32_t);
 
-  // `like` only carries the dtype and device of K and V. page_size: tokens per page, a
-  // power of two up to ops::kMaxPageSize; it is also the unit by which a segment grows.
+  // `like` only carries the dtype and device of K and V as they are handed in and read out.
+  // page_size: tokens per page, a power of two up to ops::kMaxPageSize; it is also the unit
+  // by which a segment grows. kv_dtype: what the pages hold, like's dtype (the default) or
+  // int8 (quantized as stored, store/quantize.h; CPU only).
   PageAllocator(int64_t batch, int64_t heads, int64_t head_dim, int64_t score_channels,
-                const at::Tensor& like, int64_t page_size);
+                const at::Tensor& like, int64_t page_size,
+                c10::optional<at::ScalarType> kv_dtype = c10::nullopt);
 
   // The host half of an append of n tokens to every segment (k, v [B, H, n, D]; pos [B, n]
   // or [n] integers; valid [B, n] or [B, H, n] bool, only the valid tokens stored, in
@@ -89,8 +92,9 @@ class PageAllocator {
   void check_writable(const char* what) const;
 
   // Copies in slot layout ([capacity, ...]); slots that hold no live token are undefined.
-  at::Tensor k() const { return gather_part(store::kK); }
-  at::Tensor v() const { return gather_part(store::kV); }
+  // K and V in the store's dtype (int8 pages: dequantized).
+  at::Tensor k() const { return gather_rows(store::kK); }
+  at::Tensor v() const { return gather_rows(store::kV); }
   at::Tensor pos() const { return gather_part(store::kPos); }
   at::Tensor scores() const { return gather_part(store::kScores); }
   // [capacity] int64 on the store's device: the batch row of the segment that owns each
@@ -144,6 +148,7 @@ class PageAllocator {
   int64_t num_segments() const { return batch_ * heads_; }
   int64_t page_size() const { return page_size_; }
   at::ScalarType dtype() const { return kv_options_.dtype().toScalarType(); }
+  at::ScalarType kv_dtype() const { return kv_dtype_; }  // what the pages hold (int8 or dtype())
   at::Device device() const { return kv_options_.device(); }
   at::Tensor like() const { return at::empty({0}, kv_options_); }  // dtype and device for Python
 
@@ -161,6 +166,8 @@ class PageAllocator {
   // (entries past a segment's pages are never read, so they may be stale there).
   void upload_table();
   at::Tensor gather_part(int part) const;
+  // K or V rows of every slot in dtype(), dequantized from int8 pages.
+  at::Tensor gather_rows(int part) const;
   // The slab that holds page `page`.
   size_t slab_of(int64_t page) const;
   // Part b of every page of a slab as a [pages, P, ...] view of the slab.
@@ -170,6 +177,7 @@ class PageAllocator {
   int32_t shift_;
   store::PageRecord record_;
   at::TensorOptions kv_options_;
+  at::ScalarType kv_dtype_;
   std::vector<at::Tensor> slabs_;       // uint8 [pages, record bytes] each
   std::vector<int64_t> slab_first_;     // id of each slab's first page
   std::vector<int64_t> page_base_h_;    // address of each page

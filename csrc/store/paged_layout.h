@@ -3,8 +3,12 @@
 //
 // A layer's tokens live in pages of P = 2^shift tokens. A page is one record of bytes:
 //   [K: P rows of D elements] [V: P rows] [pos: P int32] [scores: P rows of C float32]
+//   [scales: P rows of 2 float16, int8 pages only]
 // each part starting at a 16-byte boundary (`offset`), so every K and V row is as aligned
-// as its size allows (the CUDA kernels move 16-byte words). Pages are allocated in slabs
+// as its size allows (the CUDA kernels move 16-byte words). A store of int8 pages keeps each
+// token's K and V row quantized symmetrically with one scale each (store/quantize.h): the
+// scales are a part of the token's record, so every kernel that moves a token's parts
+// (compaction, repack, fork) moves its scales with it; other stores' scale part is empty. Pages are allocated in slabs
 // (one allocation holding several pages); page_base[p] is the address of page p wherever
 // its slab lies, so the store grows by allocating the new pages only and never moves the
 // pages it already has.
@@ -24,24 +28,32 @@
 
 namespace kvcache_ext::store {
 
-// The four parts of a token, in the order of a page record.
-constexpr int kK = 0, kV = 1, kPos = 2, kScores = 3;
+// The parts of a token, in the order of a page record.
+constexpr int kK = 0, kV = 1, kPos = 2, kScores = 3, kScale = 4;
+constexpr int kParts = 5;
+// A quantized token's scale row: K's scale, then V's, as float16.
+constexpr int64_t kScaleRowBytes = 4;
 
 // Byte layout of a page: where each part starts and the size of one token's row in it.
 struct PageRecord {
-  int64_t offset[4];
-  int64_t row_bytes[4];
+  int64_t offset[kParts];
+  int64_t row_bytes[kParts];
   int64_t bytes;  // the whole page, a multiple of 16
+
+  // Whether K and V rows are int8 with a scale per row (the scale part is not empty).
+  KVCACHE_HOST_DEVICE bool quantized() const { return row_bytes[kScale] > 0; }
 };
 
+// quantized: int8 K and V rows (kv_element_size 1) and a scale row per token.
 inline PageRecord page_record(int64_t page_size, int64_t head_dim, int64_t kv_element_size,
-                              int64_t score_channels) {
+                              int64_t score_channels, bool quantized = false) {
   PageRecord r{};
   r.row_bytes[kK] = r.row_bytes[kV] = head_dim * kv_element_size;
   r.row_bytes[kPos] = 4;
   r.row_bytes[kScores] = score_channels * 4;
+  r.row_bytes[kScale] = quantized ? kScaleRowBytes : 0;
   int64_t at = 0;
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < kParts; ++b) {
     r.offset[b] = at;
     at += (page_size * r.row_bytes[b] + 15) / 16 * 16;
   }
@@ -64,7 +76,7 @@ struct PagedView {
     const int64_t page = table[s * width + (i >> shift)];
     return (page << shift) | (i & (page_size() - 1));
   }
-  // Row of part b (kK, kV, kPos, kScores) of a slot.
+  // Row of part b (kK, kV, kPos, kScores, kScale) of a slot.
   KVCACHE_HOST_DEVICE char* row(int b, int64_t slot) const {
     return reinterpret_cast<char*>(page_base[slot >> shift]) + record.offset[b] +
            (slot & (page_size() - 1)) * record.row_bytes[b];

@@ -5,7 +5,10 @@ namespace kvcache_ext::store {
 at::Tensor slab_part(const at::Tensor& slab, const PageRecord& record, int part, int64_t page_size,
                      at::ScalarType kv_dtype) {
   const int64_t pages = slab.size(0);
-  const at::ScalarType dtype = part == kPos ? at::kInt : part == kScores ? at::kFloat : kv_dtype;
+  const at::ScalarType dtype = part == kPos      ? at::kInt
+                              : part == kScores ? at::kFloat
+                              : part == kScale  ? at::kHalf
+                                                : kv_dtype;
   const int64_t width = record.row_bytes[part] / static_cast<int64_t>(c10::elementSize(dtype));
   // The part's bytes of every page: [pages, P * row bytes] with the record as row stride.
   const at::Tensor bytes = slab.narrow(1, record.offset[part], page_size * record.row_bytes[part]);

@@ -9,9 +9,10 @@
 
 namespace kvcache_ext::store {
 
-// Part `part` (kK, kV, kPos, kScores) of every page of a slab (uint8 [pages, record bytes])
-// as a [pages, P, width] view ([pages, P] for kPos), typed: kv_dtype for K and V, int32 for
-// the positions, float32 for the scores.
+// Part `part` (kK, kV, kPos, kScores, kScale) of every page of a slab (uint8 [pages, record
+// bytes]) as a [pages, P, width] view ([pages, P] for kPos), typed: kv_dtype (the pages'
+// element type) for K and V, int32 for the positions, float32 for the scores, float16 for
+// the scales (width 2, or 0 on pages that are not int8).
 at::Tensor slab_part(const at::Tensor& slab, const PageRecord& record, int part, int64_t page_size,
                      at::ScalarType kv_dtype);
 

@@ -1,10 +1,12 @@
-// CPU kernels of the ragged store: parallel over segments, rows moved with memcpy.
+// CPU kernels of the ragged store: parallel over segments, rows moved with memcpy (or
+// quantized on the way in, for int8 pages).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "store/quantize.h"
 #include "store/store_kernels.h"
 
 namespace kvcache_ext::store {
@@ -28,25 +30,46 @@ void for_each_segment(int64_t num_segments, int64_t bytes, const F& f) {
   });
 }
 
-void write_token(const PagedView& view, int64_t slot, const char* k, const char* v, int32_t pos) {
+// Writes one token: its K and V rows (copied as they are, or quantized into int8 pages with
+// their scales), its position, and zero scores. T: the element type of the rows given.
+template <typename T>
+void write_token(const PagedView& view, int64_t slot, const T* k, const T* v, int32_t pos, int64_t D) {
   const PageRecord& r = view.record;
-  std::memcpy(view.row(kK, slot), k, r.row_bytes[kK]);
-  std::memcpy(view.row(kV, slot), v, r.row_bytes[kV]);
+  if (r.quantized()) {
+    auto* scales = reinterpret_cast<c10::Half*>(view.row(kScale, slot));
+    scales[0] = quantize_row(k, D, reinterpret_cast<int8_t*>(view.row(kK, slot)));
+    scales[1] = quantize_row(v, D, reinterpret_cast<int8_t*>(view.row(kV, slot)));
+  } else {
+    std::memcpy(view.row(kK, slot), k, r.row_bytes[kK]);
+    std::memcpy(view.row(kV, slot), v, r.row_bytes[kV]);
+  }
   std::memcpy(view.row(kPos, slot), &pos, sizeof(int32_t));
   std::memset(view.row(kScores, slot), 0, r.row_bytes[kScores]);
+}
+
+// Calls f(T()) with T the element type of the rows given (float32, float16 or bfloat16: what
+// the ops accept).
+template <typename F>
+void with_row_type(const at::Tensor& rows, const F& f) {
+  switch (rows.scalar_type()) {
+    case at::kFloat: return f(float());
+    case at::kHalf: return f(c10::Half());
+    case at::kBFloat16: return f(c10::BFloat16());
+    default: TORCH_CHECK(false, "the store writes float32, float16 or bfloat16 K/V, got ", rows.scalar_type());
+  }
 }
 
 // Moves n consecutive tokens of one page to n consecutive rows of one page, every part.
 // Within one page the destination rows may overlap the source rows; they are lower, so a
 // forward copy is right (memmove for the K and V rows, a word loop for the small parts).
 void move_rows(const PagedView& view, int64_t from_slot, int64_t to_slot, int64_t n) {
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < kParts; ++b) {
     char* to = view.row(b, to_slot);
     const char* from = view.row(b, from_slot);
     const int64_t bytes = n * view.record.row_bytes[b];
     if (b == kK || b == kV) {
       std::memmove(to, from, bytes);
-    } else {  // pos and score rows: whole int32 / float32 words
+    } else {  // pos, score and scale rows: whole int32 / float32 / float16-pair words
       auto* to_w = reinterpret_cast<int32_t*>(to);
       const auto* from_w = reinterpret_cast<const int32_t*>(from);
       for (int64_t w = 0; w < bytes / 4; ++w) to_w[w] = from_w[w];
@@ -58,34 +81,37 @@ void move_rows(const PagedView& view, int64_t from_slot, int64_t to_slot, int64_
 
 void append_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& new_k,
                 const at::Tensor& new_v, const at::Tensor& new_pos, const at::Tensor& rank) {
-  const int64_t S = new_k.size(0), n = new_k.size(1), heads = S / new_pos.size(0);
-  const int64_t row_bytes = view.record.row_bytes[kK];
-  const char* k = static_cast<const char*>(new_k.data_ptr());
-  const char* v = static_cast<const char*>(new_v.data_ptr());
+  const int64_t S = new_k.size(0), n = new_k.size(1), D = new_k.size(2), heads = S / new_pos.size(0);
   const int32_t* pos = new_pos.data_ptr<int32_t>();
   const int32_t* rank_p = rank.defined() ? rank.data_ptr<int32_t>() : nullptr;
   const int32_t* len_p = len.data_ptr<int32_t>();
-  for_each_segment(S, 2 * S * n * row_bytes, [&](int64_t s) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t r = rank_p ? rank_p[s * n + t] : t;
-      if (r < 0) continue;
-      write_token(view, view.slot(s, len_p[s] + r), k + (s * n + t) * row_bytes,
-                  v + (s * n + t) * row_bytes, pos[(s / heads) * n + t]);
-    }
+  with_row_type(new_k, [&](auto type) {
+    using T = decltype(type);
+    const T* k = static_cast<const T*>(new_k.data_ptr());
+    const T* v = static_cast<const T*>(new_v.data_ptr());
+    for_each_segment(S, 2 * S * n * D * sizeof(T), [&](int64_t s) {
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t r = rank_p ? rank_p[s * n + t] : t;
+        if (r < 0) continue;
+        write_token(view, view.slot(s, len_p[s] + r), k + (s * n + t) * D, v + (s * n + t) * D,
+                    pos[(s / heads) * n + t], D);
+      }
+    });
   });
 }
 
 void replace_cpu(const PagedView& view, const at::Tensor& slot, const at::Tensor& new_k,
                  const at::Tensor& new_v, const at::Tensor& new_pos) {
-  const int64_t S = new_k.size(0), heads = S / new_pos.size(0);
-  const int64_t row_bytes = view.record.row_bytes[kK];
-  const char* k = static_cast<const char*>(new_k.data_ptr());
-  const char* v = static_cast<const char*>(new_v.data_ptr());
+  const int64_t S = new_k.size(0), D = new_k.size(1), heads = S / new_pos.size(0);
   const int32_t* pos = new_pos.data_ptr<int32_t>();
   const int64_t* slot_p = slot.data_ptr<int64_t>();
-  for_each_segment(S, 2 * S * row_bytes, [&](int64_t s) {
-    write_token(view, view.slot(s, slot_p[s]), k + s * row_bytes, v + s * row_bytes,
-                pos[s / heads]);
+  with_row_type(new_k, [&](auto type) {
+    using T = decltype(type);
+    const T* k = static_cast<const T*>(new_k.data_ptr());
+    const T* v = static_cast<const T*>(new_v.data_ptr());
+    for_each_segment(S, 2 * S * D * sizeof(T), [&](int64_t s) {
+      write_token(view, view.slot(s, slot_p[s]), k + s * D, v + s * D, pos[s / heads], D);
+    });
   });
 }
 
@@ -99,7 +125,7 @@ struct Move {
 // every move waits for memory in turn (bench/kernels.py measures compaction against the
 // machine's copy bandwidth).
 void prefetch_source(const PagedView& view, const Move& m) {
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < kParts; ++b) {
     const char* row = view.row(b, m.from);
     const int64_t bytes = std::min<int64_t>(m.n * view.record.row_bytes[b], 512);
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);

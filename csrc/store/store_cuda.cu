@@ -50,6 +50,9 @@ void check_record(const PageRecord& record) {
   bool ok = record.bytes % 16 == 0;
   for (int b = 0; b < 4; ++b) ok = ok && record.offset[b] % 16 == 0 && record.row_bytes[b] >= 0;
   TORCH_INTERNAL_ASSERT(ok, "the CUDA store kernels need 16-byte aligned page parts");
+  // They move the four parts of a float store's record: int8 pages (and their scale part)
+  // run on the CPU kernels only, and the ops refuse them on CUDA.
+  TORCH_INTERNAL_ASSERT(!record.quantized(), "the CUDA store kernels do not take int8 pages");
 }
 
 // The copy loops index units with int (cheap division); this bound keeps rows * units of

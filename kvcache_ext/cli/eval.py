@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
                    "niah_multikey_1,2,3, niah_multivalue, niah_multiquery, vt, cwe, fwe)")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--kv-dtype", default=None, choices=("int8",),
+                   help="what our policies' pages hold: int8 quantizes K and V per token and KV head (CPU); their "
+                        "rows are named policy+int8 (default: the model's dtype; full stays HF's own cache)")
     p.add_argument("--json", type=output_file, default=None,
                    help="write the records and the table rows to this file (rewritten as each run ends)")
     p.add_argument("--plot", type=output_file, default=None,
@@ -134,6 +137,8 @@ def check_arguments(args) -> str | None:
                 "give one of them (tokens per KV head, or fractions of each prompt)")
     if getattr(args, "keep", None) is not None and args.task not in FRACTION_TASKS:
         return f"--keep applies to {', '.join(FRACTION_TASKS)}; for {args.task} give --budget"
+    if getattr(args, "kv_dtype", None) is not None and str(getattr(args, "device", "cpu")) != "cpu":
+        return f"--kv-dtype {args.kv_dtype} runs on the CPU kernels only, not --device {args.device}"
     if getattr(args, "ruler_tasks", None) and args.task != "ruler":
         return f"--ruler-tasks applies to --task ruler, not {args.task}"
     from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, kvpress_missing
@@ -249,7 +254,8 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
     if args.task in ("passkey", "needle", "ruler"):
         run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, list(args.depths),
                       list(args.mode), args.seeds, schedule, max_new_tokens_of(args), progress, on_record=done,
-                      ruler_tasks=ruler_tasks_of(args) if args.task == "ruler" else ())
+                      ruler_tasks=ruler_tasks_of(args) if args.task == "ruler" else (),
+                      kv_dtype=getattr(args, "kv_dtype", None))
     elif args.task == "multi":
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
         bar = tqdm(total=len(lengths) * args.seeds * per_text, desc="eval multi", unit="run", disable=not progress)
@@ -260,7 +266,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
             bar.update(1)
 
         run_multi_question(model, tokenizer, policies, budgets, lengths, args.seeds, schedule,
-                           max_new_tokens_of(args), on_run=run_done)
+                           max_new_tokens_of(args), on_run=run_done, kv_dtype=getattr(args, "kv_dtype", None))
         bar.close()
     else:
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
@@ -276,11 +282,11 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
                 if args.task == "ppl":
                     ids = prose_ids(tokenizer, n, seed)[None].to(device)
                     perplexity.run_text(model, ids, seed, policies, budgets, schedule, on_run=one,
-                                        tokenizer=tokenizer)
+                                        tokenizer=tokenizer, kv_dtype=getattr(args, "kv_dtype", None))
                 else:
                     ids = prose_ids(tokenizer, n + args.continuation, seed)[None].to(device)
                     fidelity.run_text(model, ids[:, :n], ids[:, n:], seed, policies, budgets, schedule,
-                                      on_run=one, tokenizer=tokenizer)
+                                      on_run=one, tokenizer=tokenizer, kv_dtype=getattr(args, "kv_dtype", None))
         bar.close()
     return records, summarize(records)
 

@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch-tokens", type=int_range(1), default=None, help="tokens per engine step")
     p.add_argument("--page-size", type=int, default=16, choices=[2**i for i in range(11)],
                    help="tokens per page of kvcache_ext's store (default 16)")
+    p.add_argument("--kv-dtype", default=None, choices=("int8",),
+                   help="what kvcache_ext's pages hold: int8 quantizes K and V per token and KV head (CPU; "
+                        "default: the model's dtype)")
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int_range(1, 65535), default=8000)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -102,6 +105,9 @@ def main(args) -> int:
         shared_system = shared_system_of(args)
     except ValueError as err:
         return usage_error(prog, str(err))
+    if args.kv_dtype is not None and policy is None:
+        return usage_error(prog, f"--kv-dtype {args.kv_dtype} is what kvcache_ext's pages hold; --policy full is "
+                                 "HF's paged cache, which has none")
     try:
         from kvcache_ext.serving.server import require_serving, start
         require_serving()
@@ -113,7 +119,7 @@ def main(args) -> int:
           f"(model name: {name}), the KV memory at http://{args.host}:{args.port}/v1/kvcache", flush=True)
     start(name, policy, page_size=args.page_size, host=args.host, port=args.port, device=args.device,
           dtype=args.dtype, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-          log_level=args.log_level, shared_system=shared_system)
+          log_level=args.log_level, shared_system=shared_system, kv_dtype=args.kv_dtype)
     # Stopped (Ctrl-C): the engine, the model and the HTTP server are down. transformers' server
     # thread leaves an AnyIO worker thread waiting for work forever, which would keep the
     # interpreter from exiting: leave without waiting for it.

@@ -25,9 +25,9 @@ class RaggedLayerKV:
     """One layer's tokens in a ``RaggedKVStore``: only the kept tokens are stored."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, channels: int, page_size: int = 16):
+                 device: torch.device, channels: int, page_size: int = 16, kv_dtype: torch.dtype | None = None):
         self._hold(RaggedKVStore(batch, heads, head_dim, dtype=dtype, device=device, score_channels=channels,
-                                 page_size=page_size))
+                                 page_size=page_size, kv_dtype=kv_dtype))
 
     def _hold(self, store: RaggedKVStore, in_position_order: bool = True) -> None:
         self.store = store

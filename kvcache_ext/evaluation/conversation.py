@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvcache_ext.hf.patching import patch
+from kvcache_ext.evaluation.named_policies import run_label
 from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from, greedy_continue
 from kvcache_ext.evaluation.retrieval import RetrievalRecord, prompt_runs
@@ -36,10 +37,11 @@ def ask_in_turns(model, cache, prompt, eos: int | None, max_new_tokens: int):
 
 @torch.no_grad()
 def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int = 1, schedule=None,
-                       max_new_tokens: int = 8, on_run=None) -> list[RetrievalRecord]:
+                       max_new_tokens: int = 8, on_run=None, kv_dtype: str | None = None) -> list[RetrievalRecord]:
     """Every (policy, budget) on every prompt; a float budget keeps that fraction of the context.
     ``on_run(records)`` is called as each run ends, with its records (one per question).
-    Block-wise schedules are refused (the shared prefill is one-shot)."""
+    Block-wise schedules are refused (the shared prefill is one-shot). ``kv_dtype``: what the
+    policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them)."""
     if schedule is not None and schedule.prefill_block is not None:
         raise ValueError("the multi-question task compresses the context once (one-shot schedule)")
     device = next(model.parameters()).device
@@ -57,8 +59,8 @@ def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int 
                     answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
                     full_bytes = cache_bytes(cache)
                 else:
-                    with patch(model, policy, tokenizer=tokenizer) as handle:
-                        cache = compressed_cache(policy, recorded, handle.model_parts)
+                    with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
+                        cache = compressed_cache(policy, recorded, handle.model_parts, kv_dtype)
                         prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
                         answers = ask_in_turns(model, cache, prompt, tokenizer.eos_token_id, max_new_tokens)
                 if name == "full" and "full" not in policies:
@@ -67,7 +69,7 @@ def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int 
                 for (new, decode_s), answer, depth in zip(answers, prompt.answers, prompt.depths):
                     text = tokenizer.decode(new, skip_special_tokens=True)
                     run.append(RetrievalRecord(
-                        "multi", "agnostic", name, label, prompt.length, depth, prompt.seed,
+                        "multi", "agnostic", run_label(name, kv_dtype), label, prompt.length, depth, prompt.seed,
                         answer, text, check_answer(text, answer), held, full_bytes, decode_s, tokens, prefill_s))
                 records += run
                 if on_run is not None:

@@ -15,7 +15,7 @@ import torch
 from kvcache_ext.hf.patching import patch
 from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes, full_cache_from
-from kvcache_ext.evaluation.named_policies import policy_runs
+from kvcache_ext.evaluation.named_policies import policy_runs, run_label
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
 
 
@@ -47,10 +47,11 @@ def _feed(model, cache, tokens: torch.Tensor, one_call: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int, policies, budgets,
-             schedule=None, on_run=None, tokenizer=None):
+             schedule=None, on_run=None, tokenizer=None, kv_dtype: str | None = None):
     """Every (policy, budget) on one context [1, n] and its continuation [1, C].
     ``on_run(record)`` is called as each run ends. ``tokenizer``: the model's (what ``patch``
-    needs for a policy with spans)."""
+    needs for a policy with spans). ``kv_dtype``: what the policies' pages hold (``patch``'s; their
+    runs are recorded as ``run_label`` names them)."""
     recorded = record_prefill(model, context)
     full = full_cache_from(model, recorded)
     full_bytes = cache_bytes(full)
@@ -64,9 +65,9 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
         on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
         sched = policy.schedule
-        with patch(model, policy, tokenizer=tokenizer) as handle:
+        with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
             if sched.prefill_block is None:
-                cache = compressed_cache(policy, recorded, handle.model_parts)
+                cache = compressed_cache(policy, recorded, handle.model_parts, kv_dtype)
             else:
                 cache = handle.new_cache()
                 model(context, **with_cache(model, cache), use_cache=True)
@@ -74,7 +75,7 @@ def run_text(model, context: torch.Tensor, continuation: torch.Tensor, seed: int
             q_log = torch.log_softmax(_feed(model, cache, continuation, one_call).float(), dim=-1)
         kl = (p_log.exp() * (p_log - q_log)).sum(dim=-1)
         top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
-        out.append(FidelityRecord("fidelity", "teacher-forced", name, budget, n, seed,
+        out.append(FidelityRecord("fidelity", "teacher-forced", run_label(name, kv_dtype), budget, n, seed,
                                   float(kl.mean()), float(top1.mean()), c, cache_bytes(cache),
                                   full_bytes))
         on_run and on_run(out[-1])

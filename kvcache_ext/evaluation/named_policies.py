@@ -183,3 +183,9 @@ def policy_runs(policies, budgets, schedule: Schedule | None = None):
     """(name, budget, Policy) of every named policy but "full" at every budget, in order."""
     return [(name, budget, make_policy(name, budget, schedule))
             for name in policies if name != "full" for budget in budgets]
+
+
+def run_label(name: str, kv_dtype: str | None) -> str:
+    """The name a run is recorded under: the policy's, and the pages' dtype when it is not the
+    model's (``snapkv+int8``), so that both stand as their own rows in a report."""
+    return name if kv_dtype is None or name == "full" else f"{name}+{kv_dtype}"

@@ -14,7 +14,7 @@ import torch
 from kvcache_ext.hf.patching import patch
 from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.decoding import cache_bytes
-from kvcache_ext.evaluation.named_policies import policy_runs
+from kvcache_ext.evaluation.named_policies import policy_runs, run_label
 
 
 @dataclass
@@ -40,9 +40,11 @@ def _mean_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, on_run=None, tokenizer=None):
+def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, on_run=None, tokenizer=None,
+             kv_dtype: str | None = None):
     """Every (policy, budget) on one text ``ids`` [1, n]. ``on_run(record)`` as each run ends.
-    ``tokenizer``: the model's (what ``patch`` needs for a policy with spans)."""
+    ``tokenizer``: the model's (what ``patch`` needs for a policy with spans). ``kv_dtype``: what
+    the policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them)."""
     from transformers import DynamicCache
     if schedule is None or schedule.prefill_block is None:
         raise ValueError("ppl needs a block-wise prefill schedule (e.g. --prefill-block 128)")
@@ -57,10 +59,10 @@ def run_text(model, ids: torch.Tensor, seed: int, policies, budgets, schedule, o
                                     full_bytes, full_bytes))
         on_run and on_run(out[-1])
     for name, budget, policy in policy_runs(policies, budgets, schedule):
-        with patch(model, policy, tokenizer=tokenizer) as handle:
+        with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
             cache = handle.new_cache()
             nll = _mean_nll(model(ids, **with_cache(model, cache), use_cache=True).logits, ids)
-        out.append(PerplexityRecord("ppl", "blockwise", name, budget, n, seed, nll, n - 1,
+        out.append(PerplexityRecord("ppl", "blockwise", run_label(name, kv_dtype), budget, n, seed, nll, n - 1,
                                     cache_bytes(cache), full_bytes))
         on_run and on_run(out[-1])
     return out

@@ -25,7 +25,7 @@ from kvcache_ext.evaluation.decoding import (
     greedy_continue,
 )
 from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, run_press
-from kvcache_ext.evaluation.named_policies import policy_runs
+from kvcache_ext.evaluation.named_policies import policy_runs, run_label
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
 from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt
 from kvcache_ext.tasks.ruler import make_ruler_prompt
@@ -83,10 +83,12 @@ def prompt_runs(policies, budgets, length: int, schedule=None) -> list:
 
 
 def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list,
-               schedule=None, max_new_tokens: int | None = 8, on_run=None) -> list[RetrievalRecord]:
+               schedule=None, max_new_tokens: int | None = 8, on_run=None,
+               kv_dtype: str | None = None) -> list[RetrievalRecord]:
     """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
     ends, with its record. A float budget keeps that fraction of the part compressed (the context
-    in agnostic mode). ``max_new_tokens=None``: the prompt's own (a RULER task's)."""
+    in agnostic mode). ``max_new_tokens=None``: the prompt's own (a RULER task's). ``kv_dtype``: what
+    our policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them)."""
     if max_new_tokens is None:
         max_new_tokens = prompt.max_new_tokens
     device = next(model.parameters()).device
@@ -125,9 +127,9 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             out.append(record(name, None, new, decode_s, full_bytes, prefill_s=recorded.seconds))
             on_run and on_run(out[-1])
         else:
-            with patch(model, policy, tokenizer=tokenizer) as handle:
+            with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
                 if policy.schedule.prefill_block is None:
-                    cache = compressed_cache(policy, recorded, handle.model_parts)
+                    cache = compressed_cache(policy, recorded, handle.model_parts, kv_dtype)
                     prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
                     logits = last_logits(cache, recorded.logits)
                 else:
@@ -138,7 +140,8 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                     if question is not None:
                         logits = model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
                 new, decode_s = greedy_continue(model, cache, logits, max_new_tokens, eos)
-                out.append(record(name, label, new, decode_s, cache_bytes(cache), budget, prefill_s))
+                out.append(record(run_label(name, kv_dtype), label, new, decode_s, cache_bytes(cache), budget,
+                                  prefill_s))
             on_run and on_run(out[-1])
     for name in [name for name in policies if name in KVPRESS_POLICIES]:
         for label in budgets:
@@ -168,7 +171,7 @@ def make_prompts(tokenizer, task: str, lengths, depths, seeds: int, ruler_tasks=
 
 def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
                   schedule=None, max_new_tokens: int | None = 8, progress: bool = True,
-                  on_record=None, ruler_tasks=()) -> list[RetrievalRecord]:
+                  on_record=None, ruler_tasks=(), kv_dtype: str | None = None) -> list[RetrievalRecord]:
     """Every prompt in every mode; ``on_record(record)`` as each run ends. ``task="ruler"``: the
     prompts of ``ruler_tasks``, each record under its RULER task's name."""
     from tqdm.auto import tqdm
@@ -181,6 +184,6 @@ def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depth
         for prompt in prompts:
             records += run_prompt(model, tokenizer, prompt, getattr(prompt, "task", task), mode, policies, budgets,
                                   schedule, max_new_tokens,
-                                  on_run=lambda r: (bar.update(1), on_record and on_record(r)))
+                                  on_run=lambda r: (bar.update(1), on_record and on_record(r)), kv_dtype=kv_dtype)
     bar.close()
     return records

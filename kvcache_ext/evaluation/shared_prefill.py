@@ -67,15 +67,17 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                            windows=[layer.state.window for layer in cache.layers], input_ids=input_ids)
 
 
-def compressed_cache(policy: Policy, recorded: RecordedPrefill, model: ModelParts | None = None) -> RaggedCache:
+def compressed_cache(policy: Policy, recorded: RecordedPrefill, model: ModelParts | None = None,
+                     kv_dtype: str | None = None) -> RaggedCache:
     """The RaggedCache that a model patched with ``policy`` holds after the recorded prefill.
     ``model``: the parts of the model that the patched model hands its scorers
     (``handle.model_parts``; by default the recording's, which lack the tokenizer's token
     kinds that a policy with spans reads). A policy that reads token ids gets the recorded
-    prompt's, noted as the patched model notes them."""
+    prompt's, noted as the patched model notes them. ``kv_dtype``: what its pages hold."""
     if policy.schedule.prefill_block is not None:
         raise ValueError("a block-wise prefill depends on the policy: it cannot share a recording")
-    cache = RaggedCache(policy, len(recorded.views), model=recorded.model if model is None else model)
+    cache = RaggedCache(policy, len(recorded.views), model=recorded.model if model is None else model,
+                        kv_dtype=kv_dtype)
     if policy.scorer.capabilities.needs_token_ids and recorded.views:
         if recorded.input_ids is None:
             raise ValueError(f"compressed_cache: the policy's scorer {type(policy.scorer).__name__} reads the "

@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache_ext.cache_argument import EITHER_NAME
+from kvcache_ext import checks
 from kvcache_ext.checks import check_page_size, integer
 from kvcache_ext.engine.forward import new_positions, new_token_validity
 from kvcache_ext.engine.ragged_storage import RaggedLayerKV
@@ -147,19 +148,22 @@ class RaggedCache(Cache):
     tokens beyond it still fit (pages are added as they fill up). ``shrink_to_fit`` gives back
     what an early stop left unused. ``model``: the parts of the model its scorer may need
     (``kvcache_ext.policies.views.ModelParts``: the rotary embedding, for ExpectedAttention),
-    which ``handle.new_cache()`` passes.
+    which ``handle.new_cache()`` passes. ``kv_dtype``: what the pages hold, None (the model's
+    dtype) or ``"int8"`` (``torch.int8``, CPU: K and V quantized per token and KV head with one
+    float16 scale each, ``kvcache_ext.reference.quantize``).
     """
 
     storage = RaggedLayerKV
 
     def __init__(self, policy: Policy, num_layers: int, *, page_size: int = 16, model: ModelParts | None = None,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, kv_dtype: torch.dtype | str | None = None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
         num_layers = integer(num_layers, "RaggedCache num_layers", 1)
         if max_cache_len is not None:
             max_cache_len = integer(max_cache_len, "RaggedCache max_cache_len", 1)
         self.policy, self.page_size = policy, check_page_size(page_size)
+        self.kv_dtype = checks.kv_dtype(kv_dtype, f"{type(self).__name__} kv_dtype")
         self._checked_for = None     # the ModelShape the policy was last checked against
         if model is not None and not isinstance(model, ModelParts):
             raise TypeError(f"RaggedCache model must be a kvcache_ext.policies.views.ModelParts (what "
@@ -181,7 +185,7 @@ class RaggedCache(Cache):
 
     def storage_factory(self):
         """What builds one layer's storage: ``factory(batch, heads, head_dim, dtype, device, channels)``."""
-        return functools.partial(self.storage, page_size=self.page_size)
+        return functools.partial(self.storage, page_size=self.page_size, kv_dtype=self.kv_dtype)
 
     def check_model(self, model: ModelShape, argument: str = EITHER_NAME) -> None:
         """Raises ValueError, before anything changes, when this cache cannot serve a model of
@@ -231,7 +235,7 @@ class RaggedCache(Cache):
                              f"{self.policy.schedule}), which would write the tokens the two caches share; a "
                              "shared prefix needs a one-shot schedule (the prompt compressed once, then appended to)")
         other = type(self)(self.policy, len(self.layers), page_size=self.page_size,
-                           model=self.layers[0].state.model, max_cache_len=max_cache_len)
+                           model=self.layers[0].state.model, max_cache_len=max_cache_len, kv_dtype=self.kv_dtype)
         shared = self.layers[0].state.shared.fork()
         for layer, mine in zip(other.layers, self.layers):
             layer.continue_from(mine, shared, max_cache_len)
@@ -305,4 +309,5 @@ class MaskedCache(RaggedCache):
     storage = MaskedLayerKV
 
     def storage_factory(self):
-        return self.storage   # a dense cache has no pages
+        # A dense cache has no pages; with int8 it holds K and V as int8 pages give them back.
+        return functools.partial(self.storage, kv_dtype=self.kv_dtype)

@@ -27,6 +27,7 @@ from kvcache_ext.hf.decode_graph import graph_forward
 from kvcache_ext.hf.call_token_ids import note_call_token_ids
 from kvcache_ext.hf.tensor_parallel import model_shape, ranks_of
 from kvcache_ext.hf.shared_prefix import SharedPrefix, SharedPrefixes, compress_prefix, prefix_ids
+from kvcache_ext import checks
 from kvcache_ext.checks import boolean, check_page_size
 from kvcache_ext.engine.forward import layer_forward
 from kvcache_ext.engine.state import LayerState
@@ -97,9 +98,9 @@ class PatchHandle:
     """What ``patch`` returns; also a context manager that unpatches on exit."""
 
     def __init__(self, model, policy: Policy, original_attn: str, page_size: int = 16, tokenizer=None,
-                 reserve_new_tokens: bool = True, cuda_graph: bool = False):
+                 reserve_new_tokens: bool = True, cuda_graph: bool = False, kv_dtype: torch.dtype | None = None):
         self.model, self.policy, self.original_attn = model, policy, original_attn
-        self.page_size, self.tokenizer = page_size, tokenizer
+        self.page_size, self.tokenizer, self.kv_dtype = page_size, tokenizer, kv_dtype
         self.reserve_new_tokens, self.cuda_graph = reserve_new_tokens, cuda_graph
         # what the caches hand the scorers (the token kinds only to a policy that reads token ids)
         self.model_parts = model_parts(model, tokenizer if policy.scorer.capabilities.needs_token_ids else None)
@@ -145,9 +146,10 @@ class PatchHandle:
         dense masked cache (``kvcache_ext.hf.cache.MaskedCache``).
         ``max_cache_len``: the longest sequence it will see, prompt included (see ``RaggedCache``)."""
         if reference:
-            return MaskedCache(self.policy, self.num_layers, model=self.model_parts, max_cache_len=max_cache_len)
+            return MaskedCache(self.policy, self.num_layers, model=self.model_parts, max_cache_len=max_cache_len,
+                               kv_dtype=self.kv_dtype)
         return RaggedCache(self.policy, self.num_layers, page_size=self.page_size, model=self.model_parts,
-                           max_cache_len=max_cache_len)
+                           max_cache_len=max_cache_len, kv_dtype=self.kv_dtype)
 
     @property
     def last_cache(self) -> RaggedCache | None:
@@ -180,7 +182,8 @@ class PatchHandle:
 
 
 def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
-          reserve_new_tokens: bool = True, cuda_graph: bool = False) -> PatchHandle:
+          reserve_new_tokens: bool = True, cuda_graph: bool = False, kv_dtype: torch.dtype | str | None = None
+          ) -> PatchHandle:
     """Makes ``model`` (an HF causal LM of a type in ``SUPPORTED_MODELS``: Llama, Mistral, Qwen2,
     Qwen3, Phi-3, Gemma 3, ...) evict with ``policy``.
 
@@ -197,12 +200,16 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     of a policy that never evicts while decoding (one-shot SnapKV, Ada-SnapKV, ...) are
     captured in a CUDA graph once per cache and replayed, so that a step costs the host almost
     nothing (``kvcache_ext.hf.decode_graph``: which steps, and what falls back to eager); every
-    other call, and every call on the CPU, runs as without it.
+    other call, and every call on the CPU, runs as without it. ``kv_dtype``: what the caches'
+    pages hold, None (the model's dtype) or ``"int8"`` (``torch.int8``, CPU: K and V quantized
+    per token and KV head, one float16 scale each: a quarter of float32's bytes, half of
+    bfloat16's; ``RaggedKVStore``).
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvcache_ext.policies.Policy, got {type(policy).__name__}")
     check_page_size(page_size)
     reserve_new_tokens = boolean(reserve_new_tokens, "patch reserve_new_tokens")
+    kv_dtype = checks.kv_dtype(kv_dtype, "patch kv_dtype")
     cuda_graph = boolean(cuda_graph, "patch cuda_graph")
     if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
         raise TypeError(f"patch tokenizer must be the model's tokenizer (with an encode method), "
@@ -221,6 +228,11 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise TypeError(f"kvcache_ext.patch needs an HF causal LM with generate (such as LlamaForCausalLM), "
                         f"got {type(model).__name__}")
     _check_cuda_head_dim(model)
+    if kv_dtype is not None:
+        on = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
+        if on:
+            raise ValueError(f"patch kv_dtype={kv_dtype} runs on the CPU kernels only, but the model has weights on "
+                             f"{', '.join(on)}; use kv_dtype=None there")
     _check_architecture(model, policy)
     # Everything the engine would refuse later is refused now, before the model changes.
     policy.check(model_shape(model))
@@ -229,7 +241,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     _register()
     original = config._attn_implementation
     dense = original if original in DENSE else "sdpa"
-    handle = PatchHandle(model, policy, original, page_size, tokenizer, reserve_new_tokens, cuda_graph)
+    handle = PatchHandle(model, policy, original, page_size, tokenizer, reserve_new_tokens, cuda_graph, kv_dtype)
     model.set_attn_implementation(f"kvcache_ext_{dense}")
     _hook_forwards(handle)
 

@@ -88,7 +88,7 @@ def ragged_attention(q: torch.Tensor, store: RaggedKVStore, scale: float | None 
     pool, table, lens = store._current()
     out, *fields = ops.attention_run(q, pool, table, lens, plan, q_pos, float(scale), store.heads,
                                      store._page_size, store._head_dim, store._channels,
-                                     store._dtype, *flags)
+                                     store._page_dtype, *flags)
     if flags is _NO_STATS:
         return out, None
     return out, AttentionStats(*(f if want else None for f, want in zip(fields, flags)))

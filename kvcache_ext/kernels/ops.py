@@ -10,7 +10,9 @@ tensors and numbers only. A layer's store is the state
 - ``page_table``: ``[S, width]`` int32, the pages of each segment in token order,
 - ``len``: ``[S]`` int32 live tokens per segment (mutated by append and compact),
 
-which the Python ``RaggedKVStore`` holds and passes to the ops (``RaggedKVStore.state``).
+which the Python ``RaggedKVStore`` holds and passes to the ops (``RaggedKVStore.state``). An op's
+``dtype`` (``kv_dtype``) is what the pages hold: float32, float16 or bfloat16 (the dtype of the K, V
+and q handed in), or int8 (quantized pages, CPU: K, V and q of any of those dtypes).
 
 ====================  ==========================================================================
 op                    what it does
@@ -79,7 +81,7 @@ def _capacity(pool, page_size: int):
 
 
 @torch.library.register_fake("kvcache_ext::store_append")
-def _store_append_fake(pool, page_table, len, k, v, pos, rank, counts, page_size, score_channels):
+def _store_append_fake(pool, page_table, len, k, v, pos, rank, counts, page_size, score_channels, kv_dtype=None):
     _refuse_meta_mix(("pos",), page_table=page_table, pool=pool, len=len, k=k, v=v, pos=pos,
                      rank=rank, counts=counts)
     return None
@@ -152,7 +154,7 @@ def _attention_run_fake(q, pool, page_table, len, plan, q_pos, scale, kv_heads, 
 @torch.library.register_fake("kvcache_ext::store_decode_step")
 def _store_decode_step_fake(pool, page_table, len, q, k, v, pos, rank, counts, plan, q_pos, scale, page_size,
                             score_channels, mass, last, sum_sq, count, accumulate, rule=None, sinks=0, recent=0,
-                            last_pos=None, budget=None):
+                            last_pos=None, budget=None, kv_dtype=None):
     _refuse_meta_mix(("pos", "q_pos", "budget"), page_table=page_table, pool=pool, len=len, q=q, k=k, v=v,
                      pos=pos, rank=rank, counts=counts, plan=plan, q_pos=q_pos, last_pos=last_pos, budget=budget)
     return _attention_run_fake(q, pool, page_table, len, plan, q_pos, scale, k.shape[1], page_size, k.shape[3],

@@ -108,7 +108,10 @@ class RaggedKVStore:
     """One layer's KV cache: segment s = b * heads + h holds the tokens kept for (b, h).
 
     Tokens live in pages of ``page_size`` tokens (K, V, the int32 absolute position and
-    ``score_channels`` float32 scores that a policy owns, per token). A segment owns a list
+    ``score_channels`` float32 scores that a policy owns, per token). K and V are handed in and
+    read out in ``dtype``; the pages hold them in ``dtype``, or with ``kv_dtype=torch.int8``
+    (``"int8"``, CPU) quantized per token and KV head, each row with one float16 scale
+    (``kvcache_ext.reference.quantize``): a quarter of float32's bytes, half of bfloat16's. A segment owns a list
     of pages (``page_table``), takes a free page or a newly allocated one when it fills up,
     and gives pages back when compaction empties them: the pages a segment has never move,
     and memory held is the kept tokens rounded up to whole pages. A token's *slot* is
@@ -117,14 +120,19 @@ class RaggedKVStore:
     """
 
     def __init__(self, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
-                 device: torch.device | str = "cpu", score_channels: int = 1, page_size: int = 16):
+                 device: torch.device | str = "cpu", score_channels: int = 1, page_size: int = 16,
+                 kv_dtype: torch.dtype | str | None = None):
         batch, heads, head_dim, score_channels, page_size, dtype, device = checks.store_arguments(
             batch, heads, head_dim, score_channels, page_size, dtype, device)
+        kv_dtype = checks.kv_dtype(kv_dtype, "RaggedKVStore kv_dtype", dtype)
+        if kv_dtype is not None and device.type != "cpu":
+            raise ValueError(f"RaggedKVStore kv_dtype={kv_dtype} runs on the CPU kernels only; on {device} "
+                             f"the pages hold {dtype} (kv_dtype=None)")
         if device.type == "cuda" and not _C.build_info()["cuda"]:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
         like = torch.empty(0, dtype=dtype, device=device)
-        self._adopt(_C.PageAllocator(batch, heads, head_dim, score_channels, like, page_size))
+        self._adopt(_C.PageAllocator(batch, heads, head_dim, score_channels, like, page_size, kv_dtype))
 
     def _adopt(self, allocator) -> None:
         self._allocator = allocator
@@ -134,6 +142,7 @@ class RaggedKVStore:
         self._channels = allocator.score_channels
         self._batch, self._heads = allocator.batch, allocator.heads
         self._dtype, self._device = allocator.like.dtype, allocator.like.device
+        self._page_dtype = allocator.kv_dtype   # what the pages hold: the ops' dtype argument
         self._take_state()
 
     def fork(self) -> "RaggedKVStore":
@@ -199,7 +208,7 @@ class RaggedKVStore:
         pos32, rank, counts = self._allocator.prepare_append(k, v, pos, valid)
         self._refresh()
         ops.store_append(self._pool, self._table, self._len, k, v, pos32, rank, counts,
-                         self._page_size, self._channels)
+                         self._page_size, self._channels, self._page_dtype)
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float, *,
                     valid: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
@@ -277,7 +286,7 @@ class RaggedKVStore:
             out, *fields = ops.store_decode_step(
                 self._pool, self._table, self._len, q, k, v, pos32, rank, counts, plan, q_pos, scale,
                 self._page_size, self._channels, *call.flags, call.codes, rule, call.sinks if rule else 0,
-                call.recent if rule else 0, call.last_pos if rule else None, k_device)
+                call.recent if rule else 0, call.last_pos if rule else None, k_device, self._page_dtype)
         except Exception:
             if not captured:   # refused before it wrote anything: the host lengths go back
                 self._allocator.cancel_append(before)
@@ -292,7 +301,8 @@ class RaggedKVStore:
         through the ``store_append`` op alone, into pages the segments already hold: no host
         step, so a CUDA graph can capture it and replay it. The caller checks the room first
         (``has_room``) and advances the host lengths after each run (``note_appended``)."""
-        ops.store_append(*self._current(), k, v, pos, None, None, self._page_size, self._channels)
+        ops.store_append(*self._current(), k, v, pos, None, None, self._page_size, self._channels,
+                         self._page_dtype)
 
     def evict_by_rule(self, k: torch.Tensor, *, rule: str, sinks: int = 0, recent: int = 0,
                       last_pos: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
@@ -306,8 +316,8 @@ class RaggedKVStore:
         self._allocator.check_writable("evict_by_rule")
         state = self._current()
         keep, _ = ops.store_topk(*state, None, k, 1, self._page_size, self._head_dim, self._channels,
-                                 self._dtype, rule, sinks, recent, last_pos)
-        ops.store_compact(*state, keep, self._page_size, self._head_dim, self._channels, self._dtype, False)
+                                 self._page_dtype, rule, sinks, recent, last_pos)
+        ops.store_compact(*state, keep, self._page_size, self._head_dim, self._channels, self._page_dtype, False)
         if kept is not None:
             self._allocator.finish_compact(kept.reshape(-1))
 
@@ -338,7 +348,7 @@ class RaggedKVStore:
         and stream): a graph captured over the ops holds it for its life."""
         pool, table, lens = self._current()
         return _C.page_addresses(pool, table, lens, self._page_size, self._head_dim, self._channels,
-                                 self._dtype)
+                                 self._page_dtype)
 
     @property
     def state_version(self) -> int:
@@ -354,7 +364,7 @@ class RaggedKVStore:
         self._allocator.check_writable("replace")
         ops.store_replace(*self._current(), checks.as_tensor(slot, "slot"),
                           checks.tensor(k, "k"), checks.tensor(v, "v"), checks.as_tensor(pos, "pos"),
-                          self._page_size, self._head_dim, self._channels, self._dtype,
+                          self._page_size, self._head_dim, self._channels, self._page_dtype,
                           checks.boolean(check_bounds, "check_bounds"))
 
     def compact(self, keep: torch.Tensor, lens: torch.Tensor | None = None, *, stable: bool = True) -> None:
@@ -381,7 +391,7 @@ class RaggedKVStore:
                 raise ValueError(f"lens must be between 0 and each segment's length "
                                  f"{self.lens.tolist()}, got {lens.tolist()}")
         ops.store_compact(*self._current(), keep, self._page_size, self._head_dim, self._channels,
-                          self._dtype, checks.boolean(stable, "stable"))
+                          self._page_dtype, checks.boolean(stable, "stable"))
         self._allocator.finish_compact(None if lens is None else lens.reshape(-1))
 
     @_host
@@ -400,7 +410,7 @@ class RaggedKVStore:
         store; on CUDA they trust it (reading it costs a host sync): this costs that one sync.
         """
         codes = ops.store_check(*self._current(), self._page_size, self._head_dim, self._channels,
-                                self._dtype).cpu()
+                                self._page_dtype).cpu()
         bad = codes.nonzero().flatten().tolist()
         if bad:
             s = bad[0]
@@ -460,7 +470,7 @@ class RaggedKVStore:
         if scores is not None:
             scores = scores.float().contiguous()  # no copy when it is already so
         keep, counts = ops.store_topk(*self._current(), scores, k, self.heads if grouped else 1,
-                                      self._page_size, self._head_dim, self._channels, self._dtype,
+                                      self._page_size, self._head_dim, self._channels, self._page_dtype,
                                       rule, sinks, recent, last_pos)
         return (keep, counts.view(self.batch, self.heads)) if grouped else keep
 
@@ -470,7 +480,7 @@ class RaggedKVStore:
         self._allocator.check_writable("add_to_scores")
         ops.store_add_scores(*self._current(), checks.tensor(values, "values"),
                              checks.integer(channel, "channel", 0), self._page_size, self._head_dim,
-                             self._channels, self._dtype)
+                             self._channels, self._page_dtype)
 
     @_host
     def attention_plan(self, rows: int = 1) -> torch.Tensor:
@@ -628,7 +638,13 @@ class RaggedKVStore:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of K and V as they are handed in and read out (``k``, ``to_dense``)."""
         return self._dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the pages hold: ``dtype``, or torch.int8 (quantized pages)."""
+        return self._page_dtype
 
     @property
     def device(self) -> torch.device:
@@ -636,5 +652,5 @@ class RaggedKVStore:
 
     def __repr__(self) -> str:
         return (f"RaggedKVStore(batch={self.batch}, heads={self.heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, device={self.device}, tokens={self.num_tokens}, "
+                f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, device={self.device}, tokens={self.num_tokens}, "
                 f"pages={self.num_pages} of {self.page_size}, nbytes={self.nbytes})")

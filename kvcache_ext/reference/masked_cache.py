@@ -12,15 +12,21 @@ from __future__ import annotations
 import torch
 
 from kvcache_ext.reference.attention import ragged_attention
+from kvcache_ext.reference.quantize import as_attended
 from kvcache_ext.reference.select import grouped_topk, segmented_topk
 
 
 class MaskedLayerKV:
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, channels: int):
+                 device: torch.device, channels: int, kv_dtype: torch.dtype | None = None):
         B, H, D = batch, heads, head_dim
-        self.k = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
-        self.v = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
+        # int8: K and V held as the attention over int8 pages sees them (float32, exact), and
+        # handed to the policies in the model's dtype, as the ragged store gives them back.
+        self.stored = as_attended if kv_dtype == torch.int8 else None
+        self.dtype = dtype
+        held = torch.float32 if kv_dtype == torch.int8 else dtype
+        self.k = torch.zeros(B, H, 0, D, dtype=held, device=device)
+        self.v = torch.zeros(B, H, 0, D, dtype=held, device=device)
         self.pos = torch.zeros(B, H, 0, dtype=torch.long, device=device)
         self.alive = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
         self.channels = torch.zeros(B, H, 0, channels, dtype=torch.float32, device=device)
@@ -40,6 +46,8 @@ class MaskedLayerKV:
         B, H, n, _ = k.shape
         if keep is None:
             keep = torch.ones(B, H, n, dtype=torch.bool, device=k.device)
+        if self.stored is not None:
+            k, v = self.stored(k), self.stored(v)
         self.k = torch.cat([self.k, k], dim=2)
         self.v = torch.cat([self.v, v], dim=2)
         self.pos = torch.cat([self.pos, pos.long()[:, None, :].expand(B, H, n)], dim=2)
@@ -96,7 +104,7 @@ class MaskedLayerKV:
         parts = dict(pos=take(self.pos), mask=mask, channels=take(self.channels),
                      stats={name: take(value) for name, value in (stats or {}).items()})
         if need_kv:
-            parts["k"], parts["v"] = take(self.k), take(self.v)
+            parts["k"], parts["v"] = take(self.k).to(self.dtype), take(self.v).to(self.dtype)
         return parts
 
     def _flat(self, scores):

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from kvcache_ext.reference.quantize import round_trip
+
 
 class ReferenceStore:
-    """What RaggedKVStore must hold, kept as padded tensors; padding entries are zero."""
+    """What RaggedKVStore must hold, kept as padded tensors; padding entries are zero. With
+    ``kv_dtype=torch.int8`` it holds K and V as int8 pages give them back (``round_trip``)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, *, dtype=torch.float16,
-                 score_channels: int = 1):
+                 score_channels: int = 1, kv_dtype=None):
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
+        self.stored = round_trip if kv_dtype == torch.int8 else (lambda x: x)
         self.k = torch.zeros(batch, heads, 0, head_dim, dtype=dtype)
         self.v = torch.zeros(batch, heads, 0, head_dim, dtype=dtype)
         self.pos = torch.zeros(batch, heads, 0, dtype=torch.int32)
@@ -40,6 +44,7 @@ class ReferenceStore:
                 for b in range(self.batch) for h in range(self.heads)}
 
     def append(self, k, v, pos, valid=None) -> None:
+        k, v = self.stored(k), self.stored(v)
         n = k.shape[2]
         pos = torch.as_tensor(pos).to(torch.int32).expand(self.batch, n)
         if valid is None:
@@ -54,6 +59,7 @@ class ReferenceStore:
         self._rebuild(rows)
 
     def replace(self, slot, k, v, pos) -> None:
+        k, v = self.stored(k), self.stored(v)
         pos = torch.as_tensor(pos).reshape(self.batch).to(torch.int32)
         for b in range(self.batch):
             for h in range(self.heads):

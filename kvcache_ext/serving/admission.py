@@ -67,9 +67,10 @@ class Footprint:
     """What one request's cache holds, from the model's shape and the store's layout."""
 
     shape: ModelShape
-    dtype_bytes: int     # bytes of one K or V element
+    dtype_bytes: int     # bytes of one K or V element as the pages hold it (1: int8 pages)
     page_size: int       # tokens per page of the store
     channels: int        # float32 score channels per token (the policy's scorer)
+    quantized: bool = False   # int8 pages: a float16 scale per token's K and V besides
     # cache_bytes by (policy, prompt, new tokens, first chunk): the scheduler asks again for
     # every waiting request at every step
     _known: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -77,7 +78,7 @@ class Footprint:
     @cached_property
     def layout(self) -> dict:
         """The store's byte layout (``kvcache_ext._C.page_layout``)."""
-        return _C.page_layout(self.page_size, self.shape.head_dim, self.dtype_bytes, self.channels)
+        return _C.page_layout(self.page_size, self.shape.head_dim, self.dtype_bytes, self.channels, self.quantized)
 
     @property
     def page_bytes(self) -> int:

@@ -90,8 +90,9 @@ class RaggedPagedCache(PagedAttentionCache):
         self.handle, self.scheduler = handle, scheduler
         self.requests, self.chunks, self.step, self.step_closed = {}, {}, [], False
         self.admission = Admission(budget_bytes)
-        self.footprint = Footprint(handle.shape, self.dtype.itemsize, handle.page_size,
-                                   handle.policy.scorer.capabilities.channels)
+        quantized = handle.kv_dtype is not None
+        self.footprint = Footprint(handle.shape, 1 if quantized else self.dtype.itemsize, handle.page_size,
+                                   handle.policy.scorer.capabilities.channels, quantized)
         # The engine reads no past token through its own indices (each request attends over its
         # ragged cache): its scheduler then charges no read budget, and builds no read index.
         self.read_cache_limit = 0

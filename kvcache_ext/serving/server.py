@@ -33,12 +33,14 @@ def require_serving() -> None:
                           f"{SERVING_EXTRA}")
 
 
-def patching_model_manager(policy: Policy | None, page_size: int = 16, shared_system: str | None = None) -> type:
+def patching_model_manager(policy: Policy | None, page_size: int = 16, shared_system: str | None = None,
+                           kv_dtype: str | None = None) -> type:
     """transformers' ``ModelManager`` whose models are patched with ``policy`` as they load
     (None: left as they are, HF's paged cache), with the model's tokenizer (a scorer that
     prompts the model, KVzip, needs it). ``shared_system``: a system message whose tokens, as
     the model's chat template renders it, are compressed once then and shared
-    (``shared_system_ids``, ``handle.share_prefix``)."""
+    (``shared_system_ids``, ``handle.share_prefix``). ``kv_dtype``: what the caches' pages hold
+    (``patch``'s)."""
     from transformers.cli.serving.model_manager import ModelManager
 
     from kvcache_ext.hf.patching import is_patched, patch
@@ -53,7 +55,7 @@ def patching_model_manager(policy: Policy | None, page_size: int = 16, shared_sy
         def load_model_and_processor(self, *args, **kwargs):
             model, processor = super().load_model_and_processor(*args, **kwargs)
             if policy is not None and not is_patched(model):   # loaded now (else: as it was)
-                handle = patch(model, policy, page_size=page_size, tokenizer=processor)
+                handle = patch(model, policy, page_size=page_size, tokenizer=processor, kv_dtype=kv_dtype)
                 if shared_system is not None:
                     handle.share_prefix(shared_system_ids(processor, shared_system))
             return model, processor
@@ -110,13 +112,14 @@ def build_server_with_stats(build_server):
 
 
 @contextlib.contextmanager
-def serve_hooks(policy: Policy | None, page_size: int = 16, shared_system: str | None = None):
+def serve_hooks(policy: Policy | None, page_size: int = 16, shared_system: str | None = None,
+                kv_dtype: str | None = None):
     """While inside, ``transformers serve`` patches the models it loads (its model manager is
     ``patching_model_manager``'s) and builds its app with ``build_server_with_stats``."""
     from transformers.cli.serving import model_manager, server
 
     originals = model_manager.ModelManager, server.build_server
-    model_manager.ModelManager = patching_model_manager(policy, page_size, shared_system)
+    model_manager.ModelManager = patching_model_manager(policy, page_size, shared_system, kv_dtype)
     server.build_server = build_server_with_stats(server.build_server)
     try:
         yield
@@ -162,19 +165,22 @@ def kv_stats(model_manager, generation_state) -> dict:
 def start(model: str, policy: Policy | None, *, page_size: int = 16, host: str = "localhost", port: int = 8000,
           device: str = "auto", dtype: str = "auto", num_blocks: int | None = None,
           max_batch_tokens: int | None = None, log_level: str = "warning", shared_system: str | None = None,
-          blocking: bool = True):
+          blocking: bool = True, kv_dtype: str | None = None):
     """Runs ``transformers serve --continuous-batching`` on ``model`` (an HF id, a folder, or
     ``folder:file.gguf``), patched with ``policy`` (None: HF's paged cache); the KV budget is ``num_blocks`` of the
     engine's blocks, or what the engine would give its paged cache. ``shared_system``: a system
     message compressed once and shared by the requests that open with it (needs a policy).
     ``blocking=False`` returns transformers' ``Serve`` object with the server running in a
-    thread (``stop`` stops it)."""
+    thread (``stop`` stops it). ``kv_dtype``: what the caches' pages hold (None: the model's dtype;
+    "int8": quantized, on the CPU), which admission counts."""
     require_serving()
     from transformers.cli.serve import Serve
 
     if shared_system is not None and policy is None:
         raise ValueError("a shared system message is compressed by a policy: HF's paged cache (no policy) has none")
-    with serve_hooks(policy, page_size, shared_system):
+    if kv_dtype is not None and policy is None:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is what kvcache_ext's pages hold: HF's paged cache (no policy) has none")
+    with serve_hooks(policy, page_size, shared_system, kv_dtype):
         serve = Serve(force_model=model, continuous_batching=True, device=device, dtype=dtype,
                       cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=host, port=port,
                       log_level=log_level, non_blocking=True)
