@@ -167,7 +167,7 @@ def test_probe_runs_each_case_in_its_own_process():
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert results["cpu_op_dtype"]["verdict"] == results["cpu_op_batch"]["verdict"] == "raised"
-    assert "must have dtype Half, got Float" in results["cpu_op_dtype"]["output"][-1]
+    assert "q must have the store's dtype Half, got Float" in results["cpu_op_dtype"]["output"][-1]
     assert "q has batch 1 but the store has batch 2" in results["cpu_op_batch"]["output"][-1]
     cuda = torch.cuda.is_available() and kvcache_ext.build_info()["cuda"]
     cuda_cases = [name for name in results if "cuda" in name]
