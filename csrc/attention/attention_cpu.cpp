@@ -315,16 +315,18 @@ void attend_unit(const Problem& p, const Plan& plan, const Workspace& ws, Result
     attention::tiles<T>().widen(q + (g * n + i0) * D, qf.data() + g * ib * D, ib * D);
   }
   for (float& x : qf) x *= p.scale;
-  if constexpr (kQuantized) {  // the chunk's scales as floats
+  if constexpr (kQuantized) {  // the chunk's scales as floats: widened as pairs (K, V), then split
     k_scale.resize(cl);
     v_scale.resize(cl);
+    weights.resize(2 * cl);
     for_each_page_run<c10::Half>(view, store::kScale, s, l0, l0 + cl,
                                  [&](int64_t l, int64_t run, const c10::Half* sc, const c10::Half*) {
-                                   for (int64_t t = 0; t < run; ++t) {
-                                     k_scale[l - l0 + t] = static_cast<float>(sc[2 * t]);
-                                     v_scale[l - l0 + t] = static_cast<float>(sc[2 * t + 1]);
-                                   }
+                                   attention::tiles<c10::Half>().widen(sc, weights.data() + 2 * (l - l0), 2 * run);
                                  });
+    for (int64_t t = 0; t < cl; ++t) {
+      k_scale[t] = weights[2 * t];
+      v_scale[t] = weights[2 * t + 1];
+    }
   }
 
   const bool keep_probs = ws.probs != nullptr && !plan.gemm;

@@ -189,7 +189,9 @@ KVCACHE_ALWAYS_INLINE float max_impl(const float* x, int64_t count) {
   return m;
 }
 
-// One set of entry points per ISA: ATTR is the target attribute, W the lanes of a float vector.
+// One set of entry points per ISA: ATTR is the target attribute (with flatten: everything they
+// call is inlined into them, the ISA's own int8 loads of cpu_vec.h included), W the lanes of a
+// float vector.
 #define KVCACHE_DEFINE_TILES(ISA, ATTR, W)                                                      \
   template <typename T>                                                                         \
   ATTR void logits_##ISA(const T* k, int64_t run, int64_t D, const float* q, int64_t rows,      \
@@ -212,12 +214,12 @@ KVCACHE_ALWAYS_INLINE float max_impl(const float* x, int64_t count) {
     return {logits_##ISA<T>, values_##ISA<T>, widen_##ISA<T>, exp_sum_##ISA, max_##ISA};        \
   }
 
-KVCACHE_DEFINE_TILES(baseline, , 4)
+KVCACHE_DEFINE_TILES(baseline, __attribute__((flatten)), 4)
 #if defined(__GNUC__) && defined(__x86_64__)
 #define KVCACHE_X86_ISAS 1
-KVCACHE_DEFINE_TILES(avx2, __attribute__((target("avx2,fma,f16c"))), 8)
+KVCACHE_DEFINE_TILES(avx2, __attribute__((target("avx2,fma,f16c"), flatten)), 8)
 KVCACHE_DEFINE_TILES(avx512,
-                     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), 16)
+                     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), flatten)), 16)
 #endif
 
 // ISAs from narrowest to widest; supported(i) says whether this CPU runs ISA i.

@@ -12,6 +12,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 // A vector returned by an always_inline helper never crosses a real call: the ABI note is moot.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -27,6 +31,7 @@ struct Lanes {
   typedef uint16_t u16 __attribute__((vector_size(W * 2)));
   typedef _Float16 f16 __attribute__((vector_size(W * 2)));
   typedef int8_t i8 __attribute__((vector_size(W)));
+  typedef int16_t i16 __attribute__((vector_size(W * 2)));
 };
 
 template <int W>
@@ -62,8 +67,27 @@ template <int W>
 KVCACHE_ALWAYS_INLINE vf<W> load(const int8_t* p) {  // int8 pages: the steps, not yet scaled
   typename Lanes<W>::i8 x;
   std::memcpy(&x, p, sizeof(x));
-  return __builtin_convertvector(x, vf<W>);
+  // Widened 8 -> 16 -> 32 bits, then to float: GCC turns each step into vector sign
+  // extensions, where a direct int8 -> float conversion becomes one scalar conversion per lane.
+  const auto wide = __builtin_convertvector(__builtin_convertvector(x, typename Lanes<W>::i16), typename Lanes<W>::i);
+  return __builtin_convertvector(wide, vf<W>);
 }
+
+#if defined(__GNUC__) && defined(__x86_64__)
+// The wide ISAs sign-extend 8 or 16 int8 values to 32 bits in one instruction. These carry
+// their ISA's target, so they cannot be always_inline into the ISA-neutral helpers between:
+// the tile entry points (attention_cpu_tiles.cpp) are flattened, which inlines them there.
+template <>
+__attribute__((target("avx2"))) inline vf<8> load<8>(const int8_t* p) {
+  return (vf<8>)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+__attribute__((target("avx512f"))) inline vf<16> load<16>(const int8_t* p) {
+  // The zero-masked forms: the plain ones start from an undefined vector, which GCC 12 warns of.
+  const __m512i wide = _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vf<16>)_mm512_maskz_cvtepi32_ps(0xFFFF, wide);
+}
+#endif
 
 template <int W>
 KVCACHE_ALWAYS_INLINE void store(float* p, vf<W> x) {
