@@ -6,9 +6,9 @@
 //   x_d  ~= q_d * float(scale)
 //
 // x in float32 (a row of float16 or bfloat16 is widened first, exactly). The scale is float16:
-// two bytes, not four, per row (a token of head_dim 64 is 128 bytes of int8 K and V, so
-// a float32 pair would add 3 % more), with 11 bits of precision, and the division uses the
-// rounded scale, so the error bound (half a step of the scale actually stored) holds. Rows
+// two bytes, not four, per row (docs/store.md weighs the two), with 11 bits of precision, and
+// the division uses the rounded scale, so the error bound (half a step of the scale actually
+// stored) holds. Rows
 // whose largest value exceeds 127 * 65504 saturate at +-127 steps of the largest scale; a
 // NaN counts as 0 in the maximum and is stored as 0.
 #pragma once
