@@ -218,3 +218,36 @@ def test_int8_work_split_on_every_cpu_isa(cpu_isa, dtype, page_size, G, n):
     store.attended = (reference.as_attended(torch.cat([k, new_k], 2)), reference.as_attended(torch.cat([v, new_v], 2)))
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype)
     check_against_reference(store, q, D ** -0.5, torch.arange(prompt, prompt + n).expand(B, n), True)
+
+
+def test_graph_steps_on_int8_pages_give_the_eager_steps(monkeypatch):
+    """A decode step captured once and replayed (here by the CPU graph emulator) over int8 pages:
+    the appends into held pages, the decode step op with a plan of the pages, and an eviction by
+    a slot rule give the eager steps' tokens, logits and kept positions."""
+    from test_decode_graph import EVICTING, ONE_SHOT, assert_same_generation, generate
+    from graph_emulator import EmulatedGraphs
+    from kvcache_ext.hf import decode_graph
+    monkeypatch.setitem(decode_graph.BACKENDS, "cpu", EmulatedGraphs)
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=3)
+    for policy, counts in [(ONE_SHOT[0], (1, 1, 5, 1)), EVICTING[0], EVICTING[3]]:
+        eager = generate(model, policy, cuda_graph=False, kv_dtype="int8")
+        graphed = generate(model, policy, cuda_graph=True, kv_dtype="int8")
+        assert_same_generation(eager, graphed)
+        graph = graphed[3]
+        assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == counts, policy
+        assert graph.failed is None
+
+
+def test_forks_of_a_shared_prefix_on_int8_pages_get_the_tokens_of_their_own_copy():
+    from test_shared_prefix import continue_over, tokens, with_own_copy
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    prefix, *questions = tokens(70, 5, 9)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16), kv_dtype="int8") as handle:
+        shared = handle.share_prefix(prefix)
+        assert shared.cache.layers[0].state.kv.store.kv_dtype == torch.int8
+        for question in questions:
+            want, want_logits, own = with_own_copy(model, handle, prefix, question)
+            got, got_logits, fork = continue_over(model, shared.fork(), prefix, question)
+            assert got == want
+            torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
+            assert fork.nbytes < own.nbytes

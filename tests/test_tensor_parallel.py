@@ -41,7 +41,12 @@ def policies() -> dict:
         "tova-step": Policy(TOVA(), budget=BUDGET, schedule=EveryStep()),
         # a score by the model's head index (each rank's heads are the model's heads from rank * H on)
         "random": Policy(Random(seed=3), budget=BUDGET),
+        # each rank's heads on int8 pages (KV_DTYPES)
+        "snapkv-int8": Policy(SnapKV(), budget=BUDGET),
     }
+
+
+KV_DTYPES = {"snapkv-int8": "int8"}   # what the pages hold, where not the model's dtype
 
 
 PAD = 17   # the second row is left-padded: rows are split independently on every rank
@@ -58,7 +63,7 @@ def run_policies(model) -> dict:
     """Per policy: the generated tokens, the per-layer [B, H] tokens held, the bytes held."""
     out = {}
     for name, policy in policies().items():
-        with kvcache_ext.patch(model, policy) as handle:
+        with kvcache_ext.patch(model, policy, kv_dtype=KV_DTYPES.get(name)) as handle:
             ids, mask = prompt()
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                  min_new_tokens=NEW, return_dict_in_generate=True, pad_token_id=0)
