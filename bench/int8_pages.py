@@ -130,7 +130,6 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     if args.model == "tiny":
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from transformers import AutoTokenizer  # noqa: F401  (the tiny model's prompts are token ids)
         from tiny_models import tiny_model
         model, tokenizer = tiny_model("llama", heads=4, kv_heads=2, layers=2), None
     else:

@@ -154,27 +154,34 @@ def cpu_isa(request):
     kvcache_ext._C.set_cpu_isa(current)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("G, n", [(1, 1), (4, 1), (3, 5), (8, 3), (4, 70)])
-def test_work_split_on_cpu(cpu_isa, dtype, page_size, G, n):
+def check_work_split(dtype, page_size, G, n, kv_dtype=None):
     """The CPU kernel's splits: segments longer than a key chunk (512 tokens) merged across
     chunks, query blocks (G * n > 256 rows: two blocks), tile loops (G * n < 16 rows) and matrix
     products, ragged lengths with empty and single-slot segments, causal positions, statistics,
-    page runs of 1 to 64 tokens; every vector ISA of this CPU."""
+    page runs of 1 to 64 tokens, on the pages of ``kv_dtype``; with the ISA set by the caller."""
     gen = torch.Generator().manual_seed(page_size * 100 + G * 10 + n)
     B, H, D, prompt = 2, 3, 80, 1300   # D = 80: not a multiple of the vector width either
-    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, page_size=page_size)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, page_size=page_size, kv_dtype=kv_dtype)
     k, v = (torch.randn(B, H, prompt, D, generator=gen).to(dtype) for _ in range(2))
     store.append(k, v, torch.arange(prompt))
     lens = torch.tensor([[1300, 1, 0], [700, 513, 512]])
     store.compact(store.from_padded(torch.arange(prompt) < lens[..., None], False))
     new_k, new_v = (torch.randn(B, H, n, D, generator=gen).to(dtype) for _ in range(2))
     store.append(new_k, new_v, torch.arange(prompt, prompt + n))
+    if kv_dtype is not None:   # the K and V of every position as the attention sees them
+        store.attended = tuple(reference.as_attended(torch.cat(x, 2)) for x in ((k, new_k), (v, new_v)))
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype)
     q_pos = torch.arange(prompt, prompt + n).expand(B, n)
     check_against_reference(store, q, D ** -0.5, q_pos, True)
     check_against_reference(store, q, 0.3, None, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("G, n", [(1, 1), (4, 1), (3, 5), (8, 3), (4, 70)])
+def test_work_split_on_cpu(cpu_isa, dtype, page_size, G, n):
+    """check_work_split on every vector ISA of this CPU."""
+    check_work_split(dtype, page_size, G, n)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -196,29 +196,17 @@ def test_the_command_line_refuses_int8_where_nothing_would_hold_it():
     assert cli.main(["eval", "--task", "passkey", "--kv-dtype", "int4", "--no-progress"]) == 2
 
 
-from test_attention import check_against_reference, cpu_isa  # noqa: E402,F401  (cpu_isa: a fixture)
+
+from test_attention import check_work_split, cpu_isa  # noqa: E402,F401  (cpu_isa: a fixture)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("G, n", [(1, 1), (3, 5), (4, 70)])
 def test_int8_work_split_on_every_cpu_isa(cpu_isa, dtype, page_size, G, n):
-    """The CPU attention's splits on int8 pages (chunks merged across 512 tokens, tile loops and
-    matrix products, empty and single-token segments, D not a multiple of the vector width),
-    with each vector ISA's int8 loads, against the reference over the dequantized rows."""
-    gen = torch.Generator().manual_seed(page_size * 100 + G * 10 + n)
-    B, H, D, prompt = 2, 3, 80, 1300
-    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, page_size=page_size, kv_dtype="int8")
-    k, v = (torch.randn(B, H, prompt, D, generator=gen).to(dtype) for _ in range(2))
-    store.append(k, v, torch.arange(prompt))
-    lens = torch.tensor([[1300, 1, 0], [700, 513, 512]])
-    store.compact(store.from_padded(torch.arange(prompt) < lens[..., None], False))
-    new_k, new_v = (torch.randn(B, H, n, D, generator=gen).to(dtype) for _ in range(2))
-    store.append(new_k, new_v, torch.arange(prompt, prompt + n))
-    store.attended = (reference.as_attended(torch.cat([k, new_k], 2)), reference.as_attended(torch.cat([v, new_v], 2)))
-    q = torch.randn(B, H * G, n, D, generator=gen).to(dtype)
-    check_against_reference(store, q, D ** -0.5, torch.arange(prompt, prompt + n).expand(B, n), True)
-
+    """test_attention's work split on int8 pages, with each vector ISA's int8 loads, against the
+    reference over the dequantized rows."""
+    check_work_split(dtype, page_size, G, n, kv_dtype="int8")
 
 def test_graph_steps_on_int8_pages_give_the_eager_steps(monkeypatch):
     """A decode step captured once and replayed (here by the CPU graph emulator) over int8 pages:
@@ -237,17 +225,3 @@ def test_graph_steps_on_int8_pages_give_the_eager_steps(monkeypatch):
         assert (graph.warmups, graph.captures, graph.replays, graph.eager_steps) == counts, policy
         assert graph.failed is None
 
-
-def test_forks_of_a_shared_prefix_on_int8_pages_get_the_tokens_of_their_own_copy():
-    from test_shared_prefix import continue_over, tokens, with_own_copy
-    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
-    prefix, *questions = tokens(70, 5, 9)
-    with kvcache_ext.patch(model, Policy(SnapKV(window=4), budget=16), kv_dtype="int8") as handle:
-        shared = handle.share_prefix(prefix)
-        assert shared.cache.layers[0].state.kv.store.kv_dtype == torch.int8
-        for question in questions:
-            want, want_logits, own = with_own_copy(model, handle, prefix, question)
-            got, got_logits, fork = continue_over(model, shared.fork(), prefix, question)
-            assert got == want
-            torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
-            assert fork.nbytes < own.nbytes

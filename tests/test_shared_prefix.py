@@ -46,11 +46,12 @@ def store_bits(cache):
     return [(d.k.clone(), d.v.clone(), d.pos.clone(), d.lens.clone()) for d in dense]
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["snapkv", "expected-attention-adakv", "streamingllm"])
-def test_sequences_on_forks_of_a_prefix_get_the_tokens_of_their_own_copy(policy):
+@pytest.mark.parametrize("policy,kv_dtype", [(p, None) for p in POLICIES] + [(POLICIES[0], "int8")],
+                         ids=["snapkv", "expected-attention-adakv", "streamingllm", "snapkv-int8-pages"])
+def test_sequences_on_forks_of_a_prefix_get_the_tokens_of_their_own_copy(policy, kv_dtype):
     model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
     prefix, *questions = tokens(70, 5, 9, 1)
-    with kvcache_ext.patch(model, policy) as handle:
+    with kvcache_ext.patch(model, policy, kv_dtype=kv_dtype) as handle:
         shared = handle.share_prefix(prefix)
         before = store_bits(shared.cache)
         for question in questions:
