@@ -96,8 +96,9 @@ def uniform_lengths(batch: int, heads: int, mean_len: int) -> torch.Tensor:
 
 
 # --- stores and dense caches ----------------------------------------------------------------
-def build_store(lens: torch.Tensor, dtype: torch.dtype, device: str, seed: int):
-    """A store whose segment (b, h) holds lens[b, h] tokens at positions 0 .. len - 1.
+def build_store(lens: torch.Tensor, dtype: torch.dtype, device: str, seed: int, kv_dtype=None):
+    """A store whose segment (b, h) holds lens[b, h] tokens at positions 0 .. len - 1 (its pages
+    in ``dtype``, or quantized with ``kv_dtype="int8"``).
 
     Appends L = max len rounded up to PAD tokens to every segment, then compacts with a keep
     mask that keeps the first lens[b, h] slots of each segment (the store keeps the gaps, as
@@ -109,7 +110,7 @@ def build_store(lens: torch.Tensor, dtype: torch.dtype, device: str, seed: int):
     gen = torch.Generator(device=device).manual_seed(seed)
     k = torch.randn(B, H, L, D, dtype=dtype, device=device, generator=gen)
     v = torch.randn(B, H, L, D, dtype=dtype, device=device, generator=gen)
-    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device)
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, kv_dtype=kv_dtype)
     store.reserve(L)
     store.append(k, v, torch.arange(L, device=device))
     if bool((lens < L).any()):   # keep the first lens[b, h] tokens of every head

@@ -254,8 +254,6 @@ StateView state_view(at::TensorList pool, const at::Tensor& page_table, const at
   check_defined(page_table, "page_table");
   const c10::Device device = page_table.device();
   check_device_supported(device);
-  TORCH_CHECK_VALUE(dtype != at::kChar || device.is_cpu(), "int8 pages run on the CPU kernels only; on ",
-                    device, " the store holds float32, float16 or bfloat16 K/V");
   check_dtype(page_table, at::kInt, "page_table");
   TORCH_CHECK_VALUE(page_table.dim() == 2, "page_table must be [segments, width], got shape ",
                     page_table.sizes());

@@ -88,7 +88,7 @@ def check_against_reference(store, q, scale, q_pos, stats):
        scale=st.sampled_from([None, 0.05, 0.3]), seed=st.integers(0, 2**31 - 1), int8=st.booleans())
 def test_random_stores(device, B, H, G, D, dtype, prompt, evict, n, causal, stats, scale, seed, int8):
     gen = torch.Generator().manual_seed(seed)
-    kv_dtype = torch.int8 if int8 and device == "cpu" else None   # int8 pages: the CPU kernels
+    kv_dtype = torch.int8 if int8 else None
     store, q_pos = build_store(gen, B, H, D, dtype, device, prompt, evict, n, kv_dtype)
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).to(device)
     scale = 1 / math.sqrt(D) if scale is None else scale
@@ -283,9 +283,7 @@ def test_decode_step_is_the_reference_step(device, dtype, B, H, G, kv_dtype):
     engine's one decode door) on the ragged store against the reference's masked dense cache,
     over ragged segments (one empty before the steps, one of a single token), across page
     boundaries, with padded rows on some steps: the same outputs, statistics, channels and
-    kept positions. int8 pages (CPU) against the reference holding what they give back."""
-    if kv_dtype is not None and device != "cpu":
-        pytest.skip("int8 pages run on the CPU kernels")
+    kept positions. int8 pages against the reference holding what they give back."""
     from kvcache_ext.engine.ragged_storage import RaggedLayerKV
     from kvcache_ext.engine.storage import DecodeStep, EvictByRule
     from kvcache_ext.reference.masked_cache import MaskedLayerKV

@@ -91,10 +91,15 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     for r in doc["kernels"]:   # on CPU the kernel time is the wall time, measured apart
         assert r["kernel_seconds"] > 0 and r["torch_kernel_seconds"] > 0
     assert len(doc["attention"]) == 4
+    assert [r["lengths"] for r in doc["int8"]] == ["uniform", "skewed"]
+    for r in doc["int8"]:   # int8 pages against float32 ones: a quarter of the bytes and more
+        assert r["seconds"] > 0 and r["plain_seconds"] > 0 and 0.2 < r["bytes"] / r["plain_bytes"] < 0.4, r
     assert all(c["ok"] for c in doc["checks"]), doc["checks"]
+    assert sum("attention on int8 pages" in c["check"] for c in doc["checks"]) == 2
     tail = out.stdout[out.stdout.rindex("| metric"):]
     assert "e2e h2o-step (per-step eviction) / snapkv (one-shot) decode tok/s (ctx 256 x 1)" in tail
     assert "tensor-core prefill B=1 Hkv=8 n=256 vs SDPA" in tail and "stage tc " in tail
+    assert "attention decode skewed on int8 pages vs float32 pages" in tail
     for line in ("tensor-core decode uniform B=4 Hkv=8 vs switch off", "tensor-core decode uniform B=4 Hkv=8 of copy",
                  "tensor-core decode skewed B=4 Hkv=8 stats overhead",
                  "scalar decode skewed B=4 Hkv=8 vs SDPA (padded)", "tensor-core decode batch 1 B=1 Hkv=1 of copy"):
@@ -132,7 +137,8 @@ def test_the_sanitizer_driver_runs_on_cpu():
     res = subprocess.run([sys.executable, str(TOOLS / "gpu_verify.py"), "sanitize-driver", "--device",
                           "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("store ops equal, attention close, grouped top-k equal") == 3
+    assert res.stdout.count("store ops equal, attention close, grouped top-k equal") == 4
+    assert "page 16 int8: store ops equal" in res.stdout
 
 
 def test_the_exact_topk_reference_is_the_reference():

@@ -35,17 +35,17 @@ def edge_rows(D: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [1, 3, 64, 128])
-def test_the_store_quantizes_as_its_reference_twin(dtype, D):
+def test_the_store_quantizes_as_its_reference_twin(device, dtype, D):
     rows = edge_rows(D, dtype)
     rows = torch.cat([rows, torch.randn(20, D).to(dtype)])              # and plain ones
     n = rows.shape[0]
-    store = kvcache_ext.RaggedKVStore(1, 1, D, dtype=dtype, kv_dtype="int8", page_size=4)
-    store.append(rows.view(1, 1, n, D), rows.flip(0).view(1, 1, n, D), torch.arange(n))
+    store = kvcache_ext.RaggedKVStore(1, 1, D, dtype=dtype, kv_dtype="int8", page_size=4, device=device)
+    store.append(rows.view(1, 1, n, D).to(device), rows.flip(0).view(1, 1, n, D).to(device), torch.arange(n))
     dense = store.to_dense()
     q, scale = reference.quantize(rows)
     assert q.dtype == torch.int8 and scale.dtype == torch.float16
     assert int(q.abs().max()) <= 127 and bool(torch.isfinite(scale).all())
-    for got, want in ((dense.k[0, 0], rows), (dense.v[0, 0], rows.flip(0))):
+    for got, want in ((dense.k[0, 0].cpu(), rows), (dense.v[0, 0].cpu(), rows.flip(0))):
         expected = reference.round_trip(want)
         assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                            expected.view(torch.int16 if dtype != torch.float32 else torch.int32))
@@ -111,8 +111,6 @@ def test_bad_kv_dtype_is_refused_naming_what_is_accepted():
         kvcache_ext.RaggedKVStore(1, 1, 8, dtype=torch.float32, kv_dtype=torch.float16)
     with pytest.raises(TypeError, match="kv_dtype must be"):
         kvcache_ext.RaggedKVStore(1, 1, 8, kv_dtype=8)
-    with pytest.raises(ValueError, match="CPU kernels only"):
-        kvcache_ext.RaggedKVStore(1, 1, 8, kv_dtype="int8", device="cuda")
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="patch kv_dtype must be"):
         kvcache_ext.patch(model, Policy(SnapKV(), budget=64), kv_dtype="int4")
@@ -123,11 +121,11 @@ def test_bad_kv_dtype_is_refused_naming_what_is_accepted():
     assert store.num_tokens == 0
 
 
-def test_fork_and_repack_move_the_scales_with_their_tokens():
-    store = kvcache_ext.RaggedKVStore(2, 2, 16, dtype=torch.float32, kv_dtype="int8", page_size=4)
-    k = torch.randn(2, 2, 11, 16) * torch.logspace(-2, 2, 11)[:, None]
+def test_fork_and_repack_move_the_scales_with_their_tokens(device):
+    store = kvcache_ext.RaggedKVStore(2, 2, 16, dtype=torch.float32, kv_dtype="int8", page_size=4, device=device)
+    k = (torch.randn(2, 2, 11, 16) * torch.logspace(-2, 2, 11)[:, None]).to(device)
     store.append(k, -k, torch.arange(11))
-    store.compact(torch.rand(store.capacity) < 0.6, stable=False)
+    store.compact((torch.rand(store.capacity) < 0.6).to(device), stable=False)
     before = store.to_dense()
     fork = store.fork()
     fork.append(k[:, :, :1].contiguous(), k[:, :, :1].contiguous(), torch.tensor([11]))
@@ -140,42 +138,45 @@ def test_fork_and_repack_move_the_scales_with_their_tokens():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck_of_the_ops_on_int8_pages(dtype):
+def test_opcheck_of_the_ops_on_int8_pages(device, dtype):
     """Schema, fake and AOT dispatch of every op that reads or writes a store, on int8 pages."""
     from torch.library import opcheck
 
     from kvcache_ext.kernels.ops import ops
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     gen = torch.Generator().manual_seed(0)
-    B, H, G, D, P, C = 2, 2, 3, 16, 4, 2
-    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, kv_dtype="int8", score_channels=C, page_size=P)
-    k, v = (torch.randn(B, H, 9, D, generator=gen).to(dtype) for _ in range(2))
+    B, H, G, D, P, C = 2, 2, 3, 64, 4, 2
+    store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, kv_dtype="int8", score_channels=C, page_size=P,
+                                      device=device)
+    k, v = (torch.randn(B, H, 9, D, generator=gen).to(dtype).to(device) for _ in range(2))
     store.append(k, v, torch.arange(9))
-    store.compact(torch.rand(store.capacity, generator=gen) < 0.7)
-    new_k, new_v = (torch.randn(B, H, 1, D, generator=gen).to(dtype) for _ in range(2))
+    store.compact((torch.rand(store.capacity, generator=gen) < 0.7).to(device))
+    new_k, new_v = (torch.randn(B, H, 1, D, generator=gen).to(dtype).to(device) for _ in range(2))
     pos32, rank, counts = store._allocator.prepare_append(new_k, new_v, torch.full((B, 1), 20), None)
     store._refresh()
     pool, table, lens = store.state()
     opcheck(ops.store_append, (pool, table, lens, new_k, new_v, pos32, rank, counts, P, C, torch.int8),
             test_utils=utils)
     meta = (P, D, C, torch.int8)
-    q = torch.randn(B, H * G, 1, D, generator=gen).to(dtype)
+    q = torch.randn(B, H * G, 1, D, generator=gen).to(dtype).to(device)
     plan = store.attention_plan(G)
     opcheck(ops.attention_run, (q, pool, table, lens, plan, None, 0.25, H, *meta, True, True, True, True),
             test_utils=utils)
-    slot = torch.zeros(B, H, dtype=torch.long)
-    opcheck(ops.store_replace, (pool, table, lens, slot, new_k, new_v, torch.full((B,), 21), *meta, True),
-            test_utils=utils)
-    keep = torch.rand(store.capacity, generator=gen) < 0.5
+    slot = torch.zeros(B, H, dtype=torch.long, device=device)
+    opcheck(ops.store_replace, (pool, table, lens, slot, new_k, new_v, torch.full((B,), 21, device=device), *meta,
+                                True), test_utils=utils)
+    keep = (torch.rand(store.capacity, generator=gen) < 0.5).to(device)
     opcheck(ops.store_compact, (pool, table, lens, keep, *meta, False), test_utils=utils)
-    opcheck(ops.store_topk, (pool, table, lens, None, torch.full((B * H,), 2), 1, *meta), test_utils=utils)
+    opcheck(ops.store_topk, (pool, table, lens, None, torch.full((B * H,), 2, device=device), 1, *meta),
+            test_utils=utils)
     pos32, rank, counts = store._allocator.prepare_append(new_k, new_v, torch.full((B, 1), 22), None)
     store._refresh()
     pool, table, lens = store.state()
     plan = store.attention_plan(G)
     opcheck(ops.store_decode_step, (pool, table, lens, q, new_k, new_v, pos32, rank, counts, plan, None, 0.25, P, C,
                                     True, True, False, False, [0], "mass", 1, 0, None,
-                                    torch.full((B * H,), 3, dtype=torch.int32), torch.int8), test_utils=utils)
+                                    torch.full((B * H,), 3, dtype=torch.int32, device=device), torch.int8),
+            test_utils=utils)
 
 
 def test_eval_runs_on_int8_pages_under_their_own_name():

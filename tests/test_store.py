@@ -65,7 +65,7 @@ OPS = ["append", "append_masked", "replace", "set_scores", "compact", "compact_u
        int8=st.booleans())
 def test_random_operation_sequences(device, B, H, D, dtype, C, page_size, ops, seed, int8):
     gen = torch.Generator().manual_seed(seed)
-    kv_dtype = torch.int8 if int8 and device == "cpu" else None   # int8 pages: the CPU kernels
+    kv_dtype = torch.int8 if int8 else None
     store = kvcache_ext.RaggedKVStore(B, H, D, dtype=dtype, device=device, score_channels=C,
                                       page_size=page_size, kv_dtype=kv_dtype)
     ref = reference.ReferenceStore(B, H, D, dtype=dtype, score_channels=C, kv_dtype=kv_dtype)

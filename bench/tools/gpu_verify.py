@@ -7,7 +7,8 @@ sanitizers' driver and the final report.
     python bench/tools/gpu_verify.py report JSON [--e2e JSON] [--stages JSON] [--tc JSON]
 
 ``table``: every store and selection kernel against its torch baseline (bench/kernels.py: top-k segmented
-and grouped, compaction, append; bench/attention.py: decode and prefill attention), each with
+and grouped, compaction, append; bench/attention.py: decode and prefill attention; decode attention
+over int8 pages against the same call over pages in the model's dtype), each with
 wall and kernel time, plus correctness at benchmark scale (top-k keep masks against an exact
 sort, compaction against a gather of the dense cache, append against the tokens appended,
 attention against SDPA, which bench/attention.py measures; its attention runs the default path,
@@ -30,7 +31,7 @@ unordered one, top-k
 KV head both by default (the tensor-core prefill) and with KVCACHE_EXT_TC_PREFILL=0 (the scalar
 kernel), a decode call on the tensor-core decode (KVCACHE_EXT_TC_DECODE=1), and decode steps
 evicting by a slot rule (the eager step, ``_C.decode_step``, and the ``store_decode_step`` op with
-the plan of the pages held, as a CUDA graph replays it). Run under compute-sanitizer by
+the plan of the pages held, as a CUDA graph replays it), on pages in bf16 and on int8 pages. Run under compute-sanitizer by
 gpu_verify.sh; exits non-zero if a result differs from the CPU store's.
 
 ``report``: the one table gpu_verify.sh prints last: metric | ours (wall, kernel) | baseline |
@@ -68,6 +69,10 @@ TC_STATS_GOAL = 1.5
 # fractions of the copy bandwidth, Ada-KV-skewed lengths as SDPA (padded cache) time / ours.
 DECODE_COPY_GOAL = {"uniform": 0.80, "batch 1": 0.70}
 DECODE_SKEWED_GOAL = 14.0
+# Decode over int8 pages against the same call over pages in the model's dtype (time / ours): the
+# dequantizing must not cost what the halved bytes give.
+INT8_DECODE_GOAL = 0.95
+INT8_TOL = 2e-2            # int8 attention against SDPA over the rows the pages give back (bf16 output)
 
 
 # --- correctness at benchmark scale ---------------------------------------------------------
@@ -165,11 +170,44 @@ def attention_rows(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def int8_rows(device: str, quick: bool) -> list[dict]:
+    """Decode attention over int8 pages against the same call over pages in the model's dtype (bf16
+    on a GPU, fp32 on the CPU), same lengths and queries, in interleaved turns, with the bytes each
+    store holds; and the int8 output against SDPA over the dequantized rows the pages give back."""
+    import attention as att
+    from common import time_interleaved
+    gpu = device.startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    mean_len = max(64, int((65536 if gpu else 8192) * (1 / 64 if quick else 1)))
+    rows = []
+    for lengths in ("uniform", "skewed"):
+        lens = (att.uniform_lengths(4, att.HKV, mean_len) if lengths == "uniform"
+                else att.skewed_lengths(4, att.HKV, mean_len)[0])
+        plain = att.build_store(lens, dtype, device, seed=1)[0]
+        int8 = att.build_store(lens, dtype, device, seed=1, kv_dtype="int8")[0]
+        q = torch.randn(4, att.HKV * att.G, 1, att.D, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+        times = time_interleaved({"plain": lambda: kvcache_ext.ragged_attention(q, plain),
+                                  "int8": lambda: kvcache_ext.ragged_attention(q, int8)},
+                                 device, repeats=3 if quick else 10)
+        dense = int8.to_dense()
+        k, v = (x.repeat_interleave(att.G, 1) for x in (dense.k, dense.v))
+        mask = dense.mask.repeat_interleave(att.G, 1)[:, :, None, :]
+        want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        got = kvcache_ext.ragged_attention(q, int8)[0].float()
+        rows.append({"case": "decode", "lengths": lengths, "batch": 4, "kv_heads": att.HKV, "mean_len": mean_len,
+                     "dtype": str(dtype), "seconds": times["int8"], "plain_seconds": times["plain"],
+                     "plain_over_ours": times["plain"] / times["int8"], "bytes": int8.nbytes,
+                     "plain_bytes": plain.nbytes, "max_abs_diff_vs_sdpa": float((got - want).abs().max())})
+        del plain, int8, dense, k, v
+    return rows
+
+
 def table(args) -> dict:
     import kernels
     device = args.device
     rows, copy_gbps = kernels.run_all(device, args.quick)
     attn = attention_rows(device, args.quick)
+    int8 = int8_rows(device, args.quick)
     gpu = device.startswith("cuda")
     scale = 1 / 64 if args.quick else 1
     L = max(64, int((32768 if gpu else 8192) * scale))
@@ -184,9 +222,13 @@ def table(args) -> dict:
         checks.append({"check": f"attention {r['case']} {r['lengths']} B={r['batch']} Hkv={r['kv_heads']} "
                                 f"= SDPA (max abs diff {diff if diff is None else f'{diff:.2g}'} <= {tol})",
                        "ok": diff is not None and diff <= tol})
+    for r in int8:
+        diff = r["max_abs_diff_vs_sdpa"]
+        checks.append({"check": f"attention on int8 pages, decode {r['lengths']} = SDPA over the rows they give back "
+                                f"(max abs diff {diff:.2g} <= {INT8_TOL})", "ok": diff <= INT8_TOL})
     doc = {"benchmark": "gpu-verify", **run_metadata(device), "torch": torch.__version__, "build": build_description(),
            "copy_GBps": copy_gbps, "kernel_time": "profiler (CUDA)" if gpu else "wall time (CPU)",
-           "kernels": rows, "attention": attn, "checks": checks}
+           "kernels": rows, "attention": attn, "int8": int8, "checks": checks}
     out = args.out or os.path.join(RESULTS, f"gpu-verify-{'cpu' if not gpu else device_name(device).replace(' ', '-')}"
                                             f"-{datetime.date.today().isoformat()}.json")
     if not args.quick or args.out:
@@ -307,6 +349,11 @@ def report_rows(doc: dict | None, e2e: dict | None, stages: dict | None, tc: dic
             out.append((name + " stats overhead", _ms(r["stats_seconds"]), _ms(r["seconds"]),
                         f"{r['stats_overhead']:.2f}x", f"<= {att.STATS_TARGET}x",
                         r.get("shrunk_stats_overhead", r["stats_overhead"]) <= att.STATS_TARGET))
+        for r in doc.get("int8", []):
+            ratio = r["plain_over_ours"]
+            out.append((f"attention decode {r['lengths']} on int8 pages vs {r['dtype'].split('.')[-1]} pages "
+                         f"({r['bytes'] / r['plain_bytes']:.2f}x the bytes)", _ms(r["seconds"]),
+                         _ms(r["plain_seconds"]), f"{ratio:.2f}x", f">= {INT8_DECODE_GOAL}x", ratio >= INT8_DECODE_GOAL))
         for c in doc["checks"]:
             out.append((c["check"], "—", "—", "—", "equal", c["ok"]))
     if tc:
@@ -441,14 +488,17 @@ def sanitize_driver(args) -> int:
     device = args.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
     bad = []
-    # (batch, heads, length, page size): few long segments (multi-tile compaction), more
-    # segments than SMs with short ones (one tile each), a page of one token.
-    shapes = [(1, 2, 3000, 16), (2, (sms + 8) // 2 + 1, 40, 16), (1, 4, 300, 1)]
-    for batch, heads, length, page in shapes:
+    # (batch, heads, length, page size, what the pages hold): few long segments (multi-tile
+    # compaction), more segments than SMs with short ones (one tile each), a page of one token;
+    # and int8 pages (quantized as they are written, scales moved with their tokens).
+    shapes = [(1, 2, 3000, 16, None), (2, (sms + 8) // 2 + 1, 40, 16, None), (1, 4, 300, 1, None),
+              (1, 2, 3000, 16, "int8")]
+    for batch, heads, length, page, kv_dtype in shapes:
         stores = {}
         for dev in ("cpu", device):
             gen = torch.Generator().manual_seed(11)
-            store = kvcache_ext.RaggedKVStore(batch, heads, 64, dtype=torch.bfloat16, device=dev, page_size=page)
+            store = kvcache_ext.RaggedKVStore(batch, heads, 64, dtype=torch.bfloat16, device=dev, page_size=page,
+                                              kv_dtype=kv_dtype)
             kv = torch.randn(batch, heads, length, 64, generator=gen).to(torch.bfloat16)
             store.append(kv.to(dev), (-kv).to(dev), torch.arange(length).to(dev))
             keep = (torch.rand(store.capacity, generator=gen) < 0.3).to(dev)
@@ -513,8 +563,8 @@ def sanitize_driver(args) -> int:
         same = all(torch.equal(getattr(d0, f).cpu(), getattr(d1, f).cpu()) for f in ("k", "v", "pos", "lens"))
         close = torch.allclose(o0, o1, atol=2e-2, rtol=2e-2) and torch.allclose(m0, m1, atol=1e-3)
         if not (same and close and torch.equal(g0, g1)):
-            bad.append((batch, heads, length, page, same, close))
-        print(f"store {batch}x{heads}x{length} page {page}: store ops {'equal' if same else 'DIFFER'}, "
+            bad.append((batch, heads, length, page, kv_dtype, same, close))
+        print(f"store {batch}x{heads}x{length} page {page}{' int8' if kv_dtype else ''}: store ops {'equal' if same else 'DIFFER'}, "
               f"attention {'close' if close else 'DIFFERS'}, grouped top-k {'equal' if torch.equal(g0, g1) else 'DIFFERS'}",
               flush=True)
     return 1 if bad else 0

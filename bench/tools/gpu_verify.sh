@@ -14,8 +14,9 @@
 #             holds a build of the same sources for the same torch and Python (what an earlier
 #             call sent back in $OUT/build.tar.gz: docs/gpu.md)
 #   bench     bench/tools/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
-#             and prefill attention, each against its torch baseline (wall and kernel time), and
-#             the checks against the reference at benchmark scale
+#             and prefill attention, each against its torch baseline (wall and kernel time), decode
+#             attention over int8 pages against bf16 pages, and the checks against the reference
+#             at benchmark scale
 #   tc        the tensor-core kernels: the prefill (the default on CUDA,
 #             KVCACHE_EXT_TC_PREFILL=0 the scalar kernel) and the decode (opt-in,
 #             KVCACHE_EXT_TC_DECODE=1): tests/test_prefill_tc.py and tests/test_decode_tc.py
@@ -26,7 +27,7 @@
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/tools/gpu_verify.py
 #             sanitize-driver (small stores through every op, both compaction paths, a prefill
 #             block by default and with KVCACHE_EXT_TC_PREFILL=0, a decode call with
-#             KVCACHE_EXT_TC_DECODE=1)
+#             KVCACHE_EXT_TC_DECODE=1; and a store of int8 pages through the same ops)
 #   e2e       bench/e2e.py: Llama-3.1-8B-shaped random bf16 weights, 8K x batch 1 and 4, one-shot
 #             SnapKV at 1024 tokens per head and H2O evicting every step (each eager, and with
 #             its decode steps in a CUDA graph: snapkv-graph, h2o-step-graph) and the full
@@ -294,7 +295,7 @@ stage_e2e() {
 
 TEST_FILES="tests/test_build.py tests/test_store.py tests/test_store_fork.py tests/test_select.py tests/test_attention.py
   tests/test_ops.py tests/test_patch.py tests/test_cuda_metadata.py tests/test_host_syncs.py
-  tests/test_cuda_model.py tests/test_device_map.py tests/test_decode_graph.py"
+  tests/test_cuda_model.py tests/test_device_map.py tests/test_decode_graph.py tests/test_int8_pages.py"
 export TEST_FILES
 
 stage_test() {

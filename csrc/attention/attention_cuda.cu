@@ -37,6 +37,11 @@
 // rows: attention/attention_plan.h says how, without a host sync.
 //
 // Logits are kept in base 2 (q is pre-scaled by scale * log2(e)), so exp2f does the softmax.
+//
+// Int8 pages (store/quantize.h) take the same kernels with E = int8_t for the K and V rows
+// while q and the output keep their float type T: a lane widens its int8 words to floats,
+// each token's K scale multiplies its logit and its V scale its weight, in float32 as the
+// CPU kernel does. The tensor-core kernels take 16-bit pages only; int8 pages run here.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -48,6 +53,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention/attention_kernels.h"
@@ -110,13 +116,23 @@ __device__ inline void word_to_float<at::BFloat16>(const uint4& w, float* out) {
   halves_to_float<at::BFloat16>(w, out);
 }
 
+// int8 (quantized pages): the word's 16 bytes, lowest address first, as the integers they hold.
+template <>
+__device__ inline void word_to_float<int8_t>(const uint4& w, float* out) {
+  const uint32_t parts[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) out[4 * j + b] = static_cast<float>(static_cast<int8_t>(parts[j] >> (8 * b)));
+}
+
 constexpr int pow2_at_least(int x) {
   int p = 1;
   while (p < x) p *= 2;
   return p;
 }
 
-// How a warp covers a row of D elements of T: LPS lanes per slot (a power of two, for the
+// How a warp covers a row of D elements of T (the pages' type: int8 for quantized pages): LPS lanes per slot (a power of two, for the
 // xor reductions), kWords 16-byte words per lane, SPW slots per warp side by side. When the
 // row's words are not a power of two (D = 80, 96, 112, 192 in fp16/bf16; 80, 96, 112, 192
 // in fp32) the row is padded to LPS * kWords words: lanes at or past kActive hold no part of
@@ -173,14 +189,15 @@ struct Params : SplitArgs {
 // entries first_chunk .. of the segment's page table, first_chunk = t0 >> shift. Their ids
 // and addresses sit in shared memory (staged once per tile), so finding token t0 + j's row
 // costs no global load. There are at most kTile of them: tile_len for pages of one token,
-// at most kTile / 2 + 1 for larger pages.
+// at most kTile / 2 + 1 for larger pages. T is the pages' element type (int8_t: quantized
+// pages, whose scale rows k_scale and v_scale read).
 template <typename T, int D>
 struct TileRows {
   static constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));  // K and V rows
   const int32_t* page;      // [chunks] page ids (shared memory)
   const char* const* base;  // [chunks] page addresses (shared memory)
   int64_t t0, first_chunk, mask;
-  int64_t off_k, off_v, off_pos;
+  int64_t off_k, off_v, off_pos, off_scale;
   int shift;
 
   __device__ int chunk(int j) const { return static_cast<int>(((t0 + j) >> shift) - first_chunk); }
@@ -194,6 +211,12 @@ struct TileRows {
   __device__ int32_t pos(int j) const {
     return *reinterpret_cast<const int32_t*>(base[chunk(j)] + off_pos + in_page(j) * 4);
   }
+  // The K (part 0) or V (part 1) scale of token t0 + j, as a float (store/paged_layout.h).
+  __device__ float scale(int j, int part) const {
+    const auto* row = reinterpret_cast<const c10::Half*>(base[chunk(j)] + off_scale +
+                                                         in_page(j) * store::kScaleRowBytes);
+    return static_cast<float>(row[part]);
+  }
   __device__ int64_t slot(int j) const {
     return (static_cast<int64_t>(page[chunk(j)]) << shift) | in_page(j);
   }
@@ -202,11 +225,13 @@ struct TileRows {
 // ---------------------------------------------------------------------------------------
 // 1. attend_split: block w * row_tiles + t attends split w for rows [t * RB, t * RB + RB).
 // The row tiles of a split are neighbours in the grid, so they read its K and V together
-// and all but the first find them in L2.
+// and all but the first find them in L2. T: q and the output; E: the pages' K and V (T, or
+// int8_t for quantized pages).
 
-template <typename T, int D, int RB>
+template <typename T, typename E, int D, int RB>
 __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
-  using L = RowLayout<T, D>;
+  using L = RowLayout<E, D>;
+  constexpr bool kQuantized = std::is_same_v<E, int8_t>;
   __shared__ float tile_p[RB][kTile];         // logits, then probabilities, of a tile
   __shared__ float row_m[RB], row_l[RB], row_alpha[RB];
   __shared__ float reduce[L::kGroups][RB][L::kPadD];  // partial outputs of the slot groups
@@ -249,7 +274,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
     row_l[threadIdx.x] = 0.f;
   }
 
-  TileRows<T, D> tile;
+  TileRows<E, D> tile;
   tile.page = chunk_page;
   tile.base = chunk_base;
   tile.shift = p.view.shift;
@@ -257,6 +282,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
   tile.off_k = p.view.record.offset[store::kK];
   tile.off_v = p.view.record.offset[store::kV];
   tile.off_pos = p.view.record.offset[store::kPos];
+  tile.off_scale = p.view.record.offset[store::kScale];
 
   for (int t0 = split.begin; t0 < split.end; t0 += kTile) {
     const int tile_len = min(kTile, split.end - t0);
@@ -279,14 +305,14 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups + lane / L::LPS;
-        if (j < tile_len && active) load_slice<T, D>(tile.k(j), lane_in_group, words[u]);
+        if (j < tile_len && active) load_slice<E, D>(tile.k(j), lane_in_group, words[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups + lane / L::LPS;
         float kf[L::EPL];
         if (j < tile_len && active) {
-          slice_to_float<T, D>(words[u], kf);
+          slice_to_float<E, D>(words[u], kf);
         } else {
 #pragma unroll
           for (int e = 0; e < L::EPL; ++e) kf[e] = 0.f;
@@ -303,8 +329,9 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
         }
         if (j < tile_len && lane_in_group == 0) {
           const int32_t slot_pos = p.q_pos ? tile.pos(j) : 0;
+          const float k_scale = kQuantized ? tile.scale(j, 0) : 1.f;
 #pragma unroll
-          for (int r = 0; r < RB; ++r) tile_p[r][j] = slot_pos <= q_pos[r] ? dot[r] : kNegInf;
+          for (int r = 0; r < RB; ++r) tile_p[r][j] = slot_pos <= q_pos[r] ? dot[r] * k_scale : kNegInf;
         }
       }
     }
@@ -356,17 +383,18 @@ __global__ void __launch_bounds__(kThreads) attend_split(Params<T> p) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups;
-        if (j < tile_len && active) load_slice<T, D>(tile.v(j), lane_in_group, words[u]);
+        if (j < tile_len && active) load_slice<E, D>(tile.v(j), lane_in_group, words[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + u * L::kGroups;
         if (j >= tile_len || !active) continue;  // no shuffles here: lanes may leave
         float vf[L::EPL];
-        slice_to_float<T, D>(words[u], vf);
+        slice_to_float<E, D>(words[u], vf);
+        const float v_scale = kQuantized ? tile.scale(j, 1) : 1.f;
 #pragma unroll
         for (int r = 0; r < RB; ++r) {
-          const float prob = tile_p[r][j];
+          const float prob = tile_p[r][j] * v_scale;
 #pragma unroll
           for (int e = 0; e < L::EPL; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
         }
@@ -655,7 +683,7 @@ int rows_per_block(int64_t rows) {
 // approximately whole.
 template <int RB>
 int attend_blocks_per_sm(int device) {
-  return std::max(resident_blocks_per_sm(attend_split<at::BFloat16, 128, RB>, device, kThreads), 1);
+  return std::max(resident_blocks_per_sm(attend_split<at::BFloat16, at::BFloat16, 128, RB>, device, kThreads), 1);
 }
 
 // Whether a call of at most `rows` query rows per KV head a pass goes to the tensor-core decode
@@ -688,13 +716,13 @@ at::Tensor make_plan(const std::vector<int32_t>& len, int64_t rows, const c10::D
   return plan_host.to(device, at::kInt, /*non_blocking=*/true);
 }
 
-template <typename T, int D>
+template <typename T, typename E, int D>
 void launch_attend(int rb, const Params<T>& prm, int64_t blocks, cudaStream_t stream) {
   const auto grid = static_cast<unsigned int>(blocks);
   switch (rb) {
-    case 1: attend_split<T, D, 1><<<grid, kThreads, 0, stream>>>(prm); break;
-    case 2: attend_split<T, D, 2><<<grid, kThreads, 0, stream>>>(prm); break;
-    default: attend_split<T, D, 4><<<grid, kThreads, 0, stream>>>(prm); break;
+    case 1: attend_split<T, E, D, 1><<<grid, kThreads, 0, stream>>>(prm); break;
+    case 2: attend_split<T, E, D, 2><<<grid, kThreads, 0, stream>>>(prm); break;
+    default: attend_split<T, E, D, 4><<<grid, kThreads, 0, stream>>>(prm); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -703,18 +731,20 @@ void launch_attend(int rb, const Params<T>& prm, int64_t blocks, cudaStream_t st
 // prefill runs in passes over chunks of queries so that this stays under the bound.
 constexpr int64_t kMaxLogitsBytes = int64_t{256} << 20;
 
-template <typename T, int D>
+// T: q and the output; E: the pages' K and V (T, or int8_t for quantized pages).
+template <typename T, typename E, int D>
 void run(const Problem& p, Result& r) {
   const int64_t n_total = p.q.size(2);
   const int64_t S = p.segments;
   const int64_t capacity = p.capacity;
   TORCH_INTERNAL_ASSERT(p.plan.defined() ||
                         (p.len_host && static_cast<int64_t>(p.len_host->size()) == S));
-  // 16-byte loads of K and V rows: D * sizeof(T) is a multiple of 16 (RowLayout), and
+  // 16-byte loads of K and V rows: D * sizeof(E) is a multiple of 16 (RowLayout), and
   // every row of a part starts at page base + offset + row * row bytes, where page bases
   // are 16-byte aligned (slab allocations of records that are multiples of 16 bytes).
   const store::PageRecord& rec = p.view.record;
-  TORCH_INTERNAL_ASSERT(rec.row_bytes[store::kK] == D * static_cast<int64_t>(sizeof(T)) &&
+  TORCH_INTERNAL_ASSERT(rec.row_bytes[store::kK] == D * static_cast<int64_t>(sizeof(E)) &&
+                            rec.quantized() == (std::is_same_v<E, int8_t>) &&
                             rec.row_bytes[store::kV] == rec.row_bytes[store::kK] &&
                             rec.offset[store::kK] % 16 == 0 && rec.offset[store::kV] % 16 == 0 &&
                             rec.offset[store::kPos] % 4 == 0 && rec.bytes % 16 == 0,
@@ -736,9 +766,10 @@ void run(const Problem& p, Result& r) {
   TORCH_CHECK_VALUE(W >= 0, "the attention plan (", plan.numel(), " words) does not fit ", S,
                     " segments: make it with attention_plan");
 
-  // The tensor-core decode (decode_tc.h) for 16-bit K and V, head_dim 64 or 128 and at most 16
-  // rows a pass, when switched on; it writes the logits buffer as attend_split does.
-  constexpr bool kTcTypes = sizeof(T) == 2 && (D == 64 || D == 128);
+  // The tensor-core decode (decode_tc.h) for 16-bit K and V (not int8 pages), head_dim 64 or
+  // 128 and at most 16 rows a pass, when switched on; it writes the logits buffer as
+  // attend_split does.
+  constexpr bool kTcTypes = sizeof(T) == 2 && std::is_same_v<E, T> && (D == 64 || D == 128);
   const bool tc = kTcTypes && decode_tc_rows(max_rows);
 
   for (int64_t i0 = 0; i0 < n_total; i0 += chunk) {
@@ -772,7 +803,7 @@ void run(const Problem& p, Result& r) {
     if (tc) {
       if constexpr (kTcTypes) launch_decode_tc<T, D>(prm, W, stream);
     } else if (W > 0) {
-      launch_attend<T, D>(rb, prm, W * row_tiles, stream);
+      launch_attend<T, E, D>(rb, prm, W * row_tiles, stream);
     }
     // The merge: level 1 only when some segment may have many splits (merge_states.h).
     using ML = MergeLayout<D>;
@@ -810,14 +841,16 @@ void run(const Problem& p, Result& r) {
 }
 
 // Runs the instantiation for q's head_dim, one of Sizes; false when there is none.
-template <typename T, int... Sizes>
+template <typename T, typename E, int... Sizes>
 bool run_sized(HeadDims<Sizes...>, const Problem& p, Result& r) {
-  return ((p.q.size(3) == Sizes && (run<T, Sizes>(p, r), true)) || ...);
+  return ((p.q.size(3) == Sizes && (run<T, E, Sizes>(p, r), true)) || ...);
 }
 
 template <typename T>
 void run_head_dim(const Problem& p, Result& r) {
-  TORCH_CHECK_VALUE(run_sized<T>(CudaHeadDims{}, p, r), "the CUDA attention kernel supports head_dim ",
+  const bool found = p.view.record.quantized() ? run_sized<T, int8_t>(CudaHeadDims{}, p, r)
+                                               : run_sized<T, T>(CudaHeadDims{}, p, r);
+  TORCH_CHECK_VALUE(found, "the CUDA attention kernel supports head_dim ",
                     cuda_head_dims_text(), ", got ", p.q.size(3),
                     "; run this model's attention on the CPU or ask for the size");
 }

@@ -14,7 +14,7 @@
 namespace kvcache_ext::attention {
 
 struct Problem {
-  at::Tensor q;       // [B, Hq, n, D] contiguous, the store's dtype
+  at::Tensor q;       // [B, Hq, n, D] contiguous, the store's dtype (int8 pages: a float dtype)
   store::PagedView view;  // the store's pages: K, V and pos of every live token
   int64_t capacity;   // slots of the store's slot layout (the statistics' length)
   int64_t segments;   // S = B * H
@@ -33,7 +33,7 @@ struct Problem {
 // uninitialised and writes every slot (zeros where no live token is), which saves a pass of
 // writes over them.
 struct Result {
-  at::Tensor out;     // [B, Hq, n, D] the store's dtype
+  at::Tensor out;     // [B, Hq, n, D] q's dtype
   // Statistics are in slot layout (store/paged_layout.h).
   at::Tensor mass;    // [capacity] f32: sum over the n queries and G heads of p
   at::Tensor last;    // [capacity, G] f32: p of the last query (i = n - 1) per head g
@@ -51,7 +51,7 @@ void ragged_attention_cuda(const Problem& p, Result& r);
 at::Tensor plan_cuda(const std::vector<int32_t>& len, int64_t rows, const c10::Device& device);
 
 // The tensor-core prefill kernel (prefill_cuda.cu), on by default: attention_run sends it the
-// CUDA calls it takes (prefill_tc_applies): fp16 or bf16, head_dim 64 or 128, at least
+// CUDA calls it takes (prefill_tc_applies): fp16 or bf16 pages (not int8), head_dim 64 or 128, at least
 // kPrefillTcMinRows query rows per KV head (G * n), statistics only for G <= 64 (it stores
 // each live slot's statistics once into the zero-filled ones). Every other call, and every
 // call under KVCACHE_EXT_TC_PREFILL=0, runs the scalar ragged_attention_cuda. It is on by

@@ -514,7 +514,7 @@ bool prefill_tc_applies(const Problem& p, const Result& r) {
   const at::ScalarType t = p.q.scalar_type();
   const int64_t D = p.q.size(3);
   // The switch last: a decode call (too few rows) never reads the environment.
-  return p.q.is_cuda() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
+  return p.q.is_cuda() && !p.view.record.quantized() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
          (t == at::kHalf || t == at::kBFloat16) && (D == 64 || D == 128) &&
          p.groups * p.q.size(2) >= kPrefillTcMinRows && prefill_tc_enabled();
 }

@@ -69,8 +69,6 @@ PageAllocator::PageAllocator(int64_t batch, int64_t heads, int64_t head_dim,
   kv_dtype_ = kv_dtype.value_or(dtype);
   TORCH_CHECK_TYPE(kv_dtype_ == dtype || kv_dtype_ == at::kChar, "kv_dtype must be the store's dtype ", dtype,
                    " or int8 (quantized pages), got ", kv_dtype_);
-  TORCH_CHECK_VALUE(kv_dtype_ != at::kChar || like.device().is_cpu(), "int8 pages run on the CPU kernels "
-                    "only; on ", like.device(), " the store holds ", dtype, " K/V (kv_dtype=None)");
   record_ = store::page_record(page_size, head_dim, c10::elementSize(kv_dtype_), score_channels,
                                /*quantized=*/kv_dtype_ == at::kChar);
   const int64_t S = num_segments();

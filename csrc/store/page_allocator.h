@@ -32,7 +32,7 @@ class PageAllocator {
   // `like` only carries the dtype and device of K and V as they are handed in and read out.
   // page_size: tokens per page, a power of two up to ops::kMaxPageSize; it is also the unit
   // by which a segment grows. kv_dtype: what the pages hold, like's dtype (the default) or
-  // int8 (quantized as stored, store/quantize.h; CPU only).
+  // int8 (quantized as stored, store/quantize.h).
   PageAllocator(int64_t batch, int64_t heads, int64_t head_dim, int64_t score_channels,
                 const at::Tensor& like, int64_t page_size,
                 c10::optional<at::ScalarType> kv_dtype = c10::nullopt);

@@ -17,23 +17,29 @@
 #include <cmath>
 #include <cstdint>
 
+#include "store/paged_layout.h"  // KVCACHE_HOST_DEVICE: the CUDA store kernels quantize with these
+
 namespace kvcache_ext::store {
 
 constexpr float kQuantMax = 127.f;
 constexpr float kMaxScale = 65504.f;  // the largest finite float16
 
 // The scale of a row whose largest magnitude is amax, as stored.
-inline c10::Half quant_scale(float amax) {
-  return c10::Half(std::fmin(amax / kQuantMax, kMaxScale));
+KVCACHE_HOST_DEVICE inline c10::Half quant_scale(float amax) {
+  return c10::Half(fminf(amax / kQuantMax, kMaxScale));
 }
 
 // One value quantized with the stored scale `scale` (as a float; > 0).
-inline int8_t quantize_value(float x, float scale) {
-  float q = std::nearbyint(x / scale);  // the default rounding mode: half to even
+KVCACHE_HOST_DEVICE inline int8_t quantize_value(float x, float scale) {
+  float q = nearbyintf(x / scale);  // the default rounding mode: half to even
   q = q > kQuantMax ? kQuantMax : q;
   q = q < -kQuantMax ? -kQuantMax : q;
   return static_cast<int8_t>(q == q ? q : 0.f);
 }
+
+// The running maximum of magnitudes with a: a NaN compares false, so it does not count (and
+// the maximum does not depend on the order magnitudes come in).
+KVCACHE_HOST_DEVICE inline float quant_max(float amax, float a) { return a > amax ? a : amax; }
 
 // Quantizes a row of D values of type T (float, c10::Half or c10::BFloat16) into q; returns
 // its scale.
@@ -41,8 +47,7 @@ template <typename T>
 c10::Half quantize_row(const T* x, int64_t D, int8_t* q) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) {
-    const float a = std::fabs(static_cast<float>(x[d]));
-    amax = a > amax ? a : amax;  // a NaN compares false: it does not count
+    amax = quant_max(amax, fabsf(static_cast<float>(x[d])));
   }
   const c10::Half scale = quant_scale(amax);
   const float s = static_cast<float>(scale);

@@ -3,7 +3,8 @@
 // Tokens are found through a PagedView (store/paged_layout.h): token i of segment s lives
 // in slot view.slot(s, i), and part b of a slot at view.row(b, slot). Rows are moved as raw
 // bytes in the widest unit (16, 8, 4, 2 or 1 bytes) that divides the row size and the base
-// addresses involved, so there is no dtype dispatch. Within the store, part b of any slot
+// addresses involved, so there is no dtype dispatch, except where int8 pages quantize the K
+// and V rows written into them (store/quantize.h; the dtype is the input's). Within the store, part b of any slot
 // starts at page_base + offset[b] + row * row_bytes[b], where page bases are 16-byte aligned
 // (slab allocations of records that are multiples of 16 bytes) and offsets are multiples of
 // 16: the unit only depends on row_bytes[b] and on the other side's base address. Every
@@ -21,10 +22,12 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "common/occupancy.h"
 #include "store/compact_schedule.h"
+#include "store/quantize.h"
 #include "store/store_kernels.h"
 
 namespace kvcache_ext::store {
@@ -48,11 +51,8 @@ int vec_width(int64_t row_bytes, std::initializer_list<const void*> bases) {
 // 16-byte boundary of a record whose size is a multiple of 16 (page_record guarantees it).
 void check_record(const PageRecord& record) {
   bool ok = record.bytes % 16 == 0;
-  for (int b = 0; b < 4; ++b) ok = ok && record.offset[b] % 16 == 0 && record.row_bytes[b] >= 0;
+  for (int b = 0; b < kParts; ++b) ok = ok && record.offset[b] % 16 == 0 && record.row_bytes[b] >= 0;
   TORCH_INTERNAL_ASSERT(ok, "the CUDA store kernels need 16-byte aligned page parts");
-  // They move the four parts of a float store's record: int8 pages (and their scale part)
-  // run on the CPU kernels only, and the ops refuse them on CUDA.
-  TORCH_INTERNAL_ASSERT(!record.quantized(), "the CUDA store kernels do not take int8 pages");
 }
 
 // The copy loops index units with int (cheap division); this bound keeps rows * units of
@@ -68,7 +68,7 @@ unsigned int segment_grid(int64_t segments) {
   return static_cast<unsigned int>(std::min<int64_t>(segments, 65535));
 }
 
-// Rows of part b (kK, kV, kPos, kScores) of the store's slots: what view.row(b, slot) gives,
+// Rows of part b (kK, kV, kPos, kScores, kScale) of the store's slots: what view.row(b, slot) gives,
 // with only the few fields the copy loops need (small functors stay in registers).
 struct PartRows {
   const int64_t* page_base;
@@ -152,12 +152,37 @@ struct TokenRows {
   }
 };
 
+// Quantizes `count` K or V rows (part kK or kV) into int8 pages, one warp per row: input row
+// first_token + i of src ([.., D] of T) to slot[i] (skipped if < 0), its scale into the
+// slot's scale row. The maximum is reduced over the warp in any order (quant_max does not
+// depend on it), then every value is quantized as quantize_row does: bit for bit the CPU's.
+template <typename T>
+__device__ void quantize_rows(const T* src, const PagedView& view, int part, const int64_t* slot,
+                              int64_t first_token, int count) {
+  const int64_t D = view.record.row_bytes[part];  // int8: one byte per element
+  const int lane = threadIdx.x % 32;
+  for (int i = threadIdx.x / 32; i < count; i += blockDim.x / 32) {
+    if (slot[i] < 0) continue;  // uniform over the warp
+    const T* x = src + (first_token + i) * D;
+    float amax = 0.f;
+    for (int64_t d = lane; d < D; d += 32) amax = quant_max(amax, fabsf(static_cast<float>(x[d])));
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = quant_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const c10::Half scale = quant_scale(amax);
+    const float s = static_cast<float>(scale);
+    int8_t* q = reinterpret_cast<int8_t*>(view.row(part, slot[i]));
+    for (int64_t d = lane; d < D; d += 32) q[d] = s > 0.f ? quantize_value(static_cast<float>(x[d]), s) : 0;
+    if (lane == 0) reinterpret_cast<c10::Half*>(view.row(kScale, slot[i]))[part == kK ? 0 : 1] = scale;
+  }
+}
+
 // Block (x, y) writes tokens [x * kTokensPerBlock, ...) of segment y (and y + gridDim.y, ...).
-// new_k/new_v: [S, n, D] rows; new_pos: [S / heads, n]. Distinct tokens of a segment go to
+// new_k/new_v: [S, n, D] rows; new_pos: [S / heads, n]. In is void when the rows are copied
+// as they are, else the input's element type, which int8 pages quantize. Distinct tokens of a segment go to
 // distinct token indices (ranks are distinct), hence distinct slots (a segment's slot mapping
 // is injective), and segments own disjoint pages, so no two writes collide. Only slots of
 // tokens being written are touched.
-template <typename SlotOf>
+template <typename In, typename SlotOf>
 __global__ void __launch_bounds__(kTokenThreads)
     write_tokens_kernel(PagedView view, int width_k, int width_v, const char* new_k,
                         const char* new_v, const int32_t* new_pos, int64_t segments, int64_t n,
@@ -180,8 +205,13 @@ __global__ void __launch_bounds__(kTokenThreads)
     }
     __syncthreads();  // slot[] is complete
     const int64_t first_token = s * n + t0;
-    copy_rows(TokenRows{new_k, part_rows(view, kK), slot, first_token}, count, row_bytes, width_k);
-    copy_rows(TokenRows{new_v, part_rows(view, kV), slot, first_token}, count, row_bytes, width_v);
+    if constexpr (std::is_void_v<In>) {
+      copy_rows(TokenRows{new_k, part_rows(view, kK), slot, first_token}, count, row_bytes, width_k);
+      copy_rows(TokenRows{new_v, part_rows(view, kV), slot, first_token}, count, row_bytes, width_v);
+    } else {
+      quantize_rows(reinterpret_cast<const In*>(new_k), view, kK, slot, first_token, count);
+      quantize_rows(reinterpret_cast<const In*>(new_v), view, kV, slot, first_token, count);
+    }
     __syncthreads();  // slot[] is rewritten for the next segment
   }
 }
@@ -192,20 +222,36 @@ void launch_write_tokens(const PagedView& view, const at::Tensor& new_k, const a
                          const SlotOf& slot_of) {
   if (segments == 0 || n == 0) return;
   check_record(view.record);
-  // new_k/new_v rows have the store's row size: same dtype and head_dim (checked by the caller).
+  // new_k/new_v rows have the store's head_dim and, unless int8 pages quantize them, its
+  // dtype (checked by the caller): the store's row size.
+  const bool quantized = view.record.quantized();
   const int64_t row_bytes = view.record.row_bytes[kK];
   TORCH_INTERNAL_ASSERT(view.record.row_bytes[kV] == row_bytes &&
-                        new_k.size(-1) * new_k.element_size() == row_bytes);
+                        new_k.size(-1) * (quantized ? 1 : new_k.element_size()) == row_bytes &&
+                        new_k.scalar_type() == new_v.scalar_type());
   check_row_bytes(row_bytes);
   const int width_k = vec_width(row_bytes, {new_k.data_ptr()});
   const int width_v = vec_width(row_bytes, {new_v.data_ptr()});
   const int64_t heads = segments / new_pos.size(0);
   const dim3 grid(static_cast<unsigned int>((n + kTokensPerBlock - 1) / kTokensPerBlock),
                   segment_grid(segments));
-  write_tokens_kernel<<<grid, kTokenThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      view, width_k, width_v, static_cast<const char*>(new_k.data_ptr()),
-      static_cast<const char*>(new_v.data_ptr()), new_pos.data_ptr<int32_t>(), segments, n, heads,
-      slot_of);
+  const auto launch = [&](auto in) {
+    using In = typename decltype(in)::type;
+    write_tokens_kernel<In><<<grid, kTokenThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        view, width_k, width_v, static_cast<const char*>(new_k.data_ptr()),
+        static_cast<const char*>(new_v.data_ptr()), new_pos.data_ptr<int32_t>(), segments, n, heads,
+        slot_of);
+  };
+  if (!quantized) {
+    launch(std::type_identity<void>{});
+  } else {
+    switch (new_k.scalar_type()) {
+      case at::kFloat: launch(std::type_identity<float>{}); break;
+      case at::kHalf: launch(std::type_identity<at::Half>{}); break;
+      case at::kBFloat16: launch(std::type_identity<at::BFloat16>{}); break;
+      default: TORCH_INTERNAL_ASSERT(false, "int8 pages quantize float rows, got ", new_k.scalar_type());
+    }
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -269,7 +315,7 @@ struct CompactLayout {
   int64_t kept_local;  // int32_t[kMaxSpan]: local index of each kept token, by rank
   int64_t src_slot;    // int64_t[kCompactThreads]: the chunk's source slots
   int64_t dst_slot;    // int64_t[kCompactThreads]: and destination slots
-  int64_t stage[4];    // cap rows of each part
+  int64_t stage[kParts];  // cap rows of each part
   int64_t total;
 };
 
@@ -282,7 +328,7 @@ __host__ __device__ inline CompactLayout compact_layout(int64_t cap, const int64
   off += align16(sizeof(int64_t) * kCompactThreads);
   l.dst_slot = off;
   off += align16(sizeof(int64_t) * kCompactThreads);
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < kParts; ++b) {
     l.stage[b] = off;
     off += align16(cap * row_bytes[b]);
   }
@@ -305,7 +351,7 @@ struct CompactPlan {
 
 // w[b]: the unit part b is moved in.
 struct CompactWidths {
-  int w[4];
+  int w[kParts];
 };
 
 // One unit global -> shared without a register round trip where the hardware can (sm_80+,
@@ -541,7 +587,7 @@ __global__ void __launch_bounds__(kCompactThreads)
         dst_slot[row0 + threadIdx.x] = view.slot(seg, kept_before + m);
       }
       __syncthreads();  // the slot lists are complete
-      for (int b = 0; b < 4; ++b) {
+      for (int b = 0; b < kParts; ++b) {
         stage_rows(part_rows(view, b), smem + layout.stage[b] + row0 * row_bytes[b], src_slot + row0,
                    dst_slot + row0, count, width.w[b]);
       }
@@ -572,7 +618,7 @@ __global__ void __launch_bounds__(kCompactThreads)
         __threadfence();  // the writes below come after the progress they waited for
       }
       __syncthreads();  // the destinations have been read by whoever needed them
-      for (int b = 0; b < 4; ++b) {
+      for (int b = 0; b < kParts; ++b) {
         copy_rows(ScatterRows{part_rows(view, b), smem + layout.stage[b] + row0 * row_bytes[b],
                               src_slot + row0, dst_slot + row0},
                   count, row_bytes[b], width.w[b]);
@@ -667,7 +713,7 @@ __global__ void __launch_bounds__(kUnorderedThreads)
         to[rank] = view.slot(s, hole_of[view.slot(s, base + rank)]);
       }
       __syncthreads();
-      for (int b = 0; b < 4; ++b)
+      for (int b = 0; b < kParts; ++b)
         copy_rows(MoveRows{part_rows(view, b), from, to}, count, view.record.row_bytes[b], width.w[b]);
       base += count;
       __syncthreads();  // from/to and the scan's storage are reused
@@ -742,7 +788,7 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
   const int64_t* row_bytes = view.record.row_bytes;
   CompactWidths width{};
   int64_t row_total = 0;
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < kParts; ++b) {
     check_row_bytes(row_bytes[b]);
     // Store rows and the staging buffer are 16-byte aligned: only the row size counts.
     width.w[b] = vec_width(row_bytes[b], {});
@@ -753,14 +799,14 @@ void compact_cuda(const PagedView& view, const at::Tensor& len, const at::Tensor
   // Dynamic shared memory a block may have: the opt-in maximum less the static variables.
   const int64_t most = static_cast<int64_t>(props->sharedMemPerBlockOptin) -
                        compact_launch_config(device, 0).static_smem;
-  // Rows per chunk: as many as fit in the budget (4 * 15: alignment padding of the staging
-  // parts), at most one per thread. row_total >= 4: pos rows are 4 bytes.
-  const int64_t fixed = compact_layout(0, row_bytes).total + 4 * 15;
+  // Rows per chunk: as many as fit in the budget (kParts * 15: alignment padding of the
+  // staging parts), at most one per thread. row_total >= 4: pos rows are 4 bytes.
+  const int64_t fixed = compact_layout(0, row_bytes).total + kParts * 15;
   const int64_t cap = cs::chunk_rows(std::min(kCompactSmemBudget, most), fixed, row_total, kCompactThreads);
   const int64_t smem = compact_layout(cap, row_bytes).total;
   // One row of staging always fits unless a token is over ~210 KiB (fp32 head_dim > ~27000).
   TORCH_CHECK_VALUE(smem <= most, "compact: one token (", row_total,
-                    " bytes of K, V, pos and scores) does not fit in the device's shared memory (",
+                    " bytes of K, V, pos, scores and scales) does not fit in the device's shared memory (",
                     most, " bytes)");
   const int per_sm = compact_launch_config(device, smem).blocks_per_sm;
   const int64_t resident = static_cast<int64_t>(props->multiProcessorCount) * std::max(per_sm, 1);
@@ -802,7 +848,7 @@ void compact_unordered_cuda(const PagedView& view, const at::Tensor& len, const 
   const c10::cuda::CUDAGuard guard(len.device());
   check_record(view.record);
   CompactWidths width{};
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < kParts; ++b) {
     check_row_bytes(view.record.row_bytes[b]);
     width.w[b] = vec_width(view.record.row_bytes[b], {});  // rows are 16-byte aligned: the size counts
   }

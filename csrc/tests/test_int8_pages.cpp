@@ -1,7 +1,7 @@
-// int8 pages (store/quantize.h) on the CPU kernels: what append stores, computed here from the
-// format's definition with plain ATen (not the store's quantize_row), the scales moved with
-// their tokens by both compactions, the page layout's bytes, and the attention against a dense
-// softmax over the dequantized rows. The Python tests run the same against
+// int8 pages (store/quantize.h): what append stores, computed here from the format's definition
+// with plain ATen (not the store's quantize_row), the scales moved with their tokens by both
+// compactions, and the attention against a dense softmax over the dequantized rows, on the CPU
+// kernels and (the *Cuda twins) the CUDA ones. The Python tests run the same against
 // kvcache_ext.reference on random ragged stores.
 #include "tests/store_util.h"
 
@@ -21,7 +21,7 @@ at::Tensor as_stored(const at::Tensor& x) {
 
 // The live K (or V) rows of every segment as a dense [S, L, D] tensor (zero past a length).
 at::Tensor dense_rows(const OpStore& st, bool k) {
-  const at::Tensor all = (k ? st.k() : st.v()).to(at::kFloat);
+  const at::Tensor all = (k ? st.k() : st.v()).to(at::kFloat).cpu();
   const auto slots = kvtest::live_slots(st);
   int64_t L = 0;
   for (const auto& s : slots) L = std::max<int64_t>(L, s.size());
@@ -31,18 +31,19 @@ at::Tensor dense_rows(const OpStore& st, bool k) {
   return out;
 }
 
-TEST(Int8Pages, AppendStoresTheFormatAndCompactionMovesTheScales) {
+void append_stores_the_format_and_compaction_moves_the_scales(const at::Device& device) {
   for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     std::mt19937 rng(7);
     const int64_t B = 2, H = 3, D = 24, n = 13, P = 4;
-    OpStore st(B, H, D, /*score_channels=*/1, at::empty({0}, at::TensorOptions().dtype(dtype)), P, at::kChar);
+    OpStore st(B, H, D, /*score_channels=*/1, at::empty({0}, at::TensorOptions().dtype(dtype).device(device)), P,
+               at::kChar);
     ASSERT_EQ(st.kv_dtype(), at::kChar);
     // Rows of many magnitudes, one of zeros.
     at::Tensor k = (kvtest::random_normal({B, H, n, D}, at::kFloat, rng) *
                     at::logspace(-3, 3, n).view({1, 1, n, 1})).to(dtype);
     k[0][0][2].zero_();
     const at::Tensor v = kvtest::random_normal({B, H, n, D}, dtype, rng);
-    st.append(k, v, at::arange(n));
+    st.append(k.to(device), v.to(device), at::arange(n));
     EXPECT_TRUE(kvtest::PagingConsistent(st));
     EXPECT_TRUE(at::equal(dense_rows(st, true), as_stored(k.to(at::kFloat)).to(dtype).to(at::kFloat).view({B * H, n, D})))
         << kvtest::dtype_name(dtype);
@@ -50,10 +51,10 @@ TEST(Int8Pages, AppendStoresTheFormatAndCompactionMovesTheScales) {
     // Each token's rows stay its own through both compactions: compare by position.
     const at::Tensor before_k = dense_rows(st, true);
     for (const bool stable : {false, true}) {
-      st.compact(kvtest::random_mask({st.capacity()}, 0.6, rng), stable);
+      st.compact(kvtest::random_mask({st.capacity()}, 0.6, rng).to(device), stable);
       EXPECT_TRUE(kvtest::PagingConsistent(st));
-      const at::Tensor pos = st.pos();
-      const at::Tensor rows = st.k().to(at::kFloat);
+      const at::Tensor pos = st.pos().cpu();
+      const at::Tensor rows = st.k().to(at::kFloat).cpu();
       const auto slots = kvtest::live_slots(st);
       for (size_t s = 0; s < slots.size(); ++s)
         for (const int64_t slot : slots[s]) {
@@ -64,16 +65,18 @@ TEST(Int8Pages, AppendStoresTheFormatAndCompactionMovesTheScales) {
   }
 }
 
-TEST(Int8Pages, AttentionIsOverTheDequantizedRows) {
+// The CUDA kernels take head_dim 64: both devices run it.
+void attention_is_over_the_dequantized_rows(const at::Device& device) {
   std::mt19937 rng(11);
-  const int64_t B = 2, H = 2, G = 3, D = 32, n = 40;
-  OpStore st(B, H, D, 1, at::empty({0}, at::kFloat), 16, at::kChar);
+  const int64_t B = 2, H = 2, G = 3, D = 64, n = 40;
+  OpStore st(B, H, D, 1, at::empty({0}, at::TensorOptions().device(device)), 16, at::kChar);
   const at::Tensor k = kvtest::random_normal({B, H, n, D}, at::kFloat, rng);
   const at::Tensor v = kvtest::random_normal({B, H, n, D}, at::kFloat, rng);
-  st.append(k, v, at::arange(n));
+  st.append(k.to(device), v.to(device), at::arange(n));
   const at::Tensor q = kvtest::random_normal({B, H * G, 1, D}, at::kFloat, rng);
   const double scale = 0.2;
-  const auto [out, mass, last, sum_sq, count] = st.attend(q, scale, c10::nullopt, true, false, false, false);
+  const auto result = st.attend(q.to(device), scale, c10::nullopt, true, false, false, false);
+  const at::Tensor out = std::get<0>(result).cpu(), mass = std::get<1>(result).cpu();
   // Dense: every query head g of KV head h over the dequantized rows, in float64.
   const at::Tensor kd = as_stored(k).to(at::kDouble).repeat_interleave(G, 1);
   const at::Tensor vd = as_stored(v).to(at::kDouble).repeat_interleave(G, 1);
@@ -88,13 +91,27 @@ TEST(Int8Pages, AttentionIsOverTheDequantizedRows) {
       EXPECT_NEAR(mass[slots[s][i]].item<float>(), want_mass[s / H][s % H][i].item<float>(), 1e-5);
 }
 
-TEST(Int8Pages, AreRefusedWhereTheyCannotRun) {
+TEST(Int8Pages, AppendStoresTheFormatAndCompactionMovesTheScales) {
+  append_stores_the_format_and_compaction_moves_the_scales(at::kCPU);
+}
+
+TEST(Int8Pages, AttentionIsOverTheDequantizedRows) { attention_is_over_the_dequantized_rows(at::kCPU); }
+
+#ifdef KVCACHE_EXT_WITH_CUDA
+TEST(Int8Pages, AppendStoresTheFormatAndCompactionMovesTheScalesCuda) {
+  KVTEST_REQUIRE_CUDA();
+  append_stores_the_format_and_compaction_moves_the_scales(at::Device(at::kCUDA, 0));
+}
+
+TEST(Int8Pages, AttentionIsOverTheDequantizedRowsCuda) {
+  KVTEST_REQUIRE_CUDA();
+  attention_is_over_the_dequantized_rows(at::Device(at::kCUDA, 0));
+}
+#endif
+
+TEST(Int8Pages, AKvDtypeOtherThanTheDtypeOrInt8IsRefused) {
   const auto cpu = at::empty({0}, at::kFloat);
-  EXPECT_THROW(OpStore(1, 1, 8, 1, cpu, 16, at::kHalf), c10::TypeError);  // neither the dtype nor int8
-  if (kvtest::cuda_available()) {
-    EXPECT_THROW(OpStore(1, 1, 8, 1, at::empty({0}, at::TensorOptions().device(at::kCUDA)), 16, at::kChar),
-                 c10::ValueError);
-  }
+  EXPECT_THROW(OpStore(1, 1, 8, 1, cpu, 16, at::kHalf), c10::TypeError);
 }
 
 }  // namespace

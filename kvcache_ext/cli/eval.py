@@ -57,7 +57,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--kv-dtype", default=None, choices=("int8",),
-                   help="what our policies' pages hold: int8 quantizes K and V per token and KV head (CPU); their "
+                   help="what our policies' pages hold: int8 quantizes K and V per token and KV head; their "
                         "rows are named policy+int8 (default: the model's dtype; full stays HF's own cache)")
     p.add_argument("--json", type=output_file, default=None,
                    help="write the records and the table rows to this file (rewritten as each run ends)")

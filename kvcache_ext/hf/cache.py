@@ -149,7 +149,7 @@ class RaggedCache(Cache):
     what an early stop left unused. ``model``: the parts of the model its scorer may need
     (``kvcache_ext.policies.views.ModelParts``: the rotary embedding, for ExpectedAttention),
     which ``handle.new_cache()`` passes. ``kv_dtype``: what the pages hold, None (the model's
-    dtype) or ``"int8"`` (``torch.int8``, CPU: K and V quantized per token and KV head with one
+    dtype) or ``"int8"`` (``torch.int8``: K and V quantized per token and KV head with one
     float16 scale each, ``kvcache_ext.reference.quantize``).
     """
 

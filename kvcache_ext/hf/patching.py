@@ -201,7 +201,7 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
     captured in a CUDA graph once per cache and replayed, so that a step costs the host almost
     nothing (``kvcache_ext.hf.decode_graph``: which steps, and what falls back to eager); every
     other call, and every call on the CPU, runs as without it. ``kv_dtype``: what the caches'
-    pages hold, None (the model's dtype) or ``"int8"`` (``torch.int8``, CPU: K and V quantized
+    pages hold, None (the model's dtype) or ``"int8"`` (``torch.int8``: K and V quantized
     per token and KV head, one float16 scale each: a quarter of float32's bytes, half of
     bfloat16's; ``RaggedKVStore``).
     """

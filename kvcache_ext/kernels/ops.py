@@ -12,7 +12,7 @@ tensors and numbers only. A layer's store is the state
 
 which the Python ``RaggedKVStore`` holds and passes to the ops (``RaggedKVStore.state``). An op's
 ``dtype`` (``kv_dtype``) is what the pages hold: float32, float16 or bfloat16 (the dtype of the K, V
-and q handed in), or int8 (quantized pages, CPU: K, V and q of any of those dtypes).
+and q handed in), or int8 (quantized pages: K, V and q of any of those dtypes).
 
 ====================  ==========================================================================
 op                    what it does

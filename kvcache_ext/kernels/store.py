@@ -110,7 +110,7 @@ class RaggedKVStore:
     Tokens live in pages of ``page_size`` tokens (K, V, the int32 absolute position and
     ``score_channels`` float32 scores that a policy owns, per token). K and V are handed in and
     read out in ``dtype``; the pages hold them in ``dtype``, or with ``kv_dtype=torch.int8``
-    (``"int8"``, CPU) quantized per token and KV head, each row with one float16 scale
+    (``"int8"``) quantized per token and KV head, each row with one float16 scale
     (``kvcache_ext.reference.quantize``): a quarter of float32's bytes, half of bfloat16's. A segment owns a list
     of pages (``page_table``), takes a free page or a newly allocated one when it fills up,
     and gives pages back when compaction empties them: the pages a segment has never move,
@@ -125,9 +125,6 @@ class RaggedKVStore:
         batch, heads, head_dim, score_channels, page_size, dtype, device = checks.store_arguments(
             batch, heads, head_dim, score_channels, page_size, dtype, device)
         kv_dtype = checks.kv_dtype(kv_dtype, "RaggedKVStore kv_dtype", dtype)
-        if kv_dtype is not None and device.type != "cpu":
-            raise ValueError(f"RaggedKVStore kv_dtype={kv_dtype} runs on the CPU kernels only; on {device} "
-                             f"the pages hold {dtype} (kv_dtype=None)")
         if device.type == "cuda" and not _C.build_info()["cuda"]:
             raise ValueError("kvcache_ext was built without CUDA kernels; reinstall it with a CUDA "
                              "build of torch and nvcc available (see README.md)")
