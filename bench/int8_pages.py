@@ -12,6 +12,12 @@ Every prompt runs these caches in one process, interleaved (each prompt runs eve
 - ``store@keep`` and ``int8@keep``: the model patched with ``--policy`` (default Ada-SnapKV)
   keeping that fraction of each prompt (one-shot, after the prefill), its pages in the model's
   dtype or int8 (``patch(..., kv_dtype="int8")``).
+- ``int4sim@keep`` (with ``--int4-sim``): a simulation of 4-bit pages, which no kernel stores: the
+  reference path (``handle.new_cache(reference=True)``, the masked dense cache that the int8
+  pages' tests compare with) holding K and V as 4-bit pages would give them back (symmetric,
+  levels -7..7, one float16 scale per group of ``--int4-group`` channels of a token's row). Its
+  answers and tokens are compared with ``store@keep``'s like int8's; its speed and bytes are not
+  measured (docs/store.md computes the bytes).
 - ``quanto4`` and ``quanto2``: transformers' ``QuantizedCache`` with optimum-quanto's 4- and
   2-bit backend and its default residual length (the newest tokens unquantized), holding every
   token: the way a user quantizes a whole cache today. Run when ``optimum.quanto`` imports.
@@ -104,12 +110,30 @@ def answer_text(tokenizer, tokens, eos):
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+def four_bit_as_attended(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., D] as 4-bit pages would give it back, in float32: per group of ``group`` channels of
+    a row, scale = float16(max |x| / 7), steps round(x / scale) clamped to [-7, 7] (0 where the
+    scale is 0), then steps x scale."""
+    shape = x.shape
+    group = min(group, shape[-1])   # a row narrower than a group is one group
+    xf = x.float().reshape(*shape[:-1], -1, group)
+    scale = (xf.abs().amax(-1, keepdim=True) / 7).clamp(max=65504).to(torch.float16).float()
+    steps = torch.where(scale > 0, torch.round(xf / torch.where(scale > 0, scale, 1)).clamp(-7, 7), 0)
+    return (steps * scale).reshape(shape)
+
+
 def quanto_available() -> bool:
     try:
         import optimum.quanto  # noqa: F401
     except Exception:
         return False
     return True
+
+
+def equal_share(runs: list[dict], base: list[dict]) -> float:
+    """Greedy tokens equal to base's, position by position, over every prompt's tokens."""
+    same = sum(a == b for r, s in zip(runs, base) for a, b in zip(r["tokens"], s["tokens"]))
+    return same / sum(len(r["tokens"]) for r in runs)
 
 
 def main(argv=None) -> int:
@@ -121,6 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=6, help="passkey prompts (depths 0.1, 0.5, 0.9 in turn)")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--no-quanto", action="store_true", help="leave QuantizedCache out")
+    p.add_argument("--int4-sim", action="store_true", help="add int4sim@keep: 4-bit pages simulated on the "
+                   "reference path")
+    p.add_argument("--int4-group", type=int, default=32,
+                   help="channels per 4-bit scale, a divisor of head_dim (default 32)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="the JSON (default bench/results/int8-pages-cpu-<commit>.json)")
     args = p.parse_args(argv)
@@ -147,7 +175,8 @@ def main(argv=None) -> int:
             prompt = make_passkey_prompt(tokenizer, args.length, depth, seed=i)
             prompts.append((prompt.input_ids, prompt.answer))
 
-    methods = ["full"] + [f"{kind}@{keep:g}" for keep in keeps for kind in ("store", "int8")]
+    kinds = ("store", "int8", "int4sim") if args.int4_sim else ("store", "int8")
+    methods = ["full"] + [f"{kind}@{keep:g}" for keep in keeps for kind in kinds]
     if not args.no_quanto and quanto_available():
         methods += ["quanto4", "quanto2"]
 
@@ -164,6 +193,15 @@ def main(argv=None) -> int:
         kind, keep = method.split("@")
         policy = make_policy(args.policy, max(2, round(float(keep) * ids.shape[1])))
         policy = dataclasses.replace(policy, budget=None, ratio=float(keep))
+        if kind == "int4sim":   # the reference path's int8 twin, its round trip swapped for 4 bits
+            from unittest import mock
+
+            from kvcache_ext.reference import masked_cache
+            with kvcache_ext.patch(model, policy, tokenizer=tokenizer, kv_dtype="int8") as handle, \
+                    mock.patch.object(masked_cache, "as_attended", lambda x: four_bit_as_attended(x, args.int4_group)):
+                cache = handle.new_cache(reference=True, max_cache_len=ids.shape[1] + args.steps)
+                tokens, seconds = decode(model, cache, ids, args.steps)
+                return tokens, None, None
         with kvcache_ext.patch(model, policy, tokenizer=tokenizer,
                                kv_dtype="int8" if kind == "int8" else None) as handle:
             cache = handle.new_cache(max_cache_len=ids.shape[1] + args.steps)
@@ -180,7 +218,8 @@ def main(argv=None) -> int:
             tokens, seconds, held = run(method, ids[None])
             correct = None if answer is None else check_answer(answer_text(tokenizer, tokens, eos), answer)
             results[method].append({"prompt": i, "tokens": tokens, "decode_s": seconds, "kv_bytes": held,
-                                    "correct": correct, "tokens_per_s": (args.steps - 1) / seconds})
+                                    "correct": correct,
+                                    "tokens_per_s": None if seconds is None else (args.steps - 1) / seconds})
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     full_bytes = statistics.mean(r["kv_bytes"] for r in results["full"])
@@ -189,16 +228,20 @@ def main(argv=None) -> int:
     rows = []
     for method in methods:
         rs = results[method]
-        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        measured = rs[0]["kv_bytes"] is not None   # not for a simulation
+        tps = statistics.median(r["tokens_per_s"] for r in rs) if measured else None
         row = {"method": method, "prompts": len(rs),
                "correct": None if rs[0]["correct"] is None else sum(r["correct"] for r in rs),
-               "kv_bytes": statistics.mean(r["kv_bytes"] for r in rs),
-               "kv_fraction": statistics.mean(r["kv_bytes"] for r in rs) / full_bytes,
-               "tokens_per_s": tps, "x_quanto4": tps / quanto_tps if quanto_tps else None}
-        if method.startswith("int8@"):
+               "kv_bytes": statistics.mean(r["kv_bytes"] for r in rs) if measured else None,
+               "kv_fraction": statistics.mean(r["kv_bytes"] for r in rs) / full_bytes if measured else None,
+               "tokens_per_s": tps, "x_quanto4": tps / quanto_tps if quanto_tps and measured else None}
+        if not measured:
             base = results["store@" + method.split("@")[1]]
-            same = sum(a == b for r, s in zip(rs, base) for a, b in zip(r["tokens"], s["tokens"]))
-            row["tokens_equal"] = same / sum(len(r["tokens"]) for r in rs)
+            row["tokens_equal"] = equal_share(rs, base)
+            row["same_answers"] = all(r["correct"] == s["correct"] for r, s in zip(rs, base))
+        elif method.startswith("int8@"):
+            base = results["store@" + method.split("@")[1]]
+            row["tokens_equal"] = equal_share(rs, base)
             row["same_answers"] = all(r["correct"] == s["correct"] for r, s in zip(rs, base))
             row["x_store"] = tps / statistics.median(r["tokens_per_s"] for r in base)
             row["bytes_x_store"] = row["kv_bytes"] / statistics.mean(r["kv_bytes"] for r in base)
@@ -211,8 +254,9 @@ def main(argv=None) -> int:
         def f(key, fmt):
             return format(r[key], fmt) if r.get(key) is not None else "-"
         right = f"{r['correct']}/{r['prompts']}" if r["correct"] is not None else "-"
-        print(f"{r['method']:<12} {right:>6} {r['kv_bytes'] / 1e6:>8.2f} {r['kv_fraction']:>8.3f} "
-              f"{r['tokens_per_s']:>7.1f} {f('x_quanto4', '.2f'):>9} {f('tokens_equal', '.3f'):>14} "
+        mb = f"{r['kv_bytes'] / 1e6:.2f}" if r["kv_bytes"] is not None else "-"
+        print(f"{r['method']:<12} {right:>6} {mb:>8} {f('kv_fraction', '.3f'):>8} "
+              f"{f('tokens_per_s', '.1f'):>7} {f('x_quanto4', '.2f'):>9} {f('tokens_equal', '.3f'):>14} "
               f"{f('x_store', '.3f'):>8} {f('bytes_x_store', '.3f'):>13}")
     if not args.quick or args.out:
         from common import git_commit

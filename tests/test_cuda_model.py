@@ -31,11 +31,13 @@ def on_cuda(batch=2, length=50, pad=(3, 0), steps=6):
     return ids.cuda(), mask.cuda(), fed_tokens(batch, steps).cuda()
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["pages-in-dtype", "int8-pages"])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: repr(p)[:60].replace(" ", ""))
-def test_ragged_cuda_path_equals_reference_path(policy):
+def test_ragged_cuda_path_equals_reference_path(policy, kv_dtype):
+    """int8 pages: the reference holds what they give back (kvcache_ext.reference.quantize)."""
     model = tiny_model("llama", heads=8, kv_heads=2, head_dim=64, layers=3).cuda()
     ids, mask, fed = on_cuda()
-    with kvcache_ext.patch(model, policy) as handle:
+    with kvcache_ext.patch(model, policy, kv_dtype=kv_dtype) as handle:
         ragged = handle.new_cache()
         got = teacher_forced(model, ragged, ids, mask, fed=fed)
         expected = teacher_forced(model, handle.new_cache(reference=True), ids, mask, fed=fed)

@@ -137,8 +137,6 @@ def check_arguments(args) -> str | None:
                 "give one of them (tokens per KV head, or fractions of each prompt)")
     if getattr(args, "keep", None) is not None and args.task not in FRACTION_TASKS:
         return f"--keep applies to {', '.join(FRACTION_TASKS)}; for {args.task} give --budget"
-    if getattr(args, "kv_dtype", None) is not None and str(getattr(args, "device", "cpu")) != "cpu":
-        return f"--kv-dtype {args.kv_dtype} runs on the CPU kernels only, not --device {args.device}"
     if getattr(args, "ruler_tasks", None) and args.task != "ruler":
         return f"--ruler-tasks applies to --task ruler, not {args.task}"
     from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, kvpress_missing

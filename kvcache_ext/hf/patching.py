@@ -228,11 +228,6 @@ def patch(model, policy: Policy, *, page_size: int = 16, tokenizer=None,
         raise TypeError(f"kvcache_ext.patch needs an HF causal LM with generate (such as LlamaForCausalLM), "
                         f"got {type(model).__name__}")
     _check_cuda_head_dim(model)
-    if kv_dtype is not None:
-        on = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
-        if on:
-            raise ValueError(f"patch kv_dtype={kv_dtype} runs on the CPU kernels only, but the model has weights on "
-                             f"{', '.join(on)}; use kv_dtype=None there")
     _check_architecture(model, policy)
     # Everything the engine would refuse later is refused now, before the model changes.
     policy.check(model_shape(model))
