@@ -116,13 +116,15 @@ def test_the_error_is_assert_close_s_criterion():
 
 def test_what_a_device_does_not_serve_is_not_a_failure():
     cuda = torch.device("cuda", 0)
-    assert device_check.not_served(cuda, "int8", None) == "int8 pages run on the CPU kernels only"
+    with pytest.raises(ValueError) as refusal:   # the store's refusal is the reason, in its words
+        kvcache_ext.RaggedKVStore(1, 1, 64, dtype=torch.float32, device=cuda, kv_dtype=torch.int8)
+    assert device_check.not_served(cuda, "int8", None) == str(refusal.value)
     assert device_check.not_served(cuda, "bfloat16", None) is None
     assert device_check.not_served(CPU, "int8", None) is None
     assert "CUDA kernel" in device_check.not_served(CPU, "float16", ("KVCACHE_EXT_TC_DECODE", "1"))
-    row = device_check.Row("attention_run", "int8", not_served="int8 pages run on the CPU kernels only")
+    row = device_check.Row("attention_run", "int8", not_served=str(refusal.value))
     assert row.status == "not served" and device_check.failures([row]) == []
-    assert "not served: int8 pages" in device_check.table_line(row)
+    assert f"| not served: {refusal.value} |" in device_check.table_line(row)
     assert device_check.Row("attention_run", "float32").status == "FAIL"   # nothing compared is no pass
 
 

@@ -439,9 +439,14 @@ CHECKS: tuple[tuple[str, Callable, tuple[str, ...] | None, tuple[str, str] | Non
 
 
 def not_served(device: torch.device, dtype: str, switch: tuple[str, str] | None) -> str | None:
-    """Why ``device`` does not serve ``dtype``'s pages or the kernel ``switch`` picks, or None."""
+    """Why ``device`` does not serve ``dtype``'s pages or the kernel ``switch`` picks, or None.
+    The pages' dtypes are the store's to refuse: its refusal of int8 pages off the CPU, in its
+    own words, so that the rows run wherever the store takes them."""
     if dtype == "int8" and device.type != "cpu":
-        return "int8 pages run on the CPU kernels only"
+        try:
+            RaggedKVStore(1, 1, HEAD_DIM, dtype=INT8_INPUT, device=device, kv_dtype=torch.int8)
+        except ValueError as refusal:
+            return str(refusal)
     if switch is not None and device.type != "cuda":
         return f"{switch[0]} picks a CUDA kernel"
     return None
