@@ -10,7 +10,8 @@ import time
 def add_arguments(p) -> None:
     from kvcache_ext.cli.args import device
     p.add_argument("--device", type=device, default="cpu",
-                   help="cpu, cuda or cuda:N (default cpu); int8 pages are reported as not served off the CPU")
+                   help="cpu, cuda or cuda:N (default cpu); what the device does not serve (int8 pages off "
+                        "the CPU) is reported as not served, not failed")
 
 
 def main(args) -> int:
