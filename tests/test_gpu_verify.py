@@ -14,7 +14,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "bench" / "tools"
 SCRIPT = TOOLS / "gpu_verify.sh"
-STAGES = ["env", "build", "bench", "tc", "sanitize", "e2e", "test", "gtest", "probe", "ncu"]
+STAGES = ["env", "build", "check", "bench", "tc", "sanitize", "e2e", "test", "gtest", "probe", "ncu"]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(TOOLS))
 
@@ -31,6 +31,7 @@ def test_dry_run_walks_every_stage_with_its_estimate():
     assert "--contexts 8192 --batches 1" in out.stdout
     assert "compute-sanitizer --tool memcheck|racecheck|synccheck" in out.stdout
     assert "bench/nsight/profile.sh" in out.stdout and "bench/tools/gpu_probe.py --gdb" in out.stdout
+    assert "would run: " + os.environ.get("PYTHON", "python3") + " -m kvcache_ext check --device cuda" in out.stdout
     # One pytest process per test file, the CUDA safety and host-sync tests among them.
     assert "for f in tests/test_build.py" in out.stdout and "tests/test_cuda_metadata.py" in out.stdout
     assert "WARNING: the plan's estimate exceeds the budget" in out.stdout   # every stage: too long
@@ -41,7 +42,7 @@ def test_default_plan_fits_nine_minutes_with_the_build():
     out = run("--dry-run")
     assert out.returncode == 0, out.stderr
     stages = [line.split("]")[0][1:] for line in out.stdout.splitlines() if line.startswith("[")]
-    assert stages == ["env", "build", "bench", "tc", "sanitize", "e2e"]
+    assert stages == ["env", "build", "check", "bench", "tc", "sanitize", "e2e"]   # the check first after the build
     plan = next(line for line in out.stdout.splitlines() if line.startswith("plan: ~"))
     assert int(plan.split("~")[1].split()[0]) <= 525, plan
     assert "WARNING" not in out.stdout
@@ -61,18 +62,19 @@ def test_bad_arguments_are_refused():
 
 
 def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
-    """The run path of the script itself (no --dry-run): the bench stage (every kernel, baseline
-    and check at tiny sizes), the tc stage's table (on the CPU the switch routes nothing: both
+    """The run path of the script itself (no --dry-run): the check stage (kvcache-ext check on the
+    CPU), the bench stage (every kernel, baseline and check at tiny sizes), the tc stage's table (on the CPU the switch routes nothing: both
     sides are the CPU kernel) and a tiny e2e run, on the CPU, results in a temporary folder, the
     table printed last; then the report of a table with an e2e record and the stages' summary."""
     env = {**os.environ, "GPU_VERIFY_RESULTS": str(tmp_path), "PYTHON": sys.executable}
-    out = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--quick", "--stages", "bench,tc,e2e",
+    out = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--quick", "--stages", "check,bench,tc,e2e",
                           "--e2e-args", "--model tiny --quick --contexts 256 --batches 1 --budgets 64 --steps 2 "
                           "--methods snapkv,h2o-step"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "stages: bench passed" in out.stdout and "tc passed" in out.stdout and "e2e passed" in out.stdout, \
-        out.stdout
+    assert "stages: check passed" in out.stdout and "bench passed" in out.stdout and "tc passed" in out.stdout \
+        and "e2e passed" in out.stdout, out.stdout
+    assert "| store_decode_step (captured) | int8 | " in (tmp_path / "gpu-verify" / "check.log").read_text()
     table_json = next(tmp_path.glob("gpu-verify-cpu-*[0-9].json"))
     tc = json.loads(next(tmp_path.glob("gpu-verify-tc-cpu-*[0-9].json")).read_text())
     assert [(r["case"], r["n"]) for r in tc["attention"]] == [("prefill", 64), ("prefill", 256)] + [("decode", 1)] * 3
@@ -104,7 +106,7 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
                  "tensor-core decode skewed B=4 Hkv=8 stats overhead",
                  "scalar decode skewed B=4 Hkv=8 vs SDPA (padded)", "tensor-core decode batch 1 B=1 Hkv=1 of copy"):
         assert line in tail, line
-    assert tail.rstrip().splitlines()[-1].startswith("goals missed:")
+    assert "| stage check " in tail and tail.rstrip().splitlines()[-1].startswith("goals missed:")
     e2e = {"rows": [{"method": m, "context": 64, "batch": 1, "budget": 16, "status": "ok", "prefill_s": 0.5,
                      "decode_tokens_per_s": tps, "host_s_per_step": host, "synced_step_s": 0.1}
                     for m, tps, host in (("snapkv", 10.0, 0.03), ("h2o-step", 8.0, 0.05), ("full", 9.0, 0.02),

@@ -361,7 +361,7 @@ def report_rows(doc: dict | None, e2e: dict | None, stages: dict | None, tc: dic
     if e2e:
         out.extend(e2e_rows(e2e))
     if stages:
-        for name in ("tc", "sanitize", "test", "gtest"):
+        for name in ("check", "tc", "sanitize", "test", "gtest"):
             if name in stages:
                 st = stages[name]["status"]
                 out.append((f"stage {name}", st, "—", "—", "passed", st == "passed"))

@@ -8,11 +8,14 @@
 #   bench/tools/gpu_verify.sh --pack          # here, before a call that builds the gtest binary
 #   bench/tools/gpu_verify.sh --device cpu --quick --stages bench   # the CPU smoke run (tests/)
 #
-# Stages, in order (default: env,build,bench,tc,sanitize,e2e; LIST is comma-separated):
+# Stages, in order (default: env,build,check,bench,tc,sanitize,e2e; LIST is comma-separated):
 #   env       nvidia-smi, torch, nvcc, compute-sanitizer: what the machine is
 #   build     the extension in place for the GPU's own arch only; skipped when .gpucarry/build
 #             holds a build of the same sources for the same torch and Python (what an earlier
 #             call sent back in $OUT/build.tar.gz: docs/gpu.md)
+#   check     kvcache-ext check --device cuda: every op and a patched tiny model against the
+#             plain-PyTorch reference in every dtype, first, so that a wrong kernel is named before
+#             anything is timed
 #   bench     bench/tools/gpu_verify.py table: top-k (segmented, grouped), compaction, append, decode
 #             and prefill attention, each against its torch baseline (wall and kernel time), decode
 #             attention over int8 pages against bf16 pages, and the checks against the reference
@@ -53,7 +56,7 @@
 # (bench/tools/gpu_verify.py report). When $OUT is set (the device tool), bench/results and the
 # build (for the next call to carry) are packed into $OUT.
 #
-# --device cpu runs the bench, tc and e2e stages on the CPU (with --quick: tiny sizes), without a
+# --device cpu runs the check, bench, tc and e2e stages on the CPU (with --quick: tiny sizes), without a
 # GPU: tests/test_gpu_verify.py runs it so that the script's run path cannot rot unseen.
 #
 # Environment: PYTHON (default python3), MAX_JOBS (default: all cores).
@@ -63,8 +66,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)   # bench/tools
 root=$(cd "$here/../.." && pwd)
 cd "$root"
 
-ALL_STAGES="env build bench tc sanitize e2e test gtest probe ncu"
-stages="env,build,bench,tc,sanitize,e2e"
+ALL_STAGES="env build check bench tc sanitize e2e test gtest probe ncu"
+stages="env,build,check,bench,tc,sanitize,e2e"
 dry=0
 pack=0
 device=cuda
@@ -82,8 +85,9 @@ logs="$results/gpu-verify"
 # Seconds each stage is expected to take on an H100 (16 cores), from the stages' summary of the
 # last run there (docs/gpu.md), rounded up for the stages that have grown since and for a slower
 # machine: the build (sm_90, no gtest binary) about 110 s; sanitize is mostly torch's start-up
-# under the sanitizer; memcheck over the gtest cases runs past 4 min.
-declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [bench]=60 [tc]=100 [sanitize]=80 [e2e]=120
+# under the sanitizer, and check mostly torch's and transformers' start-up; memcheck over the gtest
+# cases runs past 4 min.
+declare -A estimate=([env]=5 [build]=120 [build_carried]=10 [check]=30 [bench]=60 [tc]=100 [sanitize]=80 [e2e]=120
                      [test]=180 [gtest]=240 [probe]=60 [ncu]=200)
 
 die() { echo "gpu_verify.sh: error: $*" >&2; exit 2; }
@@ -109,8 +113,8 @@ case $device in cuda|cpu) ;; *) die "--device takes cuda or cpu, got '$device'" 
 IFS=',' read -r -a stage_list <<< "$stages"
 for s in "${stage_list[@]}"; do
   case " $ALL_STAGES " in *" $s "*) ;; *) die "unknown stage '$s'; stages are: $ALL_STAGES" ;; esac
-  [ "$device" = cuda ] || [ "$s" = bench ] || [ "$s" = tc ] || [ "$s" = e2e ] \
-    || die "stage '$s' needs a GPU; --device cpu runs bench, tc and e2e only"
+  [ "$device" = cuda ] || [ "$s" = check ] || [ "$s" = bench ] || [ "$s" = tc ] || [ "$s" = e2e ] \
+    || die "stage '$s' needs a GPU; --device cpu runs check, bench, tc and e2e only"
 done
 
 # The sources whose build can be reused: same hash, same Python and torch.
@@ -249,6 +253,8 @@ assert info['cuda'], 'built without CUDA'" || return 1
   "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_build.py -k libstdcxx
 }
 
+stage_check() { "$PYTHON" -m kvcache_ext check --device "$device"; }
+
 stage_bench() {
   # shellcheck disable=SC2086  # quick is empty or one flag
   "$PYTHON" bench/tools/gpu_verify.py table --device "$device" $quick --out "$table_json"
@@ -336,6 +342,7 @@ describe() {
   case $1 in
     env) echo "nvidia-smi; torch, nvcc and compute-sanitizer versions" ;;
     build) echo "TORCH_CUDA_ARCH_LIST=<gpu arch> $PYTHON setup.py build_ext --inplace (or .gpucarry/build when its key matches)" ;;
+    check) echo "$PYTHON -m kvcache_ext check --device $device" ;;
     bench) echo "$PYTHON bench/tools/gpu_verify.py table --device $device $quick --out $table_json" ;;
     tc) echo "$PYTHON -m pytest tests/test_prefill_tc.py tests/test_decode_tc.py; $PYTHON bench/tools/gpu_verify.py tc --device $device $quick --out $tc_json" ;;
     sanitize) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PYTHON bench/tools/gpu_verify.py sanitize-driver" ;;

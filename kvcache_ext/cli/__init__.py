@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "compressed KV cache, and requests are admitted by the memory their caches "
                            "hold. Needs transformers[serving].")
     add_serve_arguments(serve)
+    from kvcache_ext.cli.check import add_arguments as add_check_arguments
+    check = sub.add_parser("check", help="every kernel on a device against the plain-PyTorch reference",
+                           description="Runs every op, and a patched tiny model, on tiny shapes of every "
+                           "dtype (float32, float16, bfloat16, int8 pages) on the device, compares each with "
+                           "kvcache_ext.reference, prints a table (op, dtype, max error, tolerance, pass) and "
+                           "which CUDA paths last ran on a GPU, and exits with 1 naming each failing kernel.")
+    add_check_arguments(check)
     return parser
 
 
@@ -67,6 +74,9 @@ def main(argv=None) -> int:
     if args.command == "serve":
         from kvcache_ext.cli.serve import main as serve_main
         return serve_main(args)
+    if args.command == "check":
+        from kvcache_ext.cli.check import main as check_main
+        return check_main(args)
     return 2
 
 

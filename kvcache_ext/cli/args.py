@@ -110,26 +110,40 @@ def output_file(text: str) -> str:
 
 
 def device(text: str) -> str:
-    """A torch device that exists here and that the extension was built for."""
+    """A torch device that exists here and that the extension was built for; a refusal names the
+    devices accepted on this machine."""
     import torch
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"expected a device such as cpu, cuda or cuda:1, got {text!r}") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N a GPU's index), got {text!r}; "
+                                         f"accepted here: {_devices_here()}")
     if dev.type == "cpu":
         return text
-    if dev.type != "cuda":
-        raise argparse.ArgumentTypeError(f"kvcache_ext runs on cpu or cuda devices, got {text!r}")
     if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA GPU that torch can use")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch_has = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise argparse.ArgumentTypeError(f"{text!r}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+                                         f"{torch_has}); accepted here: cpu")
     from kvcache_ext import _C
     if not _C.build_info()["cuda"]:
-        raise argparse.ArgumentTypeError(f"{text!r}: kvcache_ext was built without its CUDA kernels "
-                                         "(reinstall it with nvcc available, see README.md)")
+        raise argparse.ArgumentTypeError(f"{text!r}: kvcache_ext was built without its CUDA kernels (reinstall "
+                                         "it with nvcc available, see README.md); accepted here: cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s); "
+                                         f"accepted here: {_devices_here()}")
     return text
+
+
+def _devices_here() -> str:
+    """The devices kvcache_ext runs on in this process, in words."""
+    import torch
+
+    from kvcache_ext import _C
+    if not (torch.cuda.is_available() and _C.build_info()["cuda"]):
+        return "cpu"
+    return "cpu, cuda, " + ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
 
 
 def model_name(text: str) -> str:
