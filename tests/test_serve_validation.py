@@ -47,6 +47,7 @@ def test_each_request_passes_the_engine_its_own_values():
     sampling_model = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20)
     assert engine_kwargs(Sampling(), greedy_model) == GREEDY
     assert engine_kwargs(Sampling(temperature=0), sampling_model) == GREEDY
+    assert engine_kwargs(Sampling(temperature=1e-6), greedy_model) == GREEDY     # its limit: no overflow
     assert engine_kwargs(Sampling(temperature=1.3), greedy_model) == {"temperature": 1.3, "top_k": NO_TOP_K,
                                                                       "top_p": 1.0}
     assert engine_kwargs(Sampling(top_p=0.5), greedy_model) == {"temperature": 1.0, "top_k": NO_TOP_K, "top_p": 0.5}

@@ -16,6 +16,8 @@ import dataclasses
 from kvcache_ext.serving.validation import Sampling
 
 GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+# Below this a temperature is greedy (its limit): dividing the logits by less could overflow them.
+LEAST_TEMPERATURE = 1e-4
 NO_TOP_K = 2**31 - 1     # above any vocabulary: the engine keeps every token
 
 
@@ -30,11 +32,11 @@ def engine_generation_config(config):
 def engine_kwargs(sampling: Sampling, model_config) -> dict:
     """The engine's per-request values for a request's sampling fields. A field not given takes
     the model's generation config when it samples (as ``generate`` would), else OpenAI's default
-    (temperature 1, no top-p or top-k cut); temperature 0, or none given for a model that decodes
-    greedily with no top_p or top_k given, is greedy."""
+    (temperature 1, no top-p or top-k cut); temperature 0 (or below ``LEAST_TEMPERATURE``), or
+    none given for a model that decodes greedily with no top_p or top_k given, is greedy."""
     model_samples = bool(getattr(model_config, "do_sample", False))
     if sampling.temperature is not None:
-        samples = sampling.temperature > 0
+        samples = sampling.temperature >= LEAST_TEMPERATURE
     else:
         samples = model_samples or sampling.top_p is not None or sampling.top_k is not None
     if not samples:
