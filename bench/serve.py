@@ -3,7 +3,8 @@ model unpatched: what `transformers serve --continuous-batching` runs) and with 
 each started as a user starts it and sent the same load by a real client (httpx).
 
 The load: passkey prompts (every request at once, streamed), plus for the eviction policies a
-few faults (clients leaving mid-stream, malformed bodies, prompts above the KV budget). Printed
+few faults (clients leaving mid-stream or before a non-streamed answer, malformed or
+unservable bodies, prompts above the KV budget). Printed
 and written per method: requests sent / completed / refused / cancelled / lost, passkey accuracy,
 the most requests running at once and the most KV bytes held (polled from GET /v1/kvcache), and
 completion tokens per second; the ratios against HF's paged cache are the headline.
@@ -108,7 +109,7 @@ def plan_of(args, tokenizer, method: str):
     filler = make_passkey_prompt(tokenizer, max(args.lengths), 0.5, seed=args.seed).prompt
     # The faults go to the eviction servers only: in one try HF's engine, short of pages, stopped
     # answering a load with a client leaving mid-stream (bench/README.md).
-    faults = [] if method == "full" else ["cancel", "malformed", "oversized"] * args.faults
+    faults = [] if method == "full" else ["cancel", "abandon", "malformed", "oversized"] * args.faults
     for kind in faults:
         plan.append((kind, filler * (1 + args.max_batch_tokens // max(args.lengths)) if kind == "oversized"
                      else filler))
@@ -141,7 +142,8 @@ def run_method(args, tokenizer, method: str) -> dict:
             / len(passkeys),
             "tokens_per_s": tokens / seconds, "most_running": peaks.get("running", 0),
             "most_held_bytes": peaks.get("held_bytes", 0), "budget_bytes": peaks.get("budget_bytes"),
-            "idle_after": {k: idle.get(k) for k in ("running", "waiting", "reserved_bytes", "held_bytes")},
+            "idle_after": {k: idle.get(k) for k in ("running", "waiting", "reserved_bytes", "held_bytes",
+                                                    "kept_for_reuse_bytes")},
             "exit_status": code,
             "answers": [o.text for o, _ in passkeys]}
 

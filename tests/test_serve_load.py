@@ -86,13 +86,14 @@ def test_the_openai_client_gets_an_answer(server):
 
 def test_every_request_completes_or_is_refused_clearly_and_the_memory_returns_to_idle(server):
     """Thirty requests, twelve at a time: streamed and non-streamed answers, clients leaving
-    mid-stream, malformed bodies, prompts whose cache could never fit the KV budget."""
+    mid-stream or before a non-streamed answer, malformed bodies, prompts whose cache could never
+    fit the KV budget."""
     import httpx
 
     from kvcache_ext.serving.load import run_load, summary, wait_until_idle
     base, model, process = server
     rng = random.Random(0)
-    kinds = ["stream", "chat", "stream", "cancel", "malformed", "stream", "chat", "oversized", "stream", "chat"]
+    kinds = ["stream", "chat", "stream", "cancel", "malformed", "abandon", "chat", "oversized", "stream", "chat"]
     plan = []
     for i in range(30):
         kind = kinds[i % len(kinds)]
@@ -100,14 +101,14 @@ def test_every_request_completes_or_is_refused_clearly_and_the_memory_returns_to
         plan.append((kind, " ".join(rng.choice(WORDS) for _ in range(words))))
     outcomes = asyncio.run(run_load(base, model, plan, concurrency=12, max_tokens=12, timeout=600))
     counts = summary(outcomes)
-    expect = {"completed": 21, "refused": 6, "cancelled": 3, "lost": 0}
+    expect = {"completed": 18, "refused": 6, "cancelled": 6, "lost": 0}
     assert {k: counts[k] for k in expect} == expect, [o for o in outcomes if o.outcome == "lost"] or counts
     for o in outcomes:
         if o.kind == "oversized":
             assert "exceeds the KV budget" in o.detail and "raise the budget (num_blocks)" in o.detail, o
             assert o.status == (413 if o.index % 2 else 200), o       # an error response, or a stream's error event
         if o.kind == "malformed":
-            assert o.status in (400, 422) and o.detail, o
+            assert o.status == 400 and o.detail, o
         if o.outcome == "completed":
             assert o.tokens > 0 and o.text, o
     assert process.poll() is None

@@ -20,7 +20,8 @@ try:
 except ImportError:   # transformers 5.2: kvcache_ext.serving raises an ImportError that says what it lacks
     NOT_IMPORTED_ALONE |= {f"{NAME}.serving", f"{NAME}.serving.manager", f"{NAME}.serving.cache",
                            f"{NAME}.serving.attention", f"{NAME}.serving.admission", f"{NAME}.serving.server",
-                           f"{NAME}.serving.load"}
+                           f"{NAME}.serving.load", f"{NAME}.serving.validation", f"{NAME}.serving.sampling",
+                           f"{NAME}.serving.disconnect"}
 
 # The few places that must write attributes of an object they do not own, each with its reason:
 # (module, enclosing function, target as written) -> why.
@@ -32,6 +33,10 @@ THREAD_LOCAL = ("hf/cache.py's own per-thread state (threading.local has no meth
 SERVE_BUILDS_BY_NAME = ("transformers serve builds its model manager and its app by name inside Serve's "
                         "constructor (no hook): kvcache-ext serve puts its subclass and wrapper there while "
                         "Serve is built, and puts the originals back")
+SERVE_WRAPS_A_REQUEST = ("transformers' server has no hook around a request: kvcache-ext serve wraps, on the "
+                         "server's own objects (its handlers, its generation state, the engine manager that state "
+                         "makes), the methods a request passes through, to check it first and sample it with its "
+                         "own settings; the engine's config is the state's, read when it makes that manager")
 ALLOWED_FOREIGN_WRITES = {
     (f"{NAME}.hf.patching", "patch", "model._prepare_cache_for_generation"): PATCHES_THE_MODEL,
     (f"{NAME}.hf.patching", "patch", "setattr(model, _HANDLE_ATTR)"): PATCHES_THE_MODEL,
@@ -68,6 +73,11 @@ ALLOWED_FOREIGN_WRITES = {
         "its cache: num_blocks is set around that construction, as the engine itself sets it after",
     (f"{NAME}.serving.server", "serve_hooks", "model_manager.ModelManager"): SERVE_BUILDS_BY_NAME,
     (f"{NAME}.serving.server", "serve_hooks", "server.build_server"): SERVE_BUILDS_BY_NAME,
+    (f"{NAME}.serving.server", "build_server_checked", "handler.handle_request"): SERVE_WRAPS_A_REQUEST,
+    (f"{NAME}.serving.sampling", "serve_per_request", "generation_state._cb_config"): SERVE_WRAPS_A_REQUEST,
+    (f"{NAME}.serving.sampling", "serve_per_request", "generation_state.get_manager"): SERVE_WRAPS_A_REQUEST,
+    (f"{NAME}.serving.sampling", "serve_per_request", "manager.init_cb"): SERVE_WRAPS_A_REQUEST,
+    (f"{NAME}.serving.sampling", "serve_per_request", "manager._cb.add_request"): SERVE_WRAPS_A_REQUEST,
     (f"{NAME}.serving.server", "stop", "serve.server.force_exit"):
         "uvicorn's server is stopped by its flags (should_exit, force_exit): it has no method for it",
     (f"{NAME}.checks", "check_fields", "object.__setattr__(obj, name)"):

@@ -5,7 +5,9 @@ request from its own ragged cache with the patch's policy: ``manager.RaggedBatch
 transformers' ``ContinuousBatchingManager`` with our cache (``cache.RaggedPagedCache``) and our
 attention (``attention.attend_packed``), admitting requests by the memory their caches hold
 (``admission``). ``kvcache-ext serve`` runs transformers' OpenAI-compatible server on a patched
-model (``server``); ``load`` is a load and fault client for such a server.
+model (``server``), each request checked before it runs (``validation``), sampled with its own
+settings (``sampling``) and cancelled when its client leaves (``disconnect``); ``load`` is a
+load and fault client for such a server.
 """
 from kvcache_ext.serving.cache import RaggedPagedCache
 from kvcache_ext.serving.manager import RaggedBatchingManager, init_continuous_batching

@@ -4,8 +4,9 @@ back. Used by tests/test_serve_load.py (a short form in CI) and bench/serve.py (
 
 Kinds: ``stream`` (a streaming completion read to its end), ``chat`` (a non-streaming chat
 completion), ``cancel`` (a streaming completion whose client goes away after a few chunks),
-``malformed`` (a body the server must refuse), ``oversized`` (a prompt above the server's KV
-budget). Outcomes: ``completed`` (the whole answer), ``refused`` (an error response or error
+``abandon`` (a non-streaming chat completion whose client goes away before its answer),
+``malformed`` (a body the server must refuse with a 4xx and a message), ``oversized`` (a prompt
+above the server's KV budget). Outcomes: ``completed`` (the whole answer), ``refused`` (an error response or error
 event with a message), ``cancelled`` (by the client), ``lost`` (anything else: no answer in
 time, a dropped connection, an error without a message, an answer cut short).
 """
@@ -16,13 +17,22 @@ import json
 import time
 from dataclasses import dataclass
 
-KINDS = ("stream", "chat", "cancel", "malformed", "oversized")
+KINDS = ("stream", "chat", "cancel", "abandon", "malformed", "oversized")
 OUTCOMES = ("completed", "refused", "cancelled", "lost")
-MALFORMED = (  # (body bytes, what is wrong): each must be refused with a 4xx and a message
-    (b'{"prompt": "unterminated', "invalid JSON"),
-    (json.dumps({"prompt": 42, "max_tokens": 4}).encode(), "a prompt that is not a string"),
-    (json.dumps({"prompt": "hi", "max_tokens": 4, "no_such_field": 1}).encode(), "an unknown field"),
-    (b'[1, 2, 3]', "a body that is not an object"),
+HELLO = [{"role": "user", "content": "hi"}]
+ABANDONED_TOKENS = 256     # what an abandoned request asks for: more than it decodes before its client leaves
+MALFORMED = (  # (route, body bytes, what is wrong): each must be refused with a 4xx and a message
+    ("completions", b'{"prompt": "unterminated', "invalid JSON"),
+    ("chat/completions", json.dumps({"max_tokens": 4}).encode(), "no messages"),
+    ("completions", json.dumps({"prompt": 42, "max_tokens": 4}).encode(), "a prompt that is not a string"),
+    ("chat/completions", json.dumps({"messages": "hi"}).encode(), "messages a string"),
+    ("completions", json.dumps({"prompt": "hi", "max_tokens": 4, "no_such_field": 1}).encode(), "an unknown field"),
+    ("chat/completions", json.dumps({"messages": [], "max_tokens": 4}).encode(), "no message"),
+    ("completions", b'[1, 2, 3]', "a body that is not an object"),
+    ("chat/completions", json.dumps({"messages": HELLO, "max_tokens": "abc"}).encode(), "max_tokens not a number"),
+    ("chat/completions", json.dumps({"messages": HELLO, "max_tokens": 0}).encode(), "no token to generate"),
+    ("chat/completions", json.dumps({"messages": HELLO, "temperature": -5}).encode(), "a negative temperature"),
+    ("chat/completions", json.dumps({"messages": HELLO, "n": 3}).encode(), "several choices"),
 )
 
 
@@ -79,7 +89,9 @@ async def _stream(client, url, body, cancel_after: int | None):
 
 
 async def _one(client, base_url: str, model: str, index: int, kind: str, prompt: str, max_tokens: int,
-               cancel_after: int) -> Outcome:
+               cancel_after: int, abandon_after: float) -> Outcome:
+    import httpx
+
     start = time.perf_counter()
     try:
         if kind == "oversized" and index % 2:   # half of them without streaming: an error response
@@ -105,9 +117,18 @@ async def _one(client, base_url: str, model: str, index: int, kind: str, prompt:
             else:
                 detail = _message(response.content)
                 outcome = "refused" if detail else "lost"
+        elif kind == "abandon":     # the client leaves before the answer: nothing comes back
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": ABANDONED_TOKENS,
+                    "temperature": 0}
+            try:
+                response = await client.post(f"{base_url}/v1/chat/completions", json=body, timeout=abandon_after)
+            except httpx.TimeoutException:
+                return Outcome(index, kind, "cancelled", None, "", 0, time.perf_counter() - start)
+            status, tokens, text, detail = response.status_code, 0, "", "answered before its client left"
+            outcome = "lost"
         elif kind == "malformed":
-            content, _ = MALFORMED[index % len(MALFORMED)]
-            response = await client.post(f"{base_url}/v1/completions", content=content,
+            route, content, _ = MALFORMED[index % len(MALFORMED)]
+            response = await client.post(f"{base_url}/v1/{route}", content=content,
                                          headers={"content-type": "application/json"})
             status, tokens, text, detail = response.status_code, 0, "", _message(response.content)
             outcome = "refused" if 400 <= status < 500 and detail else "lost"
@@ -120,9 +141,11 @@ async def _one(client, base_url: str, model: str, index: int, kind: str, prompt:
 
 
 async def run_load(base_url: str, model: str, plan: list[tuple[str, str]], *, concurrency: int,
-                   max_tokens: int, cancel_after: int = 2, timeout: float = 300.0) -> list[Outcome]:
+                   max_tokens: int, cancel_after: int = 2, abandon_after: float = 1.0,
+                   timeout: float = 300.0) -> list[Outcome]:
     """Sends ``plan`` ([(kind, prompt)]), at most ``concurrency`` requests at once; every request
-    ends within ``timeout`` seconds (or is lost)."""
+    ends within ``timeout`` seconds (or is lost). ``cancel_after``: the chunks a ``cancel``
+    client reads; ``abandon_after``: the seconds an ``abandon`` client waits."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
@@ -130,7 +153,8 @@ async def run_load(base_url: str, model: str, plan: list[tuple[str, str]], *, co
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         async def gated(index, kind, prompt):
             async with gate:
-                return await _one(client, base_url, model, index, kind, prompt, max_tokens, cancel_after)
+                return await _one(client, base_url, model, index, kind, prompt, max_tokens, cancel_after,
+                                  abandon_after)
         return await asyncio.gather(*(gated(i, kind, prompt) for i, (kind, prompt) in enumerate(plan)))
 
 

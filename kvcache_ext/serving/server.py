@@ -4,25 +4,32 @@
 transformers' ``Serve`` builds its ``ModelManager`` by name inside its constructor and loads
 models through ``ModelManager._load_model``. While ``Serve`` is built, this module puts a subclass
 there (``patching_model_manager``: every model it loads is patched with the policy), and wraps
-its ``build_server`` (``build_server_with_stats``); the server's continuous batching handler
+its ``build_server`` (``build_server_checked``); the server's continuous batching handler
 then calls the patched model's ``init_continuous_batching`` (``kvcache_ext.serving.manager``).
-Everything else (routes, protocol, streaming, cancellation, the engine's scheduler) is
-transformers' own. Added: ``GET /v1/kvcache`` (the KV budget, what the requests reserve and
-hold, the shared prefixes: ``kv_stats``), the message of a failed request in its error
-response, and a shared system prompt (``shared_system``: compressed once when the model loads,
-read by every request that starts with it).
+The routes, protocol, streaming and the engine's scheduler are transformers' own. Added: every
+request checked before it runs (``validation``), sampled with its own settings (``sampling``)
+and cancelled when its client leaves, streamed or not (``disconnect``); ``GET /v1/kvcache``
+(the KV budget, what live requests reserve and hold, what is kept for reuse, the shared
+prefixes: ``kv_stats``); every error in OpenAI's shape; and a shared system prompt
+(``shared_system``: compressed once when the model loads, read by every request that starts
+with it).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
 
 from kvcache_ext.policies import Policy
 from kvcache_ext.serving.admission import NEEDS_SHARED_PREFIX, TOO_LARGE
+from kvcache_ext.serving.disconnect import KeepReceive, unless_client_leaves
+from kvcache_ext.serving.sampling import serve_per_request
+from kvcache_ext.serving.validation import InvalidRequest, check_request, error_body
 
 SERVING_EXTRA = "pip install 'transformers[serving]'"
 STATS_ROUTE = "/v1/kvcache"
+ENDPOINTS = ("chat", "completion", "response")     # the generating routes' handlers, checked
 
 
 def require_serving() -> None:
@@ -85,42 +92,110 @@ def load_local_gguf(path: str, dtype, device):
     return load_model(path, dtype=dtype, device=device)[0]
 
 
-def build_server_with_stats(build_server):
-    """transformers' ``build_server``, and on its app: ``GET /v1/kvcache`` (``kv_stats``), and
-    the message of a failed request in the response. A non-streaming request that fails in the
-    engine raises RuntimeError in transformers' handler, which the app would answer with a bare
-    500: the JSON error carries the message, with status 413 for a request that exceeds the KV
-    budget (the client's to change) and 500 otherwise."""
+def build_server_checked(build_server):
+    """transformers' ``build_server``, and on its app: every request to the chat, completions
+    and responses routes checked first (``kvcache_ext.serving.validation``), sampled with its own
+    settings (``kvcache_ext.serving.sampling``) and, not streamed, cancelled when its client
+    leaves (``kvcache_ext.serving.disconnect``); ``GET /v1/kvcache`` (``kv_stats``); and every
+    error answered in OpenAI's shape (``error_handlers``)."""
     from fastapi.responses import JSONResponse
 
-    def build(model_manager, *args, **kwargs):
-        app = build_server(model_manager, *args, **kwargs)
-        state = kwargs.get("generation_state")
+    def build(*args, **kwargs):
+        app = build_server(*args, **kwargs)
+        named = inspect.signature(build_server).bind(*args, **kwargs).arguments
+        model_manager, state = named["model_manager"], named["generation_state"]
+        pending = {}       # request id -> its Sampling, until the engine takes the request
+        serve_per_request(state, pending)
+        for endpoint in ENDPOINTS:
+            handler = named[f"{endpoint}_handler"]
+            handler.handle_request = checked(handler.handle_request, endpoint, model_manager, state, pending)
         app.add_api_route(STATS_ROUTE, lambda: JSONResponse(kv_stats(model_manager, state)), methods=["GET"])
-
-        async def failed(_request, error: RuntimeError):
-            message = str(error)
-            status, code = (413, "kv_budget_exceeded") if TOO_LARGE in message else \
-                (400, "needs_shared_prefix") if NEEDS_SHARED_PREFIX in message else (500, None)
-            body = {"error": {"message": message, "type": "server_error" if status == 500 else "invalid_request_error",
-                              "code": code}}
-            return JSONResponse(body, status_code=status)
-        app.add_exception_handler(RuntimeError, failed)
+        for error, answer in error_handlers().items():
+            app.add_exception_handler(error, answer)
+        app.add_middleware(KeepReceive)
         return app
 
     return build
+
+
+def checked(handle_request, endpoint: str, model_manager, generation_state, pending: dict):
+    """``handle_request`` of transformers' handler for ``endpoint``, behind the request's checks
+    (``InvalidRequest``: HTTP 400, or 404 for a model the server does not serve), with the
+    request's sampling settings in ``pending`` for the engine, and a non-streamed request
+    cancelled in the engine when its client leaves."""
+    async def handle(body, request_id: str):
+        sampling = check_request(endpoint, body)
+        served = model_manager.force_model
+        if body.get("model") is not None and served is not None and body["model"] != served:
+            raise InvalidRequest("model", f"model is {body['model']!r}: this server serves {served!r}",
+                                 "model_not_found", 404)
+        body.pop("top_k", None)     # transformers' handlers do not take it: the engine gets it from pending
+        pending[request_id] = sampling
+        try:
+            work = handle_request(body, request_id)
+            if body.get("stream", endpoint == "response"):    # transformers' defaults
+                return await work
+            return await unless_client_leaves(work, lambda: cancel_in_engine(generation_state, request_id))
+        finally:
+            pending.pop(request_id, None)
+    return handle
+
+
+def cancel_in_engine(generation_state, request_id: str) -> None:
+    """Cancels a request in the engine, which frees its pages at its next step (the engine of
+    transformers' serving state: ``_cb_manager._cb``, no public accessor)."""
+    engine = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
+    if engine is not None:
+        engine.cancel_request(request_id)
+
+
+def error_handlers() -> dict:
+    """Exception class -> the app's answer, every one in OpenAI's error shape: a refused request
+    (``InvalidRequest``, a body that is not a JSON object, transformers' own HTTP errors), a
+    request that fails in the engine (RuntimeError: HTTP 413 for one that exceeds the KV budget,
+    the client's to change; 400 under KVzip without the shared prefix; else 500), and anything
+    else (500 with its message, never a bare one)."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    async def refused(_request, error: InvalidRequest):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def not_an_object(_request, error: RequestValidationError):
+        problems = "; ".join(str(e.get("msg", e)) for e in error.errors())
+        return JSONResponse(error_body(f"the body must be a JSON object ({problems})", "invalid_request_error",
+                                       None, "invalid_body"), status_code=400)
+
+    async def http_error(_request, error: HTTPException):
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))
+
+    async def failed(_request, error: RuntimeError):
+        message = str(error)
+        status, code = (413, "kv_budget_exceeded") if TOO_LARGE in message else \
+            (400, "needs_shared_prefix") if NEEDS_SHARED_PREFIX in message else (500, None)
+        kind = "server_error" if status == 500 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind, None, code), status_code=status)
+
+    async def crashed(_request, error: Exception):
+        return JSONResponse(error_body(f"{type(error).__name__}: {error}", "server_error"), status_code=500)
+
+    return {InvalidRequest: refused, RequestValidationError: not_an_object, HTTPException: http_error,
+            RuntimeError: failed, Exception: crashed}
 
 
 @contextlib.contextmanager
 def serve_hooks(policy: Policy | None, page_size: int = 16, shared_system: str | None = None,
                 kv_dtype: str | None = None):
     """While inside, ``transformers serve`` patches the models it loads (its model manager is
-    ``patching_model_manager``'s) and builds its app with ``build_server_with_stats``."""
+    ``patching_model_manager``'s) and builds its app with ``build_server_checked``."""
     from transformers.cli.serving import model_manager, server
 
     originals = model_manager.ModelManager, server.build_server
     model_manager.ModelManager = patching_model_manager(policy, page_size, shared_system, kv_dtype)
-    server.build_server = build_server_with_stats(server.build_server)
+    server.build_server = build_server_checked(server.build_server)
     try:
         yield
     finally:
@@ -129,9 +204,11 @@ def serve_hooks(policy: Policy | None, page_size: int = 16, shared_system: str |
 
 def kv_stats(model_manager, generation_state) -> dict:
     """What ``GET /v1/kvcache`` answers: per loaded model, its policy (None: HF's paged cache),
-    the KV budget in bytes, the bytes the requests reserve and hold, and how many run and wait.
-    A patched model's engine is the one its handle made last; an unpatched model's, the one
-    transformers' serving state holds (``_cb_manager``: it has no public accessor)."""
+    the KV budget in bytes, the bytes reserved, the bytes live requests hold, the bytes kept for
+    reuse once no request holds them (HF's cached blocks; the shared prefixes), and how many
+    requests run and wait. A patched model's engine is the one its handle made last; an
+    unpatched model's, the one transformers' serving state holds (``_cb_manager``: it has no
+    public accessor)."""
     from kvcache_ext.hf.patching import handle_of
 
     models = {}
@@ -148,10 +225,12 @@ def kv_stats(model_manager, generation_state) -> dict:
             scheduler = processor.scheduler
             if hasattr(cache, "admission"):     # ours: what the requests reserve and hold
                 budget, reserved, held = cache.admission.budget_bytes, cache.admission.reserved_bytes, cache.nbytes
+                kept = cache.prefix_bytes
             else:                                # HF's: its pages, allocated as the requests grow
                 budget = cache.num_sectors * cache.bytes_per_sector
-                reserved = held = budget - int(cache.compute_free_capacity(relative=False))
-            entry.update(budget_bytes=budget, reserved_bytes=reserved, held_bytes=held,
+                kept = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
+                reserved = held = budget - int(cache.compute_free_capacity(relative=False)) - kept
+            entry.update(budget_bytes=budget, reserved_bytes=reserved, held_bytes=held, kept_for_reuse_bytes=kept,
                          running=len(scheduler.active_requests), waiting=len(scheduler.waiting_requests))
         if handle is not None:   # each shared prefix: its tokens, bytes, and the requests served over it so far
             served = getattr(cache, "served_over", None)
