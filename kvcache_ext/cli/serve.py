@@ -29,8 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--page-size", type=int, default=16, choices=[2**i for i in range(11)],
                    help="tokens per page of kvcache_ext's store (default 16)")
     p.add_argument("--kv-dtype", default=None, choices=("int8",),
-                   help="what kvcache_ext's pages hold: int8 quantizes K and V per token and KV head (CPU; "
-                        "default: the model's dtype)")
+                   help="what kvcache_ext's pages hold: int8 quantizes K and V per token and KV head "
+                        "(default: the model's dtype)")
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int_range(1, 65535), default=8000)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")

@@ -251,7 +251,7 @@ def start(model: str, policy: Policy | None, *, page_size: int = 16, host: str =
     message compressed once and shared by the requests that open with it (needs a policy).
     ``blocking=False`` returns transformers' ``Serve`` object with the server running in a
     thread (``stop`` stops it). ``kv_dtype``: what the caches' pages hold (None: the model's dtype;
-    "int8": quantized, on the CPU), which admission counts."""
+    "int8": quantized), which admission counts."""
     require_serving()
     from transformers.cli.serve import Serve
 
