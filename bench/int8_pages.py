@@ -15,7 +15,8 @@ Every prompt runs these caches in one process, interleaved (each prompt runs eve
 - ``int4sim@keep`` (with ``--int4-sim``): a simulation of 4-bit pages, which no kernel stores: the
   reference path (``handle.new_cache(reference=True)``, the masked dense cache that the int8
   pages' tests compare with) holding K and V as 4-bit pages would give them back (symmetric,
-  levels -7..7, one float16 scale per group of ``--int4-group`` channels of a token's row). Its
+  levels -7..7, one float16 scale per group of ``--int4-group`` channels of a token's row:
+  ``bench/kv_formats.py``'s ``four_bit_round_trip``). Its
   answers and tokens are compared with ``store@keep``'s like int8's; its speed and bytes are not
   measured (docs/store.md computes the bytes).
 - ``quanto4`` and ``quanto2``: transformers' ``QuantizedCache`` with optimum-quanto's 4- and
@@ -47,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, write_out  # noqa: E402
+from kv_formats import four_bit_round_trip  # noqa: E402
 
 import kvcache_ext  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
@@ -108,18 +110,6 @@ def answer_text(tokenizer, tokens, eos):
     if eos is not None and eos in tokens:
         tokens = tokens[:tokens.index(eos)]
     return tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-def four_bit_as_attended(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [..., D] as 4-bit pages would give it back, in float32: per group of ``group`` channels of
-    a row, scale = float16(max |x| / 7), steps round(x / scale) clamped to [-7, 7] (0 where the
-    scale is 0), then steps x scale."""
-    shape = x.shape
-    group = min(group, shape[-1])   # a row narrower than a group is one group
-    xf = x.float().reshape(*shape[:-1], -1, group)
-    scale = (xf.abs().amax(-1, keepdim=True) / 7).clamp(max=65504).to(torch.float16).float()
-    steps = torch.where(scale > 0, torch.round(xf / torch.where(scale > 0, scale, 1)).clamp(-7, 7), 0)
-    return (steps * scale).reshape(shape)
 
 
 def quanto_available() -> bool:
@@ -198,7 +188,7 @@ def main(argv=None) -> int:
 
             from kvcache_ext.reference import masked_cache
             with kvcache_ext.patch(model, policy, tokenizer=tokenizer, kv_dtype="int8") as handle, \
-                    mock.patch.object(masked_cache, "as_attended", lambda x: four_bit_as_attended(x, args.int4_group)):
+                    mock.patch.object(masked_cache, "as_attended", lambda x: four_bit_round_trip(x, args.int4_group)):
                 cache = handle.new_cache(reference=True, max_cache_len=ids.shape[1] + args.steps)
                 tokens, seconds = decode(model, cache, ids, args.steps)
                 return tokens, None, None
