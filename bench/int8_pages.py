@@ -4,6 +4,7 @@
                                                 # tokens, keep 1 / .5 / .25 / .125 (a few minutes on 2 cores)
     python bench/int8_pages.py --quick          # one prompt of 512 tokens, keep 1 and .25, no quanto: a smoke run
     python bench/int8_pages.py --model tiny --quick   # a tiny random Llama (what the smoke test runs)
+    python bench/int8_pages.py --device cuda --dtype bfloat16 --no-quanto   # on a GPU, bf16 pages against int8
 
 Every prompt runs these caches in one process, interleaved (each prompt runs every method in turn):
 
@@ -139,8 +140,12 @@ def main(argv=None) -> int:
                    "reference path")
     p.add_argument("--int4-group", type=int, default=32,
                    help="channels per 4-bit scale, a divisor of head_dim (default 32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="the model's dtype, which the unquantized pages hold (default float32)")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None, help="the JSON (default bench/results/int8-pages-cpu-<commit>.json)")
+    p.add_argument("--out", default=None,
+                   help="the JSON (default bench/results/int8-pages-<cpu or the GPU's name>-<commit>.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.keep, args.length, args.prompts, args.steps, args.no_quanto = "1,0.25", 512, 1, 8, True
@@ -150,9 +155,10 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from tiny_models import tiny_model
         model, tokenizer = tiny_model("llama", heads=4, kv_heads=2, layers=2), None
+        model = model.to(args.device, getattr(torch, args.dtype))
     else:
         from kvcache_ext.hf.models import load_model
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     eos = getattr(tokenizer, "eos_token_id", None)
 
     prompts = []
@@ -200,12 +206,12 @@ def main(argv=None) -> int:
 
     # One untimed run of every method first: quanto compiles its kernels at first use.
     for method in methods:
-        run(method, prompts[0][0][None, :512])
+        run(method, prompts[0][0][None, :512].to(args.device))
     results = {m: [] for m in methods}
     for i, (ids, answer) in enumerate(prompts):
         for j in range(len(methods)):   # each prompt starts one method later
             method = methods[(i + j) % len(methods)]
-            tokens, seconds, held = run(method, ids[None])
+            tokens, seconds, held = run(method, ids[None].to(args.device))
             correct = None if answer is None else check_answer(answer_text(tokenizer, tokens, eos), answer)
             results[method].append({"prompt": i, "tokens": tokens, "decode_s": seconds, "kv_bytes": held,
                                     "correct": correct,
@@ -249,8 +255,9 @@ def main(argv=None) -> int:
               f"{f('tokens_per_s', '.1f'):>7} {f('x_quanto4', '.2f'):>9} {f('tokens_equal', '.3f'):>14} "
               f"{f('x_store', '.3f'):>8} {f('bytes_x_store', '.3f'):>13}")
     if not args.quick or args.out:
-        from common import git_commit
-        out = args.out or os.path.join(RESULTS, f"int8-pages-cpu-{git_commit()}.json")
+        from common import device_name, git_commit
+        where = "cpu" if args.device == "cpu" else device_name(args.device).replace(" ", "-")
+        out = args.out or os.path.join(RESULTS, f"int8-pages-{where}-{git_commit()}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         write_out(out, args, rows=rows, runs=results)
     return 0
