@@ -282,3 +282,41 @@ def test_eval_runs_kvpress_names_beside_ours(default_model, monkeypatch, stand_i
     assert [r["policy"] for r in records] == ["snapkv", "kvpress-snapkv"]
     press = records[1]
     assert press["budget"] == 0.5 and press["kv_bytes"] < 0.6 * press["full_bytes"] and press["prefill_s"] > 0
+
+
+def test_seeds_give_distinct_prompts_per_task_and_length(tokenizer):
+    from kvcache_ext.evaluation.retrieval import make_prompts
+    prompts = make_prompts(tokenizer, "ruler", [450, 600], [], 3, TASKS)
+    assert len(prompts) == len(TASKS) * 2 * 3
+    for task in TASKS:
+        for n in (450, 600):
+            these = [p for p in prompts if p.task == task and p.n_tokens == n]
+            assert [p.seed for p in these] == [0, 1, 2]
+            assert len({tuple(p.input_ids.tolist()) for p in these}) == 3
+            assert len({tuple(p.answers) for p in these}) == 3
+
+
+def test_eval_ruler_kvpress_protocol_reports_each_mean_with_its_spread(default_model, monkeypatch, tmp_path, capsys):
+    """--protocol kvpress with a shorter prompt and two seeds: kvpress's four keeps, a score per
+    prompt, its standard error in the rows and the table, and the frontier plot."""
+    from kvcache_ext import cli
+    from kvcache_ext.evaluation.spread import standard_error
+    _use_session_model(monkeypatch, default_model)
+    out, png = tmp_path / "ruler.json", tmp_path / "frontier.png"
+    assert cli.main(["eval", "--protocol", "kvpress", "--lengths", "400", "--seeds", "2", "--ruler-tasks",
+                     "niah_single_1", "--policy", "full,snapkv", "--mode", "agnostic", "--max-new-tokens", "8",
+                     "--json", str(out), "--frontier", str(png), "--no-progress"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    doc = json.loads(out.read_text())
+    args = doc["meta"]["args"]
+    assert (args["task"], args["keep"], args["lengths"], args["seeds"]) == ("ruler", [0.75, 0.5, 0.25, 0.125], [400], 2)
+    records = doc["records"]
+    assert len(records) == 2 * (1 + 4)   # seeds x (full + snapkv at each keep)
+    assert len({r["answer"] for r in records if r["policy"] == "full"}) == 2
+    printed = capsys.readouterr().out
+    for row in doc["rows"]:
+        assert [p["seed"] for p in row["prompt_scores"]] == [0, 1]
+        scores = [p["score"] for p in row["prompt_scores"]]
+        assert row["score"] == pytest.approx(sum(scores) / 2) and row["sem"] == pytest.approx(standard_error(scores))
+        assert f"{row['score']:.1f} ± {row['sem']:.1f} ({row['kv_fraction']:.2f})" in printed
+    assert {row["budget"] for row in doc["rows"]} == {None, 0.75, 0.5, 0.25, 0.125}

@@ -14,6 +14,11 @@ TASKS = ("passkey", "needle", "multi", "ruler", "ppl", "fidelity")
 FRACTION_TASKS = ("passkey", "needle", "multi", "ruler")   # --keep, and KVzip's reconstruction passes
 MAX_NEW_TOKENS = 8   # passkey, needle, multi (RULER's tasks: their own, tasks.ruler)
 PROMPT_MODES = ("aware", "agnostic")   # retrieval.MODES (not imported here: the parser stays light)
+DEFAULT_LENGTHS, DEFAULT_SEEDS = [1024, 2048], 1
+KVPRESS_KEEP = (0.75, 0.5, 0.25, 0.125)   # kvpress's compression ratios 0.25, 0.5, 0.75 and 0.875
+PROTOCOLS = {   # --protocol NAME: what it sets where the command line leaves it out
+    "kvpress": {"task": "ruler", "lengths": [4096], "keep": list(KVPRESS_KEEP), "seeds": 5},
+}
 
 
 def add_arguments(p) -> None:
@@ -22,7 +27,11 @@ def add_arguments(p) -> None:
     from kvcache_ext.evaluation.named_policies import parse_policies
     from kvcache_ext.policies.schedule import MAX_BLOCK
 
-    p.add_argument("--task", choices=TASKS, default=None, help="the task to run (required unless --report)")
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="the task to run (required unless --report or --protocol)")
+    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
+                   help="kvpress: its leaderboard's setting, --task ruler --lengths 4096 --keep kvpress --seeds 5 "
+                   "(each of these given on the command line replaces the protocol's)")
     p.add_argument("--model", type=model_name, default=None,
                    help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
@@ -30,15 +39,18 @@ def add_arguments(p) -> None:
                    "by name (kvpress-snapkv, kvpress-ada-snapkv, kvpress-kvzip, ...) when kvpress is installed")
     p.add_argument("--budget", type=int_list, default=None,
                    help=f"tokens per KV head, comma-separated (default {','.join(map(str, DEFAULT_BUDGETS))})")
-    p.add_argument("--keep", type=fraction_list, default=None,
-                   help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1] "
-                   "(passkey, needle, multi, ruler; in agnostic mode, of the context compressed)")
-    p.add_argument("--lengths", type=int_list, default=[1024, 2048],
-                   help="prompt (passkey, needle, ruler), context (multi, fidelity) or text (ppl) lengths in tokens")
+    p.add_argument("--keep", type=_keep_list(fraction_list), default=None,
+                   help="instead of --budget: fractions of each prompt kept, comma-separated in (0, 1], or "
+                   f"kvpress for its four ({','.join(map(str, KVPRESS_KEEP))}) (passkey, needle, multi, ruler; "
+                   "in agnostic mode, of the context compressed)")
+    p.add_argument("--lengths", type=int_list, default=None,
+                   help="prompt (passkey, needle, ruler), context (multi, fidelity) or text (ppl) lengths in tokens "
+                   f"(default {','.join(map(str, DEFAULT_LENGTHS))})")
     p.add_argument("--depths", type=depth_list, default=[0.1, 0.5, 0.9],
                    help="needle depths in [0, 1] (passkey, needle)")
-    p.add_argument("--seeds", type=int_range(1), default=1,
-                   help="prompts or texts per length (and depth; ruler: per task), each with its own seed")
+    p.add_argument("--seeds", type=int_range(1), default=None,
+                   help="prompts or texts per length (and depth; ruler: per task), each with its own seed "
+                   f"(default {DEFAULT_SEEDS}; 5 or more for a table whose means carry their spread)")
     p.add_argument("--mode", type=choice_list(PROMPT_MODES), default=list(PROMPT_MODES),
                    help="passkey/needle/ruler prompt modes: aware (the question is compressed with the "
                    "context), agnostic (the context is compressed before the question comes)")
@@ -63,10 +75,26 @@ def add_arguments(p) -> None:
                    help="write the records and the table rows to this file (rewritten as each run ends)")
     p.add_argument("--plot", type=output_file, default=None,
                    help="draw the metric against the budget to this PNG")
+    p.add_argument("--frontier", type=output_file, default=None,
+                   help="ruler: draw RULER's mean against the KV bytes held to this PNG, one line per policy")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--report", nargs="+", metavar="JSON", default=None,
-                   help="runs nothing: the table (and --plot, --json) of earlier --json files together; a "
+                   help="runs nothing: the table (and --plot, --frontier, --json) of earlier --json files together; a "
                    "later file's record replaces an earlier one of the same task, mode, policy, budget and prompt")
+
+
+def _keep_list(parse):
+    """--keep's type: ``parse``'s fractions, or ``kvpress`` for kvpress's four."""
+    def keep_list(text: str) -> list[float]:
+        import argparse
+        if text.strip().lower() == "kvpress":
+            return list(KVPRESS_KEEP)
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentTypeError(
+                f"{err}; or kvpress alone, for its four: {','.join(map(str, KVPRESS_KEEP))}") from None
+    return keep_list
 
 
 def _policy_names(parse):
@@ -119,6 +147,19 @@ def schedule_of(args):
     return Schedule(prefill_block=block, decode_every=args.decode_every)
 
 
+def resolved(args):
+    """``args`` as a new namespace with what ``--protocol`` sets where the command line left it
+    out, then the plain defaults of --lengths and --seeds (None in the parser, so that a protocol
+    can tell them from values given)."""
+    import argparse
+    values = dict(vars(args))
+    defaults = {"lengths": DEFAULT_LENGTHS, "seeds": DEFAULT_SEEDS, **PROTOCOLS.get(values.get("protocol"), {})}
+    for name, value in defaults.items():
+        if values.get(name) is None:
+            values[name] = value
+    return argparse.Namespace(**values)
+
+
 def budgets_of(args) -> list:
     """--budget's tokens per KV head, or --keep's fractions (floats) when given."""
     if getattr(args, "keep", None) is not None:
@@ -132,6 +173,15 @@ def check_arguments(args) -> str | None:
     of a 1K-token prompt)."""
     from kvcache_ext.evaluation.named_policies import make_policy
     schedule = schedule_of(args)
+    protocol = getattr(args, "protocol", None)
+    if protocol and args.task != PROTOCOLS[protocol]["task"]:
+        return f"--protocol {protocol} runs --task {PROTOCOLS[protocol]['task']}, not --task {args.task}"
+    if protocol and args.budget is not None:
+        keep = ",".join(map(str, PROTOCOLS[protocol]["keep"]))
+        return (f"--protocol {protocol} keeps fractions of each prompt (--keep {keep}); give --keep to change "
+                f"them, not --budget {','.join(map(str, args.budget))}")
+    if getattr(args, "frontier", None) and args.task != "ruler":
+        return f"--frontier draws RULER's mean: it applies to --task ruler, not {args.task}"
     if getattr(args, "keep", None) is not None and args.budget is not None:
         return (f"--budget {','.join(map(str, args.budget))} and --keep {','.join(map(str, args.keep))}: "
                 "give one of them (tokens per KV head, or fractions of each prompt)")
@@ -161,11 +211,12 @@ def check_arguments(args) -> str | None:
             if policy is not None and policy.scorer.capabilities.reconstructs and args.task not in FRACTION_TASKS:
                 return (f"--policy {name} reconstructs the prompt (KVzip): it runs on "
                         f"{', '.join(FRACTION_TASKS)}, not {args.task}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            return "--plot needs matplotlib: pip install matplotlib"
+    for option in ("plot", "frontier"):
+        if getattr(args, option, None):
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                return f"--{option} needs matplotlib: pip install matplotlib"
     return None
 
 
@@ -234,6 +285,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
     from kvcache_ext.evaluation.retrieval import run_retrieval
     from kvcache_ext.tasks.prose import prose_ids
 
+    args = resolved(args)
     policies = _names(args.policy)
     budgets, lengths = budgets_of(args), list(args.lengths)
     schedule = schedule_of(args)
@@ -313,40 +365,60 @@ def merged_records(paths: list[str]) -> tuple[list[dict], list[dict]]:
     return list(records.values()), sources
 
 
+def show(args, rows: list[dict], title: str) -> None:
+    """Prints the table of ``rows`` and draws its --plot and --frontier, naming each file written
+    (--json too, which the caller wrote)."""
+    from kvcache_ext.evaluation.frontier import plot_frontier
+    from kvcache_ext.evaluation.report import format_table, plot
+    print(format_table(rows))
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot, title=title)
+        print(f"wrote {args.plot}")
+    if args.frontier:
+        plot_frontier(rows, args.frontier, title=title)
+        print(f"wrote {args.frontier}")
+
+
 def report(args) -> int:
-    """``--report``: the table of earlier runs' records together, and --json / --plot of it."""
+    """``--report``: the table of earlier runs' records together, and --json / --plot / --frontier of it."""
     from kvcache_ext.cli.args import ResultsFile, usage_error
-    from kvcache_ext.evaluation.report import format_table, plot, summarize
+    from kvcache_ext.evaluation.frontier import frontier_rows
+    from kvcache_ext.evaluation.report import summarize
     prog = "kvcache-ext eval"
-    if args.task is not None:
-        return usage_error(prog, f"--report runs nothing: it takes no --task (got --task {args.task})")
+    for option in ("task", "protocol"):
+        if getattr(args, option) is not None:
+            return usage_error(prog, f"--report runs nothing: it takes no --{option} (got --{option} "
+                                     f"{getattr(args, option)})")
     try:
         records, sources = merged_records(args.report)
     except ValueError as err:
         return usage_error(prog, str(err))
     rows = summarize(records)
+    if args.frontier:
+        try:
+            frontier_rows(rows)
+        except ValueError as err:
+            return usage_error(prog, f"--frontier {args.frontier}: {err}")
     if args.json:
         meta = {"report_of": sources, "commit": _git_commit()}
         ResultsFile(args.json, lambda _: {"meta": meta, "rows": rows, "records": records}).write(
             complete=all(source["complete"] for source in sources))
-    print(format_table(rows))
-    if args.json:
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(rows, args.plot, title="kvcache-ext eval --report")
-        print(f"wrote {args.plot}")
+    show(args, rows, "kvcache-ext eval --report")
     return 0
 
 
 def main(args) -> int:
     from kvcache_ext.cli.args import ResultsFile, load_model_or_fail, usage_error
-    from kvcache_ext.evaluation.report import format_table, plot, summarize
+    from kvcache_ext.evaluation.report import summarize
 
     prog = "kvcache-ext eval"
     if args.report:
         return report(args)
+    args = resolved(args)
     if args.task is None:
-        return usage_error(prog, "the following arguments are required: --task (or --report)")
+        return usage_error(prog, "the following arguments are required: --task (or --report) or --protocol")
     problem = check_arguments(args)
     if problem:
         return usage_error(prog, problem)
@@ -386,10 +458,5 @@ def main(args) -> int:
     print()
     print(f"{args.task} on {model_name}, {args.device}, {args.dtype}; "
           f"{torch.get_num_threads()} threads; {seconds:.0f} s")
-    print(format_table(rows))
-    if args.json:
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(rows, args.plot, title=f"{args.task} on {model_name}")
-        print(f"wrote {args.plot}")
+    show(args, rows, f"{args.task} on {model_name}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from kvcache_ext.evaluation.spread import mean_of_means_error, standard_error
 from kvcache_ext.tasks.ruler import TASKS as RULER_TASKS
 
 METRICS = {   # task -> (metric of a row, its label, higher is better)
@@ -18,14 +19,17 @@ METRICS = {   # task -> (metric of a row, its label, higher is better)
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Rows: per (task, mode, policy, budget), the task's metric over the records, and the
-    KV bytes held as a fraction of the full cache's."""
+    """Rows: per (task, mode, policy, budget), the task's metric over the records, the mean KV
+    bytes held at the end of a run (``kv_bytes``) and as a fraction of the full cache's. A RULER
+    task's row also has each prompt's score (``prompt_scores``, by length and seed) and the
+    standard error of their mean (``sem``, None under two prompts)."""
     groups = defaultdict(list)
     for r in records:
         groups[(r["task"], r["mode"], r["policy"], r["budget"])].append(r)
     rows = []
     for (task, mode, policy, budget), rs in groups.items():
         row = {"task": task, "mode": mode, "policy": policy, "budget": budget, "n": len(rs),
+               "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs),
                "kv_fraction": sum(r["kv_bytes"] for r in rs) / max(sum(r["full_bytes"] for r in rs), 1)}
         if task in ("passkey", "needle", "multi"):
             row["correct"] = sum(r["correct"] for r in rs)
@@ -40,7 +44,11 @@ def summarize(records: list[dict]) -> list[dict]:
             row["top1"] = sum(r["top1"] * r["tokens"] for r in rs) / tokens
         elif task in RULER_TASKS:
             row["correct"] = sum(r["correct"] for r in rs)
-            row["score"] = 100 * sum(r["score"] for r in rs) / len(rs)
+            row["prompt_scores"] = [{"length": r["length"], "seed": r["seed"], "score": 100 * r["score"]}
+                                    for r in sorted(rs, key=lambda r: (r["length"], r["seed"]))]
+            scores = [p["score"] for p in row["prompt_scores"]]
+            row["score"] = sum(scores) / len(scores)
+            row["sem"] = standard_error(scores)
         rows.append(row)
     rows += _ruler_means(rows)
     modes = ("aware", "agnostic", "blockwise", "teacher-forced")
@@ -51,7 +59,8 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def _ruler_means(rows: list[dict]) -> list[dict]:
     """Rows of task "ruler": per (mode, policy, budget), the mean of the RULER tasks' scores
-    (RULER's average), when more than one RULER task ran."""
+    (RULER's average), when more than one RULER task ran, and its standard error propagated from
+    the tasks' (the tasks are fixed, their prompts drawn independently: docs/evaluation.md)."""
     groups = defaultdict(list)
     for row in rows:
         if row["task"] in RULER_TASKS:
@@ -60,7 +69,8 @@ def _ruler_means(rows: list[dict]) -> list[dict]:
         return []
     return [{"task": "ruler", "mode": mode, "policy": policy, "budget": budget, "n": sum(r["n"] for r in rs),
              "tasks": len(rs), "kv_fraction": sum(r["kv_fraction"] for r in rs) / len(rs),
-             "score": sum(r["score"] for r in rs) / len(rs)}
+             "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs),
+             "score": sum(r["score"] for r in rs) / len(rs), "sem": mean_of_means_error([r["sem"] for r in rs])}
             for (mode, policy, budget), rs in groups.items()]
 
 
@@ -73,7 +83,8 @@ def format_table(rows: list[dict]) -> str:
         _, label, _ = METRICS[task]
         sub = [r for r in rows if r["task"] == task and r["mode"] == mode]
         budgets = sorted({r["budget"] for r in sub if r["budget"] is not None})
-        lines += [f"{task} ({mode}): {label}; in brackets, KV bytes held / full cache", "",
+        spread = "; ± its standard error over the prompts" if any(r.get("sem") is not None for r in sub) else ""
+        lines += [f"{task} ({mode}): {label}{spread}; in brackets, KV bytes held / full cache", "",
                   "| policy | " + " | ".join(_budget_label(b) for b in budgets) + " |",
                   "| --- |" + " --- |" * len(budgets)]
         # a RULER mean over fewer tasks than the table's others (runs merged by --report) says so
@@ -102,7 +113,8 @@ def _cell(task: str, row: dict, most_tasks: int = 0) -> str:
     if task == "ppl":
         return f"{row['ppl']:.2f}" + kv
     if METRICS[task][0] == "score":
-        return f"{row['score']:.1f}" + kv
+        spread = f" ± {row['sem']:.1f}" if row.get("sem") is not None else ""
+        return f"{row['score']:.1f}{spread}" + kv
     return f"{row['kl']:.3f}, top-1 {row['top1']:.2f}" + kv
 
 
@@ -113,11 +125,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((r["task"], r["mode"]) for r in rows))
-    # Up to 20 policies in distinct colours, and markers/dashes so that crossing lines stay apart.
-    names = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != "full"]
-    colours = plt.get_cmap("tab20").colors
-    style = {p: dict(color=colours[(2 * i) % 20 + (2 * i) // 20], marker="osD^v<>p*hX"[i % 11],
-                     linestyle=("-", "--", ":")[i % 3]) for i, p in enumerate(names)}
+    style = policy_styles([p for p in dict.fromkeys(r["policy"] for r in rows) if p != "full"])
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, (task, mode) in zip(axes[0], panels):
         metric, label, _ = METRICS[task]
@@ -147,3 +155,12 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def policy_styles(policies: list[str]) -> dict[str, dict]:
+    """Matplotlib line settings per policy: up to 20 in distinct colours, with markers and dashes
+    so that crossing lines stay apart."""
+    import matplotlib
+    colours = matplotlib.colormaps["tab20"].colors
+    return {p: dict(color=colours[(2 * i) % 20 + (2 * i) // 20], marker="osD^v<>p*hX"[i % 11],
+                    linestyle=("-", "--", ":")[i % 3]) for i, p in enumerate(policies)}
