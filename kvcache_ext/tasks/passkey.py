@@ -136,13 +136,20 @@ def _token_bounds(tokenizer, text: str, starts: Sequence[int], ends: Sequence[in
     return [len(_encode(tokenizer, text[:c], chat)) if c else 0 for c in list(starts) + list(ends)]
 
 
+def uses_chat(tokenizer, chat: Optional[bool]) -> bool:
+    """``chat`` as given; ``None``: whether the tokenizer has a chat template (a base model's
+    tokenizer has none, and its prompts are plain text)."""
+    return bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+
+
 def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: Optional[str] = None,
-                        seed: int = 0, chat: bool = True) -> PasskeyPrompt:
+                        seed: int = 0, chat: Optional[bool] = None) -> PasskeyPrompt:
     """A passkey prompt of ``n_tokens`` tokens (or a few fewer) with the needle at ``depth``.
 
     ``passkey`` defaults to a five-digit number drawn from ``seed``; the seed also chooses where in
     the corpus the filler starts. ``chat=True`` wraps the prompt in the tokenizer's chat template
-    (which it must have) and opens the answer with "The pass key is".
+    (which it must have) and opens the answer with "The pass key is"; ``chat=None`` (the default)
+    does when the tokenizer has a chat template.
     """
     rng = random.Random(seed)
     drawn = str(rng.randint(10000, 99999))  # drawn always, so that the filler does not depend on passkey
@@ -153,11 +160,12 @@ def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: Optiona
 
 
 def make_retrieval_prompt(tokenizer, n_tokens: int, depth: float, texts: PromptTexts, answer: str,
-                          corpus_start: int, seed: int = 0, chat: bool = True) -> PasskeyPrompt:
+                          corpus_start: int, seed: int = 0, chat: Optional[bool] = None) -> PasskeyPrompt:
     """The prompt of ``texts`` fitted to ``n_tokens``: filler read from sentence ``corpus_start``
     of the corpus, with ``texts.needle`` as its own paragraph at ``depth`` of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
+    chat = uses_chat(tokenizer, chat)
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True needs a tokenizer with a chat template; pass chat=False")
     start = corpus_start % len(_corpus_units())

@@ -15,6 +15,7 @@ How ours differs from RULER's generator is in docs/evaluation.md ("RULER-style t
 """
 from __future__ import annotations
 
+from kvcache_ext.tasks.passkey import uses_chat
 from kvcache_ext.tasks.ruler.niah import VARIANTS, make_niah_prompt
 from kvcache_ext.tasks.ruler.prompt import RulerPrompt, string_match_all
 from kvcache_ext.tasks.ruler.variable_tracking import make_variable_tracking_prompt
@@ -25,13 +26,14 @@ MAKERS = {**{name: make_niah_prompt for name in VARIANTS}, "vt": make_variable_t
 TASKS = tuple(MAKERS)
 
 
-def make_ruler_prompt(tokenizer, task: str, n_tokens: int, seed: int = 0, chat: bool = True) -> RulerPrompt:
-    """A prompt of RULER task ``task`` (one of ``TASKS``) of ``n_tokens`` tokens or a few fewer."""
+def make_ruler_prompt(tokenizer, task: str, n_tokens: int, seed: int = 0, chat: bool | None = None) -> RulerPrompt:
+    """A prompt of RULER task ``task`` (one of ``TASKS``) of ``n_tokens`` tokens or a few fewer;
+    in the tokenizer's chat template when ``chat`` (``None``: when it has one)."""
     if task not in MAKERS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
     if not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be a positive integer; got {n_tokens!r}")
-    return MAKERS[task](tokenizer, task, n_tokens, seed=seed, chat=chat)
+    return MAKERS[task](tokenizer, task, n_tokens, seed=seed, chat=uses_chat(tokenizer, chat))
 
 
 __all__ = ["TASKS", "RulerPrompt", "make_ruler_prompt", "string_match_all"]
