@@ -253,7 +253,9 @@ assert info['cuda'], 'built without CUDA'" || return 1
   "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_build.py -k libstdcxx
 }
 
-stage_check() { "$PYTHON" -m kvcache_ext check --device "$device"; }
+# From / : "-m" puts the working directory first on sys.path, where an unbuilt checkout would
+# hide the installed copy; checkout_first has put a built checkout on PYTHONPATH.
+stage_check() { (cd / && "$PYTHON" -m kvcache_ext check --device "$device"); }
 
 stage_bench() {
   # shellcheck disable=SC2086  # quick is empty or one flag
