@@ -93,15 +93,17 @@ def test_the_script_runs_its_cpu_stages_and_prints_the_table(tmp_path):
     for r in doc["kernels"]:   # on CPU the kernel time is the wall time, measured apart
         assert r["kernel_seconds"] > 0 and r["torch_kernel_seconds"] > 0
     assert len(doc["attention"]) == 4
-    assert [r["lengths"] for r in doc["int8"]] == ["uniform", "skewed"]
+    assert [(r["case"], r["lengths"]) for r in doc["int8"]] == [("decode", "uniform"), ("decode", "skewed"),
+                                                                 ("prefill", "uniform")]
     for r in doc["int8"]:   # int8 pages against float32 ones: a quarter of the bytes and more
         assert r["seconds"] > 0 and r["plain_seconds"] > 0 and 0.2 < r["bytes"] / r["plain_bytes"] < 0.4, r
     assert all(c["ok"] for c in doc["checks"]), doc["checks"]
-    assert sum("attention on int8 pages" in c["check"] for c in doc["checks"]) == 2
+    assert sum("attention on int8 pages" in c["check"] for c in doc["checks"]) == 3
     tail = out.stdout[out.stdout.rindex("| metric"):]
     assert "e2e h2o-step (per-step eviction) / snapkv (one-shot) decode tok/s (ctx 256 x 1)" in tail
     assert "tensor-core prefill B=1 Hkv=8 n=256 vs SDPA" in tail and "stage tc " in tail
     assert "attention decode skewed on int8 pages vs float32 pages" in tail
+    assert "attention prefill n=64 uniform on int8 pages vs float32 pages" in tail
     for line in ("tensor-core decode uniform B=4 Hkv=8 vs switch off", "tensor-core decode uniform B=4 Hkv=8 of copy",
                  "tensor-core decode skewed B=4 Hkv=8 stats overhead",
                  "scalar decode skewed B=4 Hkv=8 vs SDPA (padded)", "tensor-core decode batch 1 B=1 Hkv=1 of copy"):

@@ -33,6 +33,28 @@ def attend(monkeypatch, switch, q, store, scale, q_pos, stats=False):
     return kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=stats)
 
 
+def check_both_kernels(monkeypatch, switch, on, off, store, q, scale, q_pos):
+    """The kernels `switch` picks at `on` and `off`: each against the float64 reference (outputs and
+    every statistic, check_against_reference), and against each other (outputs within twice the
+    tolerance, counts equal, the other statistics within twice theirs). Returns both outputs."""
+    outs = []
+    for value in (on, off):
+        if value is None:
+            monkeypatch.delenv(switch, raising=False)
+        else:
+            monkeypatch.setenv(switch, value)
+        check_against_reference(store, q, scale, q_pos, True)
+        outs.append(kvcache_ext.ragged_attention(q, store, scale, q_pos=q_pos, stats=True))
+    (new, new_stats), (old, old_stats) = outs
+    tol = OUT_TOL[q.dtype]
+    torch.testing.assert_close(new.float(), old.float(), atol=2 * tol, rtol=2 * tol)
+    assert torch.equal(new_stats.count, old_stats.count)
+    for name in ("mass", "last", "sum_sq"):
+        torch.testing.assert_close(getattr(new_stats, name), getattr(old_stats, name), atol=2 * STAT_TOL,
+                                   rtol=2 * STAT_TOL, msg=name)
+    return new, old
+
+
 def dense_reference(store, q, scale, q_pos):
     dense = store.to_dense()
     out, _ = reference.ragged_attention(q.cpu(), dense.k.cpu(), dense.v.cpu(), dense.pos.cpu(),
@@ -101,16 +123,7 @@ def test_default_and_switched_off_statistics_match_reference(monkeypatch, dtype,
     store, q_pos = build_store(gen, B, H, D, dtype, "cuda", prompt, evict, n)
     q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).cuda()
     q_pos = q_pos if causal else None
-    scale = 1 / math.sqrt(D)
-    for switch in (DEFAULT, OFF):
-        set_switch(monkeypatch, switch)
-        check_against_reference(store, q, scale, q_pos, True)
-    _, new = attend(monkeypatch, DEFAULT, q, store, scale, q_pos, stats=True)
-    _, old = attend(monkeypatch, OFF, q, store, scale, q_pos, stats=True)
-    assert torch.equal(new.count, old.count)
-    for name in ("mass", "last", "sum_sq"):
-        torch.testing.assert_close(getattr(new, name), getattr(old, name), atol=2 * STAT_TOL, rtol=2 * STAT_TOL,
-                                   msg=name)
+    check_both_kernels(monkeypatch, SWITCH, DEFAULT, OFF, store, q, 1 / math.sqrt(D), q_pos)
 
 
 @needs_cuda
@@ -122,6 +135,47 @@ def test_tensor_core_statistics_subsets(monkeypatch, stats):
     q = torch.randn(2, 8, 64, 128, generator=gen).bfloat16().cuda()
     set_switch(monkeypatch, DEFAULT)
     check_against_reference(store, q, 128 ** -0.5, q_pos, stats)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,H,G,n", [(2, 2, 4, 16), (1, 3, 1, 16), (2, 1, 3, 100), (1, 2, 8, 64), (2, 2, 2, 256)])
+@pytest.mark.parametrize("prompt,evict", [(0, 0.0), (300, 0.5), (1000, 0.9), (200, 1.0)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_int8_pages_on_tensor_cores_match_reference(monkeypatch, dtype, D, B, H, G, n, prompt, evict, causal):
+    """Int8 pages through the tensor-core prefill (raw rows widened to T in shared memory, the K
+    scale on each logit, the V scale on each weight) and through the scalar kernel: outputs and
+    every statistic against the float64 reference over the rows as stored (check_against_reference),
+    and against each other."""
+    gen = torch.Generator().manual_seed(B * 1000 + G * 100 + n + prompt + 29)
+    store, q_pos = build_store(gen, B, H, D, dtype, "cuda", prompt, evict, n, kv_dtype=torch.int8)
+    q = torch.randn(B, H * G, n, D, generator=gen).to(dtype).cuda()
+    q_pos = q_pos if causal else None
+    check_both_kernels(monkeypatch, SWITCH, DEFAULT, OFF, store, q, 1 / math.sqrt(D), q_pos)
+
+
+@needs_cuda
+def test_int8_pages_take_the_tensor_core_kernel(monkeypatch):
+    """On int8 pages too the default is the tensor-core kernel (it rounds each weight times its V
+    scale to bf16, the scalar kernel keeps it in fp32: some bytes differ), and it matches the
+    reference on pages smaller and larger than a KV tile."""
+    gen = torch.Generator().manual_seed(31)
+    store, q_pos = build_store(gen, 2, 2, 128, torch.bfloat16, "cuda", 1000, 0.5, 64, kv_dtype=torch.int8)
+    q = torch.randn(2, 8, 64, 128, generator=gen).bfloat16().cuda()
+    default, _ = attend(monkeypatch, DEFAULT, q, store, 128 ** -0.5, q_pos)
+    off, _ = attend(monkeypatch, OFF, q, store, 128 ** -0.5, q_pos)
+    assert not torch.equal(default, off)
+    for page_size in (1, 4, 256):
+        store = kvcache_ext.RaggedKVStore(2, 2, 64, dtype=torch.float16, device="cuda", page_size=page_size,
+                                          kv_dtype=torch.int8)
+        k, v = (torch.randn(2, 2, 300, 64, generator=gen).half() for _ in range(2))
+        store.append(k.cuda(), v.cuda(), torch.arange(300))
+        store.compact((torch.rand(store.capacity, generator=gen) >= 0.3).cuda())
+        store.attended = tuple(reference.as_attended(x) for x in (k, v))
+        q = torch.randn(2, 8, 32, 64, generator=gen).half().cuda()
+        set_switch(monkeypatch, DEFAULT)
+        check_against_reference(store, q, 0.125, torch.arange(268, 300).expand(2, 32), True)
 
 
 @needs_cuda

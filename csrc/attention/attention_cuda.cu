@@ -41,7 +41,7 @@
 // Int8 pages (store/quantize.h) take the same kernels with E = int8_t for the K and V rows
 // while q and the output keep their float type T: a lane widens its int8 words to floats,
 // each token's K scale multiplies its logit and its V scale its weight, in float32 as the
-// CPU kernel does. The tensor-core kernels take 16-bit pages only; int8 pages run here.
+// CPU kernel does. The tensor-core kernels widen int8 pages themselves (tc_common.cuh).
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -766,10 +766,11 @@ void run(const Problem& p, Result& r) {
   TORCH_CHECK_VALUE(W >= 0, "the attention plan (", plan.numel(), " words) does not fit ", S,
                     " segments: make it with attention_plan");
 
-  // The tensor-core decode (decode_tc.h) for 16-bit K and V (not int8 pages), head_dim 64 or
-  // 128 and at most 16 rows a pass, when switched on; it writes the logits buffer as
+  // The tensor-core decode (decode_tc.h) for 16-bit q with K and V of T or int8, head_dim 64
+  // or 128 and at most 16 rows a pass, when switched on; it writes the logits buffer as
   // attend_split does.
-  constexpr bool kTcTypes = sizeof(T) == 2 && std::is_same_v<E, T> && (D == 64 || D == 128);
+  constexpr bool kQ8 = std::is_same_v<E, int8_t>;
+  constexpr bool kTcTypes = sizeof(T) == 2 && (std::is_same_v<E, T> || kQ8) && (D == 64 || D == 128);
   const bool tc = kTcTypes && decode_tc_rows(max_rows);
 
   for (int64_t i0 = 0; i0 < n_total; i0 += chunk) {
@@ -801,7 +802,7 @@ void run(const Problem& p, Result& r) {
     prm.part_o = part_o.data_ptr<float>();
 
     if (tc) {
-      if constexpr (kTcTypes) launch_decode_tc<T, D>(prm, W, stream);
+      if constexpr (kTcTypes) launch_decode_tc<T, D, kQ8>(prm, W, stream);
     } else if (W > 0) {
       launch_attend<T, E, D>(rb, prm, W * row_tiles, stream);
     }

@@ -23,8 +23,9 @@ bool decode_tc_enabled();
 // At most this many query rows per KV head (G * n: one mma M tile).
 constexpr int64_t kDecodeTcMaxRows = 16;
 
-// T is at::Half or at::BFloat16, D 64 or 128 (the instantiations decode_tc_cuda.cu makes).
-template <typename T, int D>
+// T is at::Half or at::BFloat16 (q, the output, and 16-bit pages), D 64 or 128, Q8 int8 pages
+// (the instantiations decode_tc_cuda.cu makes).
+template <typename T, int D, bool Q8>
 void launch_decode_tc(const SplitArgs& a, int64_t splits, cudaStream_t stream);
 
 // Blocks of the kernel (bf16, head_dim 128) an SM holds: the plan's waves.

@@ -5,6 +5,8 @@
 //    then to registers as A fragments, the same in every warp.
 // 2. KV tiles of 64 tokens are copied in 2 stages (tc_common.cuh, as the prefill kernel):
 //    tile k + 1 is in flight while tile k is computed, page addresses staged two tiles ahead.
+//    Int8 pages: raw rows and scale rows, widened to 16 bits before the warps read them, each
+//    token's K scale on its logit and V scale on its weight (as the prefill kernel).
 // 3. Per tile: a tile no row can see is skipped (block-uniform); warp w computes S = Q K^T
 //    over its 16 tokens (2 n-blocks), masks, updates its own online softmax, and adds P V
 //    over the same 16 tokens (one k-step; P fed back from the C fragments as in the prefill:
@@ -36,29 +38,29 @@ namespace pf = prefill;
 namespace dt = decode_tc;
 using namespace tc;  // PTX wrappers, the paged copy, the warp step (tc_common.cuh)
 
-// Shared memory of a block (dynamic): the Q tile, kStages K, V and pos tiles and page lists,
-// the warps' m and l. The warps' o ([kWarps, kRows, D] floats) reuse the K and V stages after
-// the loop (D = 128: 32 KiB of 64; D = 64: 16 of 32).
-template <int D>
+// Shared memory of a block (dynamic): the Q tile, the KV tiles of KvTileCopy (kStages K and V
+// tiles; on int8 pages raw, then the widened pair), kStages pos tiles and page lists, the warps'
+// m and l, and on int8 pages kStages tiles of scale rows. The warps' o ([kWarps, kRows, D]
+// floats) reuse the KV tiles after the loop (D = 128: 32 KiB of 64; D = 64: 16 of 32).
+template <typename T, int D, bool Q8>
 struct DecodeSmem {
-  using Copy = KvTileCopy<D, dt::kThreads>;
+  using Copy = KvTileCopy<T, D, dt::kThreads, Q8>;
   static constexpr int kQBytes = dt::kRows * D * 2;
-  static constexpr int kK = kQBytes;
-  static constexpr int kV = kK + pf::kStages * Copy::kKVBytes;
-  static constexpr int kPos = kV + pf::kStages * Copy::kKVBytes;
+  static constexpr int kTiles = kQBytes;
+  static constexpr int kPos = kTiles + Copy::kTilesBytes;
   static constexpr int kPages = kPos + pf::kStages * pf::kTileN * 4;
   static constexpr int kWarpM = kPages + pf::kStages * pf::kTileN * 8;
   static constexpr int kWarpL = kWarpM + dt::kWarps * dt::kRows * 4;
-  static constexpr int kBytes = kWarpL + dt::kWarps * dt::kRows * 4;
-  static constexpr int kWarpO = kK;
-  static_assert(dt::kWarps * dt::kRows * D * 4 <= 2 * pf::kStages * Copy::kKVBytes,
-                "the warps' outputs fit in the KV stages");
-  static_assert(kQBytes % 128 == 0 && kK % 128 == 0, "swizzled tiles start on 128 bytes");
+  static constexpr int kScales = kWarpL + dt::kWarps * dt::kRows * 4;
+  static constexpr int kBytes = kScales + Copy::kScaleBytes;
+  static constexpr int kWarpO = kTiles;
+  static_assert(dt::kWarps * dt::kRows * D * 4 <= Copy::kTilesBytes, "the warps' outputs fit in the KV tiles");
+  static_assert(kQBytes % 128 == 0 && kTiles % 128 == 0, "swizzled tiles start on 128 bytes");
 };
 
-template <typename T, int D>
+template <typename T, int D, bool Q8>
 __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
-  using L = DecodeSmem<D>;
+  using L = DecodeSmem<T, D, Q8>;
   extern __shared__ __align__(128) uint8_t smem[];
   if (*p.plan_segments != p.segments) return;  // a foreign plan: merge_segments writes NaN
 
@@ -95,9 +97,9 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
   }
 
   // 2. The paged copies of the KV tiles: page lists two tiles ahead, tiles one.
-  const KvTileCopy<D, dt::kThreads> kv(p.view, s, split.end, p.q_pos != nullptr, smem + L::kK, smem + L::kV,
-                                       reinterpret_cast<int32_t*>(smem + L::kPos),
-                                       reinterpret_cast<const char**>(smem + L::kPages));
+  const typename L::Copy kv(p.view, s, split.end, p.q_pos != nullptr, smem + L::kTiles,
+                            reinterpret_cast<int32_t*>(smem + L::kPos), smem + L::kScales,
+                            reinterpret_cast<const char**>(smem + L::kPages));
   kv.start(split.begin);
 
   // Q as A fragments, one set per k-step of 16: the block's 16 rows in every warp; the warp's
@@ -114,6 +116,7 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
     const uint8_t* k_tile = kv.k_tile(stage);
     const uint8_t* v_tile = kv.v_tile(stage);
     const int32_t* pos = p.q_pos ? kv.pos_tile(stage) : nullptr;
+    const ScaleRow* scales = kv.scale_tile(stage);
 
     // 3. The skip rule, the same in every warp (block-uniform: no barrier inside it); off with
     // statistics, whose pass reads every token's logits. A warp past the tile's end has no
@@ -123,7 +126,7 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
       // S = Q K^T over the warp's 16 tokens (2 n-blocks of 8), masked.
       float sc[2][4], tile_max[2];
       product_tile<T, D, 2>(sc, qf, k_tile, lane, first);
-      mask_tile(sc, first, tile_len, pos, row_pos, p.scale_log2, lane, tile_max);
+      mask_tile(sc, first, tile_len, pos, row_pos, p.scale_log2, lane, tile_max, scales);
       if (p.logits) {
         // Each (row, token) of the split once: a quad's 8 tokens of an n-block are consecutive
         // slots within a page, so its stores are 32-byte runs.
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(dt::kThreads) decode_tc_split(SplitArgs p) {
       }
       // The online softmax; O += P V over the same tokens (one k-step).
       uint32_t pa[1][4];
-      softmax_tile<T>(sc, tile_max, st, pa);
+      softmax_tile<T>(sc, tile_max, st, pa, scales, first, lane);
       accumulate_pv<T, D>(st.o, pa, v_tile, first, lane);
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
@@ -173,29 +176,34 @@ bool decode_tc_enabled() {
   return kernel_switch(kDecodeTcSwitch, false, "the tensor-core decode", "the scalar decode kernel");
 }
 
-template <typename T, int D>
+template <typename T, int D, bool Q8>
 void launch_decode_tc(const SplitArgs& a, int64_t splits, cudaStream_t stream) {
-  using L = DecodeSmem<D>;
+  using L = DecodeSmem<T, D, Q8>;
   TORCH_INTERNAL_ASSERT(a.rows >= 1 && a.rows <= dt::kRows, "decode_tc takes 1 to ", dt::kRows, " rows, got ",
                         a.rows);
   if (splits == 0) return;
   // Over 48 KiB of dynamic shared memory (D = 128: about 70 KiB) needs the opt-in.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(decode_tc_split<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
-  decode_tc_split<T, D><<<static_cast<unsigned int>(splits), dt::kThreads, L::kBytes, stream>>>(a);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(decode_tc_split<T, D, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
+  decode_tc_split<T, D, Q8><<<static_cast<unsigned int>(splits), dt::kThreads, L::kBytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_decode_tc<at::Half, 64>(const SplitArgs&, int64_t, cudaStream_t);
-template void launch_decode_tc<at::Half, 128>(const SplitArgs&, int64_t, cudaStream_t);
-template void launch_decode_tc<at::BFloat16, 64>(const SplitArgs&, int64_t, cudaStream_t);
-template void launch_decode_tc<at::BFloat16, 128>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::Half, 64, false>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::Half, 128, false>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::BFloat16, 64, false>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::BFloat16, 128, false>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::Half, 64, true>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::Half, 128, true>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::BFloat16, 64, true>(const SplitArgs&, int64_t, cudaStream_t);
+template void launch_decode_tc<at::BFloat16, 128, true>(const SplitArgs&, int64_t, cudaStream_t);
 
 int decode_tc_blocks_per_sm(int device) {
-  using L = DecodeSmem<128>;
+  using L = DecodeSmem<at::BFloat16, 128, false>;
   // The occupancy of a kernel over 48 KiB of dynamic shared memory counts only after the opt-in.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(decode_tc_split<at::BFloat16, 128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      L::kBytes));
-  return std::max(resident_blocks_per_sm(decode_tc_split<at::BFloat16, 128>, device, dt::kThreads, L::kBytes), 1);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(decode_tc_split<at::BFloat16, 128, false>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
+  return std::max(
+      resident_blocks_per_sm(decode_tc_split<at::BFloat16, 128, false>, device, dt::kThreads, L::kBytes), 1);
 }
 
 }  // namespace kvcache_ext::attention

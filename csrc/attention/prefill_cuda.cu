@@ -12,7 +12,10 @@
 // 2. KV tiles of 64 tokens: K, V and pos rows are copied with cp.async (16 bytes a chunk;
 //    tokens past the split zero-filled, so that P = 0 never meets garbage V) into swizzled
 //    shared memory, 2 stages: tile k + 1 is in flight while tile k is computed. Each tile's
-//    page addresses are staged in shared memory two tiles ahead (one lookup per page).
+//    page addresses are staged in shared memory two tiles ahead (one lookup per page). Int8
+//    pages (store/quantize.h): the stages hold the raw rows and scale rows, and the block
+//    widens each tile into 16-bit tiles before the warps read it; each token's K scale joins
+//    its logit's factor and its V scale its weight (prefill_tiles.h).
 // 3. Per tile: a tile no query of the M tile can see (causal rule from positions) is skipped;
 //    S = Q K^T by mma.sync m16n8k16 (fp32 accumulators), mask, online softmax in registers
 //    (a quad of lanes shares a row), P rounded to T and fed back as A fragments without
@@ -57,19 +60,20 @@ namespace pf = prefill;
 using namespace tc;  // PTX wrappers, the paged copy, the warp step (tc_common.cuh)
 
 // ---------------------------------------------------------------------------------------
-// Shared memory of a block (dynamic): Q tile, then kStages K tiles, kStages V tiles, kStages
-// pos tiles, kStages lists of a KV tile's page addresses. Tiles are rows of D 16-bit elements,
-// swizzled (prefill_tiles.h).
+// Shared memory of a block (dynamic): Q tile, then the KV tiles of KvTileCopy (kStages K tiles,
+// kStages V tiles; on int8 pages raw, then the widened pair), kStages pos tiles, kStages lists of
+// a KV tile's page addresses, and on int8 pages kStages tiles of scale rows. The tiles the warps
+// read are rows of D 16-bit elements, swizzled (prefill_tiles.h).
 
-template <int D>
+template <typename T, int D, bool Q8>
 struct SmemLayout {
+  using Copy = KvTileCopy<T, D, pf::kThreads, Q8>;
   static constexpr int kQBytes = pf::kTileM * D * 2;
-  static constexpr int kKVBytes = KvTileCopy<D, pf::kThreads>::kKVBytes;
-  static constexpr int kK = kQBytes;
-  static constexpr int kV = kK + pf::kStages * kKVBytes;
-  static constexpr int kPos = kV + pf::kStages * kKVBytes;
+  static constexpr int kTiles = kQBytes;
+  static constexpr int kPos = kTiles + Copy::kTilesBytes;
   static constexpr int kPages = kPos + pf::kStages * pf::kTileN * 4;
-  static constexpr int kBytes = kPages + pf::kStages * pf::kTileN * 8;
+  static constexpr int kScales = kPages + pf::kStages * pf::kTileN * 8;
+  static constexpr int kBytes = kScales + Copy::kScaleBytes;
   static_assert(D % 64 == 0, "the swizzle needs rows of a multiple of 128 bytes");
 };
 
@@ -77,9 +81,9 @@ struct SmemLayout {
 // The block: split w = blockIdx.x / row_tiles for M tile blockIdx.x % row_tiles (the M tiles
 // of a split are neighbours in the grid, so they read its K and V together from L2).
 
-template <typename T, int D>
+template <typename T, int D, bool Q8>
 __global__ void __launch_bounds__(pf::kThreads) prefill_split(SplitArgs p) {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<T, D, Q8>;
   extern __shared__ __align__(128) uint8_t smem[];
   if (*p.plan_segments != p.segments) return;  // a foreign plan: merge_splits writes NaN
 
@@ -120,9 +124,9 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(SplitArgs p) {
   }
 
   // 2. The paged copies of the KV tiles (tc_common.cuh): page lists two tiles ahead, tiles one.
-  const KvTileCopy<D, pf::kThreads> kv(p.view, s, split.end, p.q_pos != nullptr, smem + L::kK, smem + L::kV,
-                                       reinterpret_cast<int32_t*>(smem + L::kPos),
-                                       reinterpret_cast<const char**>(smem + L::kPages));
+  const typename L::Copy kv(p.view, s, split.end, p.q_pos != nullptr, smem + L::kTiles,
+                            reinterpret_cast<int32_t*>(smem + L::kPos), smem + L::kScales,
+                            reinterpret_cast<const char**>(smem + L::kPages));
 
   kv.start(split.begin);
 
@@ -138,15 +142,16 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_split(SplitArgs p) {
     const uint8_t* k_tile = kv.k_tile(stage);
     const uint8_t* v_tile = kv.v_tile(stage);
     const int32_t* pos = p.q_pos ? kv.pos_tile(stage) : nullptr;
+    const ScaleRow* scales = kv.scale_tile(stage);
 
     // 3. The skip rule, the same in every warp (block-uniform: no barrier inside it).
     if (!pos || pf::tile_needed(tile_min_pos(pos, tile_len, lane), max_query_pos)) {
       // S = Q K^T over 8 n-blocks of 8 tokens, masked; the online softmax; O += P V.
       float sc[pf::kTileN / 8][4], tile_max[2];
       product_tile<T, D>(sc, qf, k_tile, lane);
-      mask_tile(sc, 0, tile_len, pos, row_pos, p.scale_log2, lane, tile_max);
+      mask_tile(sc, 0, tile_len, pos, row_pos, p.scale_log2, lane, tile_max, scales);
       uint32_t pa[pf::kTileN / 16][4];
-      softmax_tile<T>(sc, tile_max, st, pa);
+      softmax_tile<T>(sc, tile_max, st, pa, scales, 0, lane);
       accumulate_pv<T, D>(st.o, pa, v_tile, 0, lane);
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
@@ -205,9 +210,9 @@ struct StatsOut {
 };
 
 // Shared memory of a statistics block (dynamic): the K tile, kStages Q tiles (swizzled rows
-// of D), the tile's token positions, per Q stage the rows' lse and query positions, and the
-// K tile's page addresses.
-template <int D>
+// of D), the tile's token positions, per Q stage the rows' lse and query positions, the K
+// tile's page addresses, and on int8 pages the raw K tile and the tile's scale rows.
+template <int D, bool Q8>
 struct StatsSmem {
   static constexpr int kKBytes = pf::kTileN * D * 2;
   static constexpr int kQBytes = pf::kTileM * D * 2;
@@ -217,12 +222,15 @@ struct StatsSmem {
   static constexpr int kLse = kPos + pf::kTileN * 4;
   static constexpr int kQPos = kLse + pf::kStages * pf::kTileM * 4;
   static constexpr int kPages = kQPos + pf::kStages * pf::kTileM * 4;
-  static constexpr int kBytes = kPages + pf::kTileN * 8;
+  static constexpr int kRaw = kPages + pf::kTileN * 8;  // 128-byte aligned: the sizes above are
+  static constexpr int kScales = kRaw + (Q8 ? pf::kTileN * D : 0);
+  static constexpr int kBytes = kScales + (Q8 ? pf::kTileN * 4 : 0);
+  static_assert(kRaw % 128 == 0, "the raw K tile starts on 128 bytes");
 };
 
-template <typename T, int D>
+template <typename T, int D, bool Q8>
 __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, StatsOut st) {
-  using L = StatsSmem<D>;
+  using L = StatsSmem<D, Q8>;
   extern __shared__ __align__(128) uint8_t smem[];
   if (*p.plan_segments != p.segments) return;  // a foreign plan: out is NaN, statistics zeros
 
@@ -234,7 +242,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t* table = p.view.table + static_cast<int64_t>(s) * p.view.width;
   const int64_t in_page_mask = p.view.page_size() - 1;
-  constexpr int64_t kRowBytes = D * 2;
+  constexpr int64_t kRowBytes = D * (Q8 ? 1 : 2);
   const int lp = st.padded_log2, Gp = 1 << lp, G = p.groups;
   const int last_tile = pf::last_query_tile(p.n, lp);
   // Both powers of two: masks, not divisions, in the inner loop.
@@ -242,6 +250,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
   const bool group_leader = (lane & (gl - 1)) == 0;  // the first of the gl lanes of a query
   int32_t* pos_s = reinterpret_cast<int32_t*>(smem + L::kPos);
   const char** pages = reinterpret_cast<const char**>(smem + L::kPages);
+  ScaleRow* scales = reinterpret_cast<ScaleRow*>(smem + L::kScales);
 
   // Issues the copies of M tile mt's Q rows into stage `stage` (dead rows zero-filled) and
   // writes its rows' lse and query positions (plain stores, visible after the next barrier).
@@ -273,28 +282,37 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
     for (int c = threadIdx.x; c < tp.count; c += pf::kThreads)
       pages[c] = reinterpret_cast<const char*>(p.view.page_base[table[tp.first + c]]);
     __syncthreads();
-    // The K tile and its positions, one commit group with Q tile 0 (rows past the split
-    // zero-filled: their S is 0, masked below).
-    for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += pf::kThreads) {
-      const pf::RowCol at = pf::copy_chunk(idx, D);
+    // The K tile (on int8 pages its raw rows) and its positions (and scale rows), one commit
+    // group with Q tile 0 (rows past the split zero-filled: their S is 0, masked below).
+    constexpr int kChunk = Q8 ? pf::kRawChunkElems : pf::kChunkElems;
+    for (int idx = threadIdx.x; idx < pf::kTileN * D / kChunk; idx += pf::kThreads) {
+      const pf::RowCol at = Q8 ? pf::raw_copy_chunk(idx, D) : pf::copy_chunk(idx, D);
       const bool live = at.row < tile_len;
       const int64_t token = t0 + (live ? at.row : 0);
       const char* page = pages[pf::tile_page_of(t0, live ? at.row : 0, tp.first, p.view.shift)];
-      cp_async_16(shared_address(smem + L::kK + pf::smem_offset(at.row, at.col, D)),
-                  page + p.view.record.offset[store::kK] + (token & in_page_mask) * kRowBytes + at.col * 2, live);
+      const int dst = Q8 ? L::kRaw + pf::raw_offset(at.row, at.col, D) : L::kK + pf::smem_offset(at.row, at.col, D);
+      cp_async_16(shared_address(smem + dst),
+                  page + p.view.record.offset[store::kK] + (token & in_page_mask) * kRowBytes + at.col * (Q8 ? 1 : 2),
+                  live);
     }
-    if (p.q_pos) {
+    if (p.q_pos || Q8) {
       for (int j = threadIdx.x; j < pf::kTileN; j += pf::kThreads) {
         const bool live = j < tile_len;
-        const int64_t token = t0 + (live ? j : 0);
+        const int64_t in_page = (t0 + (live ? j : 0)) & in_page_mask;
         const char* page = pages[pf::tile_page_of(t0, live ? j : 0, tp.first, p.view.shift)];
-        cp_async_4(shared_address(pos_s + j), page + p.view.record.offset[store::kPos] + (token & in_page_mask) * 4,
-                   live);
+        if (p.q_pos) cp_async_4(shared_address(pos_s + j), page + p.view.record.offset[store::kPos] + in_page * 4, live);
+        if (Q8)
+          cp_async_4(shared_address(scales + j),
+                     page + p.view.record.offset[store::kScale] + in_page * store::kScaleRowBytes, live);
       }
     }
     load_q(0, 0);
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (Q8) {
+      KvTileCopy<T, D, pf::kThreads, true>::widen(smem + L::kRaw, smem + L::kK);
+      __syncthreads();
+    }
 
     // The warp's 16 tokens as A fragments, once per KV tile; the lane's two tokens (h = 0:
     // row lane / 4, h = 1: + 8), their slots and positions; the warp's smallest position.
@@ -303,12 +321,14 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
     bool token_live[2];
     int32_t token_pos[2];
     int64_t slot[2];
+    float factor[2];  // S to base-2 logits: the attention's own factor (prefill_tiles.h)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int j = warp * pf::kWarpRows + lane / 4 + 8 * h;
       token_live[h] = j < tile_len;
       token_pos[h] = p.q_pos ? pos_s[j] : 0;
       slot[h] = token_live[h] ? p.view.slot(s, t0 + j) : 0;
+      factor[h] = pf::logit_factor(p.scale_log2, Q8 ? __half2float(scales[j].k) : 1.f);
     }
     int32_t warp_min_pos = INT32_MAX;
     if (p.q_pos) {
@@ -350,7 +370,7 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
             const int col = 8 * nb + pf::mma_c(lane, c).col;
             const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + col, lp, G, p.n);
             const bool vis = token_live[h] && row.live && (!p.q_pos || pf::visible(token_pos[h], qpos[col]));
-            const float prob = vis ? pf::stats_weight(sc[nb][c] * p.scale_log2, lse[col]) : 0.f;
+            const float prob = vis ? pf::stats_weight(sc[nb][c] * factor[h], lse[col]) : 0.f;
             sc[nb][c] = prob;
             mass[h] += prob;
             seen[h] += vis && row.g == 0 ? 1 : 0;  // a query once: at its head 0
@@ -412,15 +432,18 @@ __global__ void __launch_bounds__(pf::kThreads) prefill_stats(SplitArgs p, Stats
 // ---------------------------------------------------------------------------------------
 // Host side
 
-template <typename T, int D>
+// Q8: the pages are int8 (store/quantize.h), q and the output T.
+template <typename T, int D, bool Q8>
 void run_prefill(const Problem& p, Result& r) {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<T, D, Q8>;
   const int64_t n = p.q.size(2), S = p.segments;
   const int64_t rows = p.groups * n;
   const store::PageRecord& rec = p.view.record;
-  TORCH_INTERNAL_ASSERT(rec.row_bytes[store::kK] == D * 2 && rec.row_bytes[store::kV] == D * 2 &&
-                            rec.offset[store::kK] % 16 == 0 && rec.offset[store::kV] % 16 == 0 &&
-                            rec.offset[store::kPos] % 4 == 0 && rec.bytes % 16 == 0,
+  constexpr int64_t kRowBytes = D * (Q8 ? 1 : 2);
+  TORCH_INTERNAL_ASSERT(rec.quantized() == Q8 && rec.row_bytes[store::kK] == kRowBytes &&
+                            rec.row_bytes[store::kV] == kRowBytes && rec.offset[store::kK] % 16 == 0 &&
+                            rec.offset[store::kV] % 16 == 0 && rec.offset[store::kPos] % 4 == 0 &&
+                            rec.offset[store::kScale] % 4 == 0 && rec.bytes % 16 == 0,
                         "the tensor-core prefill needs 16-byte aligned K and V rows of ", D, " elements");
   TORCH_CHECK_VALUE(rows <= INT32_MAX / 2, "too many query rows per KV head: ", rows);
   const at::Tensor plan = p.plan.defined() ? p.plan : plan_prefill_cuda(*p.len_host, rows, p.q.device());
@@ -446,8 +469,8 @@ void run_prefill(const Problem& p, Result& r) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (W > 0) {
     // Over 48 KiB of dynamic shared memory (D = 128: 81.5 KiB) needs the opt-in.
-    C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_split<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
-    prefill_split<T, D><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, L::kBytes, stream>>>(prm);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_split<T, D, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
+    prefill_split<T, D, Q8><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, L::kBytes, stream>>>(prm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const int64_t items = S * rows * D;
@@ -461,7 +484,7 @@ void run_prefill(const Problem& p, Result& r) {
     // As many blocks per split as the attention had (one per M tile): each owns every
     // row_tiles-th KV tile of its split; a split of fewer KV tiles leaves blocks idle (they
     // leave at once). The op zero-filled the statistics; the pass stores each live slot's.
-    using SL = StatsSmem<D>;
+    using SL = StatsSmem<D, Q8>;
     const int padded_log2 = pf::padded_groups_log2(static_cast<int>(p.groups));
     TORCH_INTERNAL_ASSERT((1 << padded_log2) <= pf::kMaxStatsGroups, "prefill_tc_applies let G = ", p.groups,
                           " through");
@@ -474,18 +497,27 @@ void run_prefill(const Problem& p, Result& r) {
     st.stats_tiles = pf::stats_tiles(static_cast<int>(n), padded_log2);  // n Gp < 2 G n: within int32
     st.block_tiles = static_cast<int32_t>(row_tiles);
     st.inv_groups = 1.f / static_cast<float>(p.groups);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_stats<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, SL::kBytes));
-    prefill_stats<T, D><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, SL::kBytes, stream>>>(prm, st);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_stats<T, D, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize, SL::kBytes));
+    prefill_stats<T, D, Q8><<<static_cast<unsigned int>(W * row_tiles), pf::kThreads, SL::kBytes, stream>>>(prm, st);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
-template <typename T>
+template <typename T, bool Q8>
 void run_prefill_head_dim(const Problem& p, Result& r) {
   switch (p.q.size(3)) {
-    case 64: run_prefill<T, 64>(p, r); break;
-    case 128: run_prefill<T, 128>(p, r); break;
+    case 64: run_prefill<T, 64, Q8>(p, r); break;
+    case 128: run_prefill<T, 128, Q8>(p, r); break;
     default: TORCH_INTERNAL_ASSERT(false, "prefill_tc_applies let head_dim ", p.q.size(3), " through");
+  }
+}
+
+template <typename T>
+void run_prefill_pages(const Problem& p, Result& r) {
+  if (p.view.record.quantized()) {
+    run_prefill_head_dim<T, true>(p, r);
+  } else {
+    run_prefill_head_dim<T, false>(p, r);
   }
 }
 
@@ -514,7 +546,7 @@ bool prefill_tc_applies(const Problem& p, const Result& r) {
   const at::ScalarType t = p.q.scalar_type();
   const int64_t D = p.q.size(3);
   // The switch last: a decode call (too few rows) never reads the environment.
-  return p.q.is_cuda() && !p.view.record.quantized() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
+  return p.q.is_cuda() && (!stats || p.groups <= pf::kMaxStatsGroups) &&
          (t == at::kHalf || t == at::kBFloat16) && (D == 64 || D == 128) &&
          p.groups * p.q.size(2) >= kPrefillTcMinRows && prefill_tc_enabled();
 }
@@ -522,8 +554,8 @@ bool prefill_tc_applies(const Problem& p, const Result& r) {
 void prefill_attention_cuda(const Problem& p, Result& r) {
   const c10::cuda::CUDAGuard guard(p.q.device());
   switch (p.q.scalar_type()) {
-    case at::kHalf: run_prefill_head_dim<at::Half>(p, r); break;
-    case at::kBFloat16: run_prefill_head_dim<at::BFloat16>(p, r); break;
+    case at::kHalf: run_prefill_pages<at::Half>(p, r); break;
+    case at::kBFloat16: run_prefill_pages<at::BFloat16>(p, r); break;
     default: TORCH_INTERNAL_ASSERT(false, "prefill_tc_applies let ", p.q.scalar_type(), " through");
   }
 }

@@ -254,4 +254,26 @@ KVCACHE_PREFILL_HD inline RowCol copy_chunk(int index, int row_elems) {
   return {index / row_chunks, (index % row_chunks) * kChunkElems};
 }
 
+// ---------------------------------------------------------------------------------------
+// int8 pages (store/quantize.h). A KV tile's rows are copied as stored, D bytes a row, into an
+// unswizzled raw tile of 16-byte chunks (raw_copy_chunk: 16 elements a chunk, in row-major
+// order); once the tile has landed, the block widens it into the swizzled 16-bit tiles the
+// warps read: the 8 elements of copy_chunk(index) come from bytes raw_offset(row, col) on. The
+// integers (|q| <= 127) are exact in fp16 and bf16, and the token's scales are applied where the
+// scalar kernels apply them: the K scale to the logit (logit_factor), the V scale to the weight
+// before P is rounded to T. Each token's scale row (K's, then V's, float16) is copied beside its
+// position.
+constexpr int kRawChunkElems = 16;  // int8 elements per 16-byte chunk
+
+KVCACHE_PREFILL_HD inline RowCol raw_copy_chunk(int index, int row_elems) {
+  const int row_chunks = row_elems / kRawChunkElems;
+  return {index / row_chunks, (index % row_chunks) * kRawChunkElems};
+}
+KVCACHE_PREFILL_HD inline int raw_offset(int row, int col, int row_elems) { return row * row_elems + col; }
+
+// The factor from a Q K^T product to its base-2 logit: the call's scale * log2(e), times the
+// token's K scale on int8 pages (1 otherwise). The attention and the statistics pass both take
+// it from here, so that the pass recomputes the attention's own logits.
+KVCACHE_PREFILL_HD inline float logit_factor(float scale_log2, float k_scale) { return scale_log2 * k_scale; }
+
 }  // namespace kvcache_ext::attention::prefill

@@ -122,32 +122,51 @@ __device__ inline uint32_t pack2<at::Half>(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The paged copy of KV tiles: pf::kTileN tokens of K, V (and, with query positions, pos) of
+// The paged copy of KV tiles (T: the 16-bit type the warps read): pf::kTileN tokens of K, V (and, with query positions, pos) of
 // one segment into stage `stage` of swizzled shared tiles, Threads threads taking part.
 // Dead rows (past the split) are zero-filled, so that P = 0 never meets garbage V; a dead row
 // reads nothing but still names a valid address (the tile's first token). Each tile's page
 // addresses are staged first in a list of its own (stage_pages: one table and one page-base
 // load per page, plain stores that the caller's next barrier publishes); load() reads them.
+//
+// Int8 pages (Q8): the stages hold the raw int8 rows and each token's scale row; advance()
+// widens the current stage into one pair of swizzled 16-bit tiles (prefill_tiles.h), which
+// k_tile and v_tile return, and scale_tile gives the stage's scales.
 
-template <int D, int Threads>
+// Pairs of float16 (K scale, V scale) a token, as the pages store them (store/paged_layout.h).
+struct ScaleRow {
+  __half k, v;
+};
+
+template <typename T, int D, int Threads, bool Q8 = false>
 struct KvTileCopy {
-  static constexpr int kKVBytes = pf::kTileN * D * 2;  // a K or V tile
-  static constexpr int64_t kRowBytes = D * 2;
+  static constexpr int kKVBytes = pf::kTileN * D * 2;  // a 16-bit K or V tile, as the warps read it
+  static constexpr int kStageBytes = Q8 ? pf::kTileN * D : kKVBytes;  // a K or V tile as copied
+  static constexpr int64_t kRowBytes = D * (Q8 ? 1 : 2);
+  // The shared memory of the K and V tiles: kStages copies of each, and for int8 pages the
+  // widened pair after them.
+  static constexpr int kTilesBytes = 2 * pf::kStages * kStageBytes + (Q8 ? 2 * kKVBytes : 0);
+  // The scale rows of kStages tiles (int8 pages only).
+  static constexpr int kScaleBytes = Q8 ? pf::kStages * pf::kTileN * 4 : 0;
+  static_assert(kStageBytes % 128 == 0, "tiles start on 128 bytes");
 
   const int64_t* page_base;  // the view's
   const int32_t* table;      // the segment's page ids
   int shift;
   int64_t in_page_mask;
-  int64_t off_k, off_v, off_pos;
+  int64_t off_k, off_v, off_pos, off_scale;
   int end;                   // the split's end: tokens at or past it are dead
   bool with_pos;             // copy positions (the call has query positions)
   uint8_t* k;                // stage 0 of kStages K tiles
   uint8_t* v;                // stage 0 of kStages V tiles
+  uint8_t* k_wide;           // int8 pages: the widened K tile, then V's
   int32_t* pos;              // stage 0 of kStages position tiles (kTileN each)
+  ScaleRow* scales;          // int8 pages: stage 0 of kStages scale tiles (kTileN each)
   const char** pages;        // stage 0 of kStages page lists (kTileN each)
 
+  // tiles: kTilesBytes, 128-byte aligned; scale_tiles: kScaleBytes (unused for 16-bit pages).
   __device__ KvTileCopy(const store::PagedView& view, int64_t segment, int split_end, bool positions,
-                        uint8_t* k_tiles, uint8_t* v_tiles, int32_t* pos_tiles, const char** page_lists)
+                        uint8_t* tiles, int32_t* pos_tiles, uint8_t* scale_tiles, const char** page_lists)
       : page_base(view.page_base),
         table(view.table + segment * view.width),
         shift(view.shift),
@@ -155,11 +174,14 @@ struct KvTileCopy {
         off_k(view.record.offset[store::kK]),
         off_v(view.record.offset[store::kV]),
         off_pos(view.record.offset[store::kPos]),
+        off_scale(view.record.offset[store::kScale]),
         end(split_end),
         with_pos(positions),
-        k(k_tiles),
-        v(v_tiles),
+        k(tiles),
+        v(tiles + pf::kStages * kStageBytes),
+        k_wide(tiles + 2 * pf::kStages * kStageBytes),
         pos(pos_tiles),
+        scales(reinterpret_cast<ScaleRow*>(scale_tiles)),
         pages(page_lists) {}
 
   // The page addresses of the tile at token t0 (when it is in the split) into list `stage`.
@@ -176,25 +198,29 @@ struct KvTileCopy {
     const int tile_len = min(pf::kTileN, end - t0);
     const int64_t first_page = t0 >> shift;
     const char* const* page_of_tile = pages + stage * pf::kTileN;
-    uint8_t* k_dst = k + stage * kKVBytes;
-    uint8_t* v_dst = v + stage * kKVBytes;
-    for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += Threads) {
-      const pf::RowCol at = pf::copy_chunk(idx, D);
+    uint8_t* k_dst = k + stage * kStageBytes;
+    uint8_t* v_dst = v + stage * kStageBytes;
+    constexpr int kChunk = Q8 ? pf::kRawChunkElems : pf::kChunkElems;
+    for (int idx = threadIdx.x; idx < pf::kTileN * D / kChunk; idx += Threads) {
+      const pf::RowCol at = Q8 ? pf::raw_copy_chunk(idx, D) : pf::copy_chunk(idx, D);
       const bool live = at.row < tile_len;
       const int64_t token = t0 + (live ? at.row : 0);
       const char* page = page_of_tile[pf::tile_page_of(t0, live ? at.row : 0, first_page, shift)];
-      const int64_t row = (token & in_page_mask) * kRowBytes + at.col * 2;
-      const int off = pf::smem_offset(at.row, at.col, D);
+      const int64_t row = (token & in_page_mask) * kRowBytes + at.col * (Q8 ? 1 : 2);
+      const int off = Q8 ? pf::raw_offset(at.row, at.col, D) : pf::smem_offset(at.row, at.col, D);
       cp_async_16(shared_address(k_dst + off), page + off_k + row, live);
       cp_async_16(shared_address(v_dst + off), page + off_v + row, live);
     }
-    if (with_pos) {
+    if (with_pos || Q8) {
       int32_t* pos_dst = pos + stage * pf::kTileN;
+      ScaleRow* scale_dst = scales + stage * pf::kTileN;
       for (int j = threadIdx.x; j < pf::kTileN; j += Threads) {
         const bool live = j < tile_len;
         const int64_t token = t0 + (live ? j : 0);
         const char* page = page_of_tile[pf::tile_page_of(t0, live ? j : 0, first_page, shift)];
-        cp_async_4(shared_address(pos_dst + j), page + off_pos + (token & in_page_mask) * 4, live);
+        const int64_t in_page = token & in_page_mask;
+        if (with_pos) cp_async_4(shared_address(pos_dst + j), page + off_pos + in_page * 4, live);
+        if (Q8) cp_async_4(shared_address(scale_dst + j), page + off_scale + in_page * store::kScaleRowBytes, live);
       }
     }
     cp_async_commit();
@@ -221,7 +247,8 @@ struct KvTileCopy {
   // previous iteration read, waits for tile t0 and makes it visible to every warp, then stages
   // the page list of tile t0 + 2 kTileN. Every thread has issued tile t0's copies (before the
   // previous iteration's barrier) and the next one's (here), so list `stage` is free; the next
-  // iteration's copies read it after this iteration's closing barrier.
+  // iteration's copies read it after this iteration's closing barrier. Int8 pages: then widens
+  // tile t0 (the previous iteration's closing barrier freed the widened tiles) behind a barrier.
   __device__ void advance(int t0, int stage) const {
     if (t0 + pf::kTileN < end) {
       load(t0 + pf::kTileN, stage ^ 1);
@@ -231,11 +258,35 @@ struct KvTileCopy {
     }
     __syncthreads();
     stage_pages(t0 + 2 * pf::kTileN, stage);
+    if constexpr (Q8) {
+      widen(k + stage * kStageBytes, k_wide);
+      widen(v + stage * kStageBytes, k_wide + kKVBytes);
+      __syncthreads();
+    }
   }
 
-  __device__ const uint8_t* k_tile(int stage) const { return k + stage * kKVBytes; }
-  __device__ const uint8_t* v_tile(int stage) const { return v + stage * kKVBytes; }
+  __device__ const uint8_t* k_tile(int stage) const { return Q8 ? k_wide : k + stage * kStageBytes; }
+  __device__ const uint8_t* v_tile(int stage) const { return Q8 ? k_wide + kKVBytes : v + stage * kStageBytes; }
   __device__ const int32_t* pos_tile(int stage) const { return pos + stage * pf::kTileN; }
+  __device__ const ScaleRow* scale_tile(int stage) const { return Q8 ? scales + stage * pf::kTileN : nullptr; }
+
+  // A raw int8 tile into a swizzled 16-bit one, 8 elements a thread at a time (the integers are
+  // exact in T). Every thread of the block calls it; the caller's barrier publishes the result.
+  __device__ static void widen(const uint8_t* raw, uint8_t* wide) {
+    for (int idx = threadIdx.x; idx < pf::kTileN * D / pf::kChunkElems; idx += Threads) {
+      const pf::RowCol at = pf::copy_chunk(idx, D);
+      const uint2 bytes = *reinterpret_cast<const uint2*>(raw + pf::raw_offset(at.row, at.col, D));
+      const uint32_t words[2] = {bytes.x, bytes.y};
+      uint32_t out[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // elements 2e, 2e + 1: bytes 2e, 2e + 1 of the little-endian words
+        const uint32_t pair = words[e / 2] >> (16 * (e % 2));
+        out[e] = pack2<T>(static_cast<float>(static_cast<int8_t>(pair & 0xffu)),
+                          static_cast<float>(static_cast<int8_t>((pair >> 8) & 0xffu)));
+      }
+      *reinterpret_cast<uint4*>(wide + pf::smem_offset(at.row, at.col, D)) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -311,11 +362,13 @@ __device__ inline int32_t tile_min_pos(const int32_t* pos, int tile_len, int lan
 }
 
 // Scales the warp's S = Q K^T to base 2 and masks it: a token is live when it lies in the tile and
-// the row sees it (pos null: every live token); masked logits are -inf. Returns each of the
-// lane's rows' maximum over the quad.
+// the row sees it (pos null: every live token); masked logits are -inf. scales: the tile's
+// scale rows on int8 pages (each token's K scale joins the factor), null otherwise. Returns each
+// of the lane's rows' maximum over the quad.
 template <int NB>
 __device__ inline void mask_tile(float (&sc)[NB][4], int first, int tile_len, const int32_t* pos,
-                                 const int32_t (&row_pos)[2], float scale_log2, int lane, float (&tile_max)[2]) {
+                                 const int32_t (&row_pos)[2], float scale_log2, int lane, float (&tile_max)[2],
+                                 const ScaleRow* scales = nullptr) {
   tile_max[0] = tile_max[1] = pf::neg_inf();
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb)
@@ -323,7 +376,8 @@ __device__ inline void mask_tile(float (&sc)[NB][4], int first, int tile_len, co
     for (int c = 0; c < 4; ++c) {
       const int j = first + 8 * nb + pf::mma_c(lane, c).col;
       const bool live = j < tile_len && (!pos || pf::visible(pos[j], row_pos[c / 2]));
-      sc[nb][c] = live ? sc[nb][c] * scale_log2 : pf::neg_inf();
+      const float factor = pf::logit_factor(scale_log2, scales ? __half2float(scales[j].k) : 1.f);
+      sc[nb][c] = live ? sc[nb][c] * factor : pf::neg_inf();
       tile_max[c / 2] = fmaxf(tile_max[c / 2], sc[nb][c]);
     }
 #pragma unroll
@@ -336,10 +390,13 @@ __device__ inline void mask_tile(float (&sc)[NB][4], int first, int tile_len, co
 // The online softmax step of the tile: the rows' running max and this lane's part of their
 // sums, o rescaled; P summed in fp32, then rounded to T as A fragments: the C fragments of
 // n-blocks 2j and 2j + 1 are the A fragment of k-step j (c0 c1 -> a0 / a2, c2 c3 -> a1 / a3), so
-// P never passes through shared memory.
+// P never passes through shared memory. On int8 pages (scales not null) each weight is
+// multiplied by its token's V scale before the rounding (the sums keep the weights alone);
+// first is the tile token of the first n-block.
 template <typename T, int NB, int D>
 __device__ inline void softmax_tile(const float (&sc)[NB][4], const float (&tile_max)[2], WarpState<D>& st,
-                                    uint32_t (&pa)[NB / 2][4]) {
+                                    uint32_t (&pa)[NB / 2][4], const ScaleRow* scales = nullptr, int first = 0,
+                                    int lane = 0) {
   pf::SoftmaxStep step[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -358,6 +415,7 @@ __device__ inline void softmax_tile(const float (&sc)[NB][4], const float (&tile
     for (int c = 0; c < 4; ++c) {
       prob[c] = pf::softmax_weight(sc[nb][c], step[c / 2].m_new);
       st.l[c / 2] += prob[c];
+      if (scales) prob[c] *= __half2float(scales[first + 8 * nb + pf::mma_c(lane, c).col].v);
     }
     pa[nb / 2][2 * (nb % 2)] = pack2<T>(prob[0], prob[1]);
     pa[nb / 2][2 * (nb % 2) + 1] = pack2<T>(prob[2], prob[3]);

@@ -3,7 +3,8 @@
 // maps (packed rows, swizzled shared tiles, ldmatrix addresses and results, mma fragments,
 // masking, online softmax, split merge), with mma emulated in fp32 by rebuilding the 16 x 16
 // and 16 x 8 operands from the 32 lanes' fragments, must match a float64 attention on random
-// ragged paged inputs; the swizzle must be a bijection without bank conflicts for every
+// ragged paged inputs, on 16-bit pages and on int8 pages (raw tiles widened, the scales on the
+// logits and weights); the swizzle must be a bijection without bank conflicts for every
 // ldmatrix and cp.async phase of the kernel. The CUDA kernel itself is compared with the
 // reference in tests/test_prefill_tc.py (skips without a GPU).
 #include <gtest/gtest.h>
@@ -27,6 +28,7 @@
 #include "attention/decode_tiles.h"
 #include "attention/prefill_tiles.h"
 #include "store/paged_layout.h"
+#include "store/quantize.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -133,6 +135,7 @@ struct Problem {
   store::PageRecord record;
   std::vector<uint16_t> q;                  // [B, H * G, n, D] bits
   std::vector<int32_t> q_pos;               // [B, n]
+  bool q8 = false;                          // int8 pages (store/quantize.h)
 
   int S() const { return B * H; }
   int rows() const { return G * n; }
@@ -146,12 +149,30 @@ struct Problem {
     return v;
   }
   int32_t query_pos(int b, int i) const { return causal ? q_pos[b * n + i] : INT32_MAX; }
+  // Token l of segment s's K (part kK) or V (kV) scale: 1 on 16-bit pages.
+  float scale_of(int part, int s, int l) const {
+    if (!q8) return 1.f;
+    const auto* row = reinterpret_cast<const c10::Half*>(view().token(store::kScale, s, l));
+    return static_cast<float>(row[part == store::kK ? 0 : 1]);
+  }
+  // Element d of that K or V row as the kernels read it (the stored integer on int8 pages).
+  float stored(int part, int s, int l, int d) const {
+    const char* row = view().token(part, s, l);
+    if (q8) return static_cast<float>(reinterpret_cast<const int8_t*>(row)[d]);
+    return from_bits_any(reinterpret_cast<const uint16_t*>(row)[d]);
+  }
+  // Its value: the stored element times the row's scale (exact in double).
+  double value(int part, int s, int l, int d) const { return double(stored(part, s, l, d)) * scale_of(part, s, l); }
+  float (*from_bits_any)(uint16_t) = nullptr;  // the 16-bit type's bits -> float
 };
 
+// q8: int8 pages, K and V drawn in float32 and quantized as the store does (store/quantize.h).
 template <typename T>
 Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int shift, bool causal,
-                     bool shuffled_positions, int max_len, bool edge_segments = false) {
+                     bool shuffled_positions, int max_len, bool edge_segments = false, bool q8 = false) {
   Problem p{B, H, G, n, D, shift, 1.f / std::sqrt(static_cast<float>(D)), causal};
+  p.q8 = q8;
+  p.from_bits_any = &from_bits<T>;
   const int S = B * H;
   const int P = 1 << shift;
   p.len.resize(S);
@@ -167,7 +188,7 @@ Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int s
   int32_t longest = 1;
   for (int32_t l : p.len) longest = std::max(longest, l);
   p.width = (longest + P - 1) / P;
-  p.record = store::page_record(P, D, 2, 0);
+  p.record = store::page_record(P, D, q8 ? 1 : 2, 0, q8);
   std::normal_distribution<float> normal(0.f, 1.f);
   // Pages of all segments, in a shuffled order (a page id says nothing about its segment).
   int pages = 0;
@@ -188,11 +209,23 @@ Problem make_problem(std::mt19937& rng, int B, int H, int G, int n, int D, int s
     for (auto& x : pos) x = (at += static_cast<int32_t>(kvtest::uniform_int(rng, 1, 3)));
     if (shuffled_positions) std::shuffle(pos.begin(), pos.end(), rng);
     for (int l = 0; l < p.len[s]; ++l) {
-      auto* k = reinterpret_cast<uint16_t*>(const_cast<char*>(v.token(store::kK, s, l)));
-      auto* vv = reinterpret_cast<uint16_t*>(const_cast<char*>(v.token(store::kV, s, l)));
-      for (int d = 0; d < D; ++d) {
-        k[d] = to_bits<T>(normal(rng));
-        vv[d] = to_bits<T>(normal(rng));
+      if (q8) {
+        // Rows of different magnitudes (a scale per row must follow each).
+        const float magnitude = std::exp2(static_cast<float>(kvtest::uniform_int(rng, -3, 3)));
+        std::vector<float> x(D);
+        auto* scale = reinterpret_cast<c10::Half*>(const_cast<char*>(v.token(store::kScale, s, l)));
+        for (int part : {store::kK, store::kV}) {
+          for (auto& e : x) e = magnitude * normal(rng);
+          auto* row = reinterpret_cast<int8_t*>(const_cast<char*>(v.token(part, s, l)));
+          scale[part == store::kK ? 0 : 1] = store::quantize_row(x.data(), D, row);
+        }
+      } else {
+        auto* k = reinterpret_cast<uint16_t*>(const_cast<char*>(v.token(store::kK, s, l)));
+        auto* vv = reinterpret_cast<uint16_t*>(const_cast<char*>(v.token(store::kV, s, l)));
+        for (int d = 0; d < D; ++d) {
+          k[d] = to_bits<T>(normal(rng));
+          vv[d] = to_bits<T>(normal(rng));
+        }
       }
       std::memcpy(const_cast<char*>(v.token(store::kPos, s, l)), &pos[l], 4);
     }
@@ -248,9 +281,8 @@ std::vector<double> reference(const Problem& p) {
             logit[l] = -INFINITY;
             continue;
           }
-          const auto* k = reinterpret_cast<const uint16_t*>(v.token(store::kK, s, l));
           double dot = 0.0;
-          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[row * p.D + d])) * from_bits<T>(k[d]);
+          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[row * p.D + d])) * p.value(store::kK, s, l, d);
           logit[l] = dot * p.scale;
           m = std::max(m, logit[l]);
         }
@@ -261,8 +293,7 @@ std::vector<double> reference(const Problem& p) {
           if (logit[l] == -INFINITY) continue;
           const double w = std::exp(logit[l] - m);
           sum += w;
-          const auto* vv = reinterpret_cast<const uint16_t*>(v.token(store::kV, s, l));
-          for (int d = 0; d < p.D; ++d) o[d] += w * from_bits<T>(vv[d]);
+          for (int d = 0; d < p.D; ++d) o[d] += w * p.value(store::kV, s, l, d);
         }
         for (int d = 0; d < p.D; ++d) out[row * p.D + d] = o[d] / sum;
       }
@@ -273,13 +304,58 @@ std::vector<double> reference(const Problem& p) {
 // ---------------------------------------------------------------------------------------
 // Pieces both kernels' emulations share
 
+// Int8 pages: a raw tile of part `part` (rows past tile_len zero-filled) as the cp.async chunks
+// of raw_copy_chunk land it, then widened into the swizzled 16-bit tile by copy_chunk's chunks
+// (tc_common.cuh's KvTileCopy::widen).
+template <typename T>
+void copy_and_widen(const StagedPages& pages, int part, int D, int tile_len, Smem& wide) {
+  Smem raw(pf::kTileN * D, 0xab);  // garbage until written: a chunk never copied shows
+  for (int idx = 0; idx < pf::kTileN * D / pf::kRawChunkElems; ++idx) {
+    const pf::RowCol at = pf::raw_copy_chunk(idx, D);
+    uint8_t* dst = raw.data() + pf::raw_offset(at.row, at.col, D);
+    if (at.row < tile_len) std::memcpy(dst, pages.row(part, at.row) + at.col, 16);
+    else std::memset(dst, 0, 16);
+  }
+  for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
+    const pf::RowCol at = pf::copy_chunk(idx, D);
+    const auto* src = reinterpret_cast<const int8_t*>(raw.data() + pf::raw_offset(at.row, at.col, D));
+    for (int e = 0; e < pf::kChunkElems; ++e) {
+      const uint16_t bits = to_bits<T>(static_cast<float>(src[e]));
+      std::memcpy(wide.data() + pf::smem_offset(at.row, at.col, D) + 2 * e, &bits, 2);
+    }
+  }
+}
+
+// The tile's K and V scales (zeros past tile_len, as the zero-filled copies give; ones on
+// 16-bit pages).
+struct TileScales {
+  std::vector<float> k, v;
+};
+TileScales tile_scales(const Problem& p, const StagedPages& pages, int tile_len) {
+  TileScales sc{std::vector<float>(pf::kTileN, p.q8 ? 0.f : 1.f), std::vector<float>(pf::kTileN, p.q8 ? 0.f : 1.f)};
+  if (!p.q8) return sc;
+  for (int j = 0; j < tile_len; ++j) {
+    const auto* row = reinterpret_cast<const c10::Half*>(pages.row(store::kScale, j));
+    sc.k[j] = static_cast<float>(row[0]);
+    sc.v[j] = static_cast<float>(row[1]);
+  }
+  return sc;
+}
+
 // The cp.async copy of the KV tile at t0 (tile_len live tokens) of segment s into swizzled K and
-// V tiles (rows past the split zero-filled) and its positions; returns their smallest.
+// V tiles (rows past the split zero-filled; on int8 pages widened from raw tiles) and its
+// positions and scales; returns the smallest position.
+template <typename T>
 int32_t copy_kv_tile(const Problem& p, int s, int64_t t0, int tile_len, Smem& k_smem, Smem& v_smem,
-                     std::vector<int32_t>& pos) {
+                     std::vector<int32_t>& pos, TileScales* scales) {
   const int D = p.D;
   const StagedPages pages(p, s, t0, tile_len);
-  for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
+  *scales = tile_scales(p, pages, tile_len);
+  if (p.q8) {
+    copy_and_widen<T>(pages, store::kK, D, tile_len, k_smem);
+    copy_and_widen<T>(pages, store::kV, D, tile_len, v_smem);
+  }
+  for (int idx = 0; !p.q8 && idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
     const pf::RowCol at = pf::copy_chunk(idx, D);
     const int off = pf::smem_offset(at.row, at.col, D);
     if (at.row < tile_len) {
@@ -341,10 +417,11 @@ struct WarpState {
 // `first`, scaled to base 2, masked (live(row of the warp, token of the tile)), the online
 // softmax (a quad shares a row; P summed in fp32, then rounded to T as A fragments), O += P V.
 // Returns the masked logits ([blocks][32] C fragments).
+// scales: the tile's K scales (on the logits) and V scales (on the weights before rounding).
 template <typename T, typename Live>
 std::vector<std::vector<CFrag>> warp_tile_step(WarpState& st, const std::vector<std::vector<AFrag>>& qf,
                                                const Smem& k_smem, const Smem& v_smem, int D, int first, int blocks,
-                                               float scale_log2, Live live) {
+                                               float scale_log2, const TileScales& scales, Live live) {
   std::vector<std::vector<CFrag>> sc(blocks, std::vector<CFrag>(32, CFrag{}));
   for (int k2 = 0; k2 < D / 32; ++k2)
     for (int nb = 0; nb < blocks; ++nb) {
@@ -357,7 +434,8 @@ std::vector<std::vector<CFrag>> warp_tile_step(WarpState& st, const std::vector<
       for (int c = 0; c < 4; ++c) {
         const pf::RowCol rc = pf::mma_c(lane, c);
         float& x = sc[nb][lane][c];
-        x = live(rc.row, first + 8 * nb + rc.col) ? x * scale_log2 : pf::neg_inf();
+        const int j = first + 8 * nb + rc.col;
+        x = live(rc.row, j) ? x * pf::logit_factor(scale_log2, scales.k[j]) : pf::neg_inf();
         tile_max[lane][c / 2] = std::max(tile_max[lane][c / 2], x);
       }
   for (int lane = 0; lane < 32; ++lane)  // shfl_xor 1, 2 within the quad
@@ -376,9 +454,10 @@ std::vector<std::vector<CFrag>> warp_tile_step(WarpState& st, const std::vector<
     for (int nb = 0; nb < blocks; ++nb)
       for (int c = 0; c < 4; ++c) {
         const float prob = pf::softmax_weight(sc[nb][lane][c], step[c / 2].m_new);
-        st.l[lane][c / 2] += prob;  // fp32, before the rounding of P (as the kernel)
+        st.l[lane][c / 2] += prob;  // fp32, before the V scale and the rounding of P (as the kernel)
+        const float weight = prob * scales.v[first + 8 * nb + pf::mma_c(lane, c).col];
         // C of n-blocks 2j, 2j + 1 is A of k-step j: c0 c1 -> a0 / a2, c2 c3 -> a1 / a3.
-        pa[nb / 2][lane][(c / 2) + 2 * (nb % 2)][c % 2] = from_bits<T>(to_bits<T>(prob));
+        pa[nb / 2][lane][(c / 2) + 2 * (nb % 2)][c % 2] = from_bits<T>(to_bits<T>(weight));
       }
   }
   for (int j = 0; j < blocks / 2; ++j)
@@ -428,16 +507,17 @@ void emulate_block(const Problem& p, int s, Split split, int tile, float* part_m
 
   Smem k_smem(pf::kTileN * D * 2), v_smem(pf::kTileN * D * 2);
   std::vector<int32_t> pos(pf::kTileN);
+  TileScales scales;
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN) {
     const int tile_len = std::min(pf::kTileN, split.end - t0);
     ++count.tiles;
-    const int32_t min_pos = copy_kv_tile(p, s, t0, tile_len, k_smem, v_smem, pos);
+    const int32_t min_pos = copy_kv_tile<T>(p, s, t0, tile_len, k_smem, v_smem, pos, &scales);
     if (p.causal && !pf::tile_needed(min_pos, max_query_pos)) {
       ++count.skipped;
       continue;
     }
     for (int w = 0; w < pf::kWarps; ++w)
-      warp_tile_step<T>(st[w], qf[w], k_smem, v_smem, D, 0, pf::kTileN / 8, scale_log2, [&](int row, int j) {
+      warp_tile_step<T>(st[w], qf[w], k_smem, v_smem, D, 0, pf::kTileN / 8, scale_log2, scales, [&](int row, int j) {
         return j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[16 * w + row]));
       });
   }
@@ -493,16 +573,20 @@ std::vector<float> emulate(const Problem& p, int64_t sms, Counters& count, std::
   return out;
 }
 
+// P is rounded to T before P V (as on tensor cores): relative 2^-8 (bf16) or 2^-11 (fp16)
+// per weight, on outputs of size ~1 (on int8 pages, of the rows' magnitude, up to 8).
+template <typename T>
+double output_tol(bool q8) {
+  return (std::is_same_v<T, c10::BFloat16> ? 1e-2 : 2e-3) * (q8 ? 8 : 1);
+}
+
 template <typename T>
 void expect_matches_reference(std::mt19937& rng, int B, int H, int G, int n, int D, int shift,
-                              bool causal, bool shuffled, int64_t sms, int max_len, Counters& count) {
-  const Problem p = make_problem<T>(rng, B, H, G, n, D, shift, causal, shuffled, max_len);
+                              bool causal, bool shuffled, int64_t sms, int max_len, Counters& count, bool q8) {
+  const Problem p = make_problem<T>(rng, B, H, G, n, D, shift, causal, shuffled, max_len, false, q8);
   const std::vector<double> want = reference<T>(p);
   const std::vector<float> got = emulate<T>(p, sms, count);
-  // P is rounded to T before P V (as on tensor cores): relative 2^-8 (bf16) or 2^-11 (fp16)
-  // per weight, on outputs of size ~1.
-  // (Measured worst: about 2e-3 in bf16, 3e-4 in fp16.)
-  const double tol = std::is_same_v<T, c10::BFloat16> ? 1e-2 : 2e-3;
+  const double tol = output_tol<T>(q8);
   double worst = 0.0;
   int64_t worst_at = -1;
   for (size_t e = 0; e < want.size(); ++e) {
@@ -514,7 +598,7 @@ void expect_matches_reference(std::mt19937& rng, int B, int H, int G, int n, int
   }
   EXPECT_LE(worst, tol) << "B " << B << " H " << H << " G " << G << " n " << n << " D " << D
                         << " page " << (1 << shift) << " causal " << causal << " shuffled " << shuffled
-                        << ": worst at " << worst_at;
+                        << " int8 " << q8 << ": worst at " << worst_at;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -551,9 +635,8 @@ SlotStats reference_stats(const Problem& p) {
         double m = -INFINITY;
         for (int l = 0; l < L; ++l) {
           if (!pf::visible(pos[l], p.query_pos(b, i))) continue;
-          const auto* k = reinterpret_cast<const uint16_t*>(v.token(store::kK, s, l));
           double dot = 0.0;
-          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[row * p.D + d])) * from_bits<T>(k[d]);
+          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[row * p.D + d])) * p.value(store::kK, s, l, d);
           logit[l] = dot * p.scale;
           m = std::max(m, logit[l]);
         }
@@ -613,7 +696,9 @@ void emulate_stats_block(const Problem& p, int s, Split split, int first_tile, i
     const StagedPages pages(p, s, t0, tile_len);
     Smem k_smem(pf::kTileN * D * 2);
     std::vector<int32_t> pos(pf::kTileN, 0);
-    for (int idx = 0; idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
+    const TileScales scales = tile_scales(p, pages, tile_len);
+    if (p.q8) copy_and_widen<T>(pages, store::kK, D, tile_len, k_smem);
+    for (int idx = 0; !p.q8 && idx < pf::kTileN * D / pf::kChunkElems; ++idx) {
       const pf::RowCol at = pf::copy_chunk(idx, D);
       const int off = pf::smem_offset(at.row, at.col, D);
       if (at.row < tile_len) std::memcpy(k_smem.data() + off, pages.row(store::kK, at.row) + at.col * 2, 16);
@@ -676,7 +761,8 @@ void emulate_stats_block(const Problem& p, int s, Split split, int first_tile, i
               const int col = 8 * nb + pf::mma_c(lane, c).col;
               const pf::StatsRow row = pf::stats_row(mt * pf::kTileM + col, lp, G, n);
               const bool vis = j < tile_len && row.live && (!p.causal || pf::visible(pos[j], row_qpos[col]));
-              const float prob = vis ? pf::stats_weight(sc[nb][lane][c] * scale_log2, row_lse[col]) : 0.f;
+              const float factor = pf::logit_factor(scale_log2, scales.k[j]);
+              const float prob = vis ? pf::stats_weight(sc[nb][lane][c] * factor, row_lse[col]) : 0.f;
               sc[nb][lane][c] = prob;
               mass[w][lane][h] += prob;
               seen[w][lane][h] += vis && row.g == 0 ? 1 : 0;
@@ -872,7 +958,7 @@ TEST(PrefillTiles, SoftmaxOfNothingVisibleIsZero) {
 }
 
 template <typename T>
-void run_emulation_cases(uint32_t seed) {
+void run_emulation_cases(uint32_t seed, bool q8) {
   std::mt19937 rng(seed);
   Counters count;
   struct Case {
@@ -892,17 +978,19 @@ void run_emulation_cases(uint32_t seed) {
   };
   for (const Case& c : cases)
     expect_matches_reference<T>(rng, c.B, c.H, c.G, c.n, c.D, c.shift, c.causal, c.shuffled, c.sms,
-                                c.max_len, count);
+                                c.max_len, count, q8);
   EXPECT_GT(count.tiles, 0);
   EXPECT_GT(count.merged_segments, 0) << "no segment had several splits: the merge is untested";
   EXPECT_GT(count.skipped, 0) << "no KV tile was skipped by the causal rule: the rule is untested";
 }
 
-TEST(PrefillTiles, EmulatedKernelMatchesFloat64ReferenceBf16) { run_emulation_cases<c10::BFloat16>(43); }
-TEST(PrefillTiles, EmulatedKernelMatchesFloat64ReferenceFp16) { run_emulation_cases<c10::Half>(44); }
+TEST(PrefillTiles, EmulatedKernelMatchesFloat64ReferenceBf16) { run_emulation_cases<c10::BFloat16>(43, false); }
+TEST(PrefillTiles, EmulatedKernelMatchesFloat64ReferenceFp16) { run_emulation_cases<c10::Half>(44, false); }
+TEST(PrefillTiles, EmulatedKernelOnInt8PagesMatchesFloat64ReferenceBf16) { run_emulation_cases<c10::BFloat16>(53, true); }
+TEST(PrefillTiles, EmulatedKernelOnInt8PagesMatchesFloat64ReferenceFp16) { run_emulation_cases<c10::Half>(54, true); }
 
 template <typename T>
-void run_stats_cases(uint32_t seed) {
+void run_stats_cases(uint32_t seed, bool q8) {
   std::mt19937 rng(seed);
   StatsCounters count;
   int64_t live_slots = 0;
@@ -924,12 +1012,13 @@ void run_stats_cases(uint32_t seed) {
   };
   for (const Case& c : cases) {
     const Problem p = make_problem<T>(rng, c.B, c.H, c.G, c.n, c.D, c.shift, c.causal, c.shuffled, c.max_len,
-                                      /*edge_segments=*/true);
+                                      /*edge_segments=*/true, q8);
     const SlotStats want = reference_stats<T>(p);
     const StatsError e = stats_error<T>(p, emulate_stats<T>(p, c.sms, count, StatsMutation::kNone), want);
     const std::string what = "B " + std::to_string(c.B) + " H " + std::to_string(c.H) + " G " + std::to_string(c.G) +
                              " n " + std::to_string(c.n) + " D " + std::to_string(c.D) + " page " +
-                             std::to_string(1 << c.shift) + " causal " + std::to_string(c.causal);
+                             std::to_string(1 << c.shift) + " causal " + std::to_string(c.causal) + " int8 " +
+                             std::to_string(q8);
     live_slots += e.live_slots;
     EXPECT_LE(e.mass, kStatsTol) << what;
     EXPECT_LE(e.last, kStatsTol) << what;
@@ -950,8 +1039,10 @@ void run_stats_cases(uint32_t seed) {
   EXPECT_EQ(count.padded, (std::set<int>{1, 2, 4, 8, 16}));
 }
 
-TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceBf16) { run_stats_cases<c10::BFloat16>(45); }
-TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceFp16) { run_stats_cases<c10::Half>(46); }
+TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceBf16) { run_stats_cases<c10::BFloat16>(45, false); }
+TEST(PrefillTiles, EmulatedStatisticsMatchFloat64ReferenceFp16) { run_stats_cases<c10::Half>(46, false); }
+TEST(PrefillTiles, EmulatedStatisticsOnInt8PagesMatchFloat64ReferenceBf16) { run_stats_cases<c10::BFloat16>(55, true); }
+TEST(PrefillTiles, EmulatedStatisticsOnInt8PagesMatchFloat64ReferenceFp16) { run_stats_cases<c10::Half>(56, true); }
 
 TEST(PrefillTiles, TilePagesListEachPageOfATileOnce) {
   for (int shift = 0; shift <= 7; ++shift)
@@ -1032,10 +1123,11 @@ void emulate_decode_block(const Problem& p, int s, Split split, float* part_m, f
 
   Smem k_smem(pf::kTileN * D * 2), v_smem(pf::kTileN * D * 2);
   std::vector<int32_t> pos(pf::kTileN);
+  TileScales scales;
   for (int t0 = split.begin; t0 < split.end; t0 += pf::kTileN) {
     const int tile_len = std::min(pf::kTileN, split.end - t0);
     ++count.tiles;
-    const int32_t min_pos = copy_kv_tile(p, s, t0, tile_len, k_smem, v_smem, pos);
+    const int32_t min_pos = copy_kv_tile<T>(p, s, t0, tile_len, k_smem, v_smem, pos, &scales);
     if (p.causal && !logits && !pf::tile_needed(min_pos, max_query_pos)) {
       ++count.skipped;
       continue;
@@ -1043,7 +1135,7 @@ void emulate_decode_block(const Problem& p, int s, Split split, float* part_m, f
     for (int w = 0; w < dt::kWarps; ++w) {
       const int first = dt::warp_first_token(w);
       if (first >= tile_len) continue;
-      const auto sc = warp_tile_step<T>(st[w], qf, k_smem, v_smem, D, first, 2, scale_log2, [&](int row, int j) {
+      const auto sc = warp_tile_step<T>(st[w], qf, k_smem, v_smem, D, first, 2, scale_log2, scales, [&](int row, int j) {
         return j < tile_len && (!p.causal || pf::visible(pos[j], row_pos[row]));
       });
       if (!logits) continue;
@@ -1152,7 +1244,7 @@ TEST(DecodeTiles, WarpMergeOfEmptyWarpsIsEmpty) {
 }
 
 template <typename T>
-void run_decode_cases(uint32_t seed) {
+void run_decode_cases(uint32_t seed, bool q8) {
   std::mt19937 rng(seed);
   Counters count;
   struct Case {
@@ -1171,16 +1263,17 @@ void run_decode_cases(uint32_t seed) {
   };
   for (const Case& c : cases) {
     const Problem p = make_problem<T>(rng, c.B, c.H, c.G, c.n, c.D, c.shift, c.causal, c.shuffled, c.max_len,
-                                      /*edge_segments=*/true);
+                                      /*edge_segments=*/true, q8);
     const std::vector<double> want = reference<T>(p);
     const std::vector<float> got = emulate_decode<T>(p, c.sms, count);
-    const double tol = std::is_same_v<T, c10::BFloat16> ? 1e-2 : 2e-3;  // P rounded to T (above)
+    const double tol = output_tol<T>(q8);
     double worst = 0.0;
     for (size_t e = 0; e < want.size(); ++e) {
       const double err = std::abs(double(got[e]) - want[e]);
       worst = std::isnan(err) ? INFINITY : std::max(worst, err);
     }
-    EXPECT_LE(worst, tol) << "B " << c.B << " H " << c.H << " G " << c.G << " n " << c.n << " D " << c.D;
+    EXPECT_LE(worst, tol) << "B " << c.B << " H " << c.H << " G " << c.G << " n " << c.n << " D " << c.D
+                          << " int8 " << q8;
   }
   EXPECT_GT(count.tiles, 0);
   EXPECT_GT(count.merged_segments, 0) << "no segment had several splits: the merge is untested";
@@ -1188,15 +1281,16 @@ void run_decode_cases(uint32_t seed) {
 }
 
 // With statistics: every (row, live slot) gets its logit once, the reference's q.k * scale in
-// base 2 (-inf where the row does not see the token), and the output is the same.
+// base 2 (-inf where the row does not see the token; k dequantized on int8 pages), and the
+// output is the same.
 template <typename T>
-void run_decode_logits_cases(uint32_t seed) {
+void run_decode_logits_cases(uint32_t seed, bool q8) {
   std::mt19937 rng(seed);
   Counters count;
   for (const auto& [G, n, causal, shift] : {std::tuple{4, 1, true, 4}, std::tuple{8, 2, true, 0}, std::tuple{3, 5, false, 6},
                                           std::tuple{1, 1, true, 2}}) {
     const Problem p = make_problem<T>(rng, 2, 3, G, n, 64, shift, causal, /*shuffled_positions=*/true, 700,
-                                      /*edge_segments=*/true);
+                                      /*edge_segments=*/true, q8);
     const int64_t capacity = capacity_of(p);
     const int R = p.rows();
     std::vector<float> logits(static_cast<size_t>(R) * capacity, NAN);
@@ -1211,7 +1305,6 @@ void run_decode_logits_cases(uint32_t seed) {
         const int64_t slot = v.slot(s, l);
         int32_t pos;
         std::memcpy(&pos, v.token(store::kPos, s, l), 4);
-        const auto* k = reinterpret_cast<const uint16_t*>(v.token(store::kK, s, l));
         for (int r = 0; r < R; ++r) {
           const int64_t at = r * capacity + slot;
           ASSERT_EQ(writes[at], 1) << "segment " << s << " token " << l << " row " << r;
@@ -1222,8 +1315,9 @@ void run_decode_logits_cases(uint32_t seed) {
             continue;
           }
           double dot = 0.0;
-          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[qrow * p.D + d])) * from_bits<T>(k[d]);
-          EXPECT_NEAR(logits[at], dot * p.scale * 1.4426950408889634, 1e-4);
+          for (int d = 0; d < p.D; ++d) dot += double(from_bits<T>(p.q[qrow * p.D + d])) * p.value(store::kK, s, l, d);
+          const double want = dot * p.scale * 1.4426950408889634;
+          EXPECT_NEAR(logits[at], want, 1e-4 * (q8 ? std::max(1.0, std::abs(want)) : 1.0));  // int8: rows up to 8
         }
       }
     int64_t all_writes = 0;
@@ -1232,9 +1326,12 @@ void run_decode_logits_cases(uint32_t seed) {
   }
 }
 
-TEST(DecodeTiles, EmulatedKernelMatchesFloat64ReferenceBf16) { run_decode_cases<c10::BFloat16>(47); }
-TEST(DecodeTiles, LogitsForStatisticsCoverEveryLiveSlotOnceBf16) { run_decode_logits_cases<c10::BFloat16>(49); }
-TEST(DecodeTiles, LogitsForStatisticsCoverEveryLiveSlotOnceFp16) { run_decode_logits_cases<c10::Half>(50); }
-TEST(DecodeTiles, EmulatedKernelMatchesFloat64ReferenceFp16) { run_decode_cases<c10::Half>(48); }
+TEST(DecodeTiles, EmulatedKernelMatchesFloat64ReferenceBf16) { run_decode_cases<c10::BFloat16>(47, false); }
+TEST(DecodeTiles, LogitsForStatisticsCoverEveryLiveSlotOnceBf16) { run_decode_logits_cases<c10::BFloat16>(49, false); }
+TEST(DecodeTiles, LogitsForStatisticsCoverEveryLiveSlotOnceFp16) { run_decode_logits_cases<c10::Half>(50, false); }
+TEST(DecodeTiles, EmulatedKernelMatchesFloat64ReferenceFp16) { run_decode_cases<c10::Half>(48, false); }
+TEST(DecodeTiles, EmulatedKernelOnInt8PagesMatchesFloat64ReferenceBf16) { run_decode_cases<c10::BFloat16>(57, true); }
+TEST(DecodeTiles, EmulatedKernelOnInt8PagesMatchesFloat64ReferenceFp16) { run_decode_cases<c10::Half>(58, true); }
+TEST(DecodeTiles, LogitsOnInt8PagesCoverEveryLiveSlotOnceBf16) { run_decode_logits_cases<c10::BFloat16>(59, true); }
 
 }  // namespace

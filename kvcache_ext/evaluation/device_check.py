@@ -35,11 +35,14 @@ from kvcache_ext.reference.masked_cache import MaskedLayerKV
 # The dtypes of the pages: the three K and V dtypes, and int8 pages (K and V handed in as float32).
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 INT8_INPUT = torch.float32
+# int8 pages under a bfloat16 model (K, V and q in bfloat16): the attention rows only, the calls
+# the CUDA tensor-core kernels take on int8 pages.
+INT8_BF16 = "int8/bfloat16"
 
 # Attention outputs against the float64 reference: the kernels accumulate in float32; a half
 # type adds one rounding of the output. int8 pages: the reference attends over the values the
 # pages give back (exact in float32), so float32's bound holds.
-OUT_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2, "int8": 1e-5}
+OUT_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2, "int8": 1e-5, INT8_BF16: 1.6e-2}
 STAT_TOL = 1e-5      # the statistics are float32 on both sides
 STEP_TOL = 1e-4      # statistics and channels after several decode steps: float32 sums of a few terms
 # Logits of the patched tiny model, ragged path against reference path (both in the model's dtype).
@@ -120,6 +123,8 @@ def compare(name: str, got, want, tol: float) -> Part:
 # --- stores ----------------------------------------------------------------------------------
 def _page_dtypes(dtype: str) -> tuple[torch.dtype, torch.dtype | None]:
     """(the dtype of K and V handed in, the pages' kv_dtype)."""
+    if dtype == INT8_BF16:
+        return torch.bfloat16, torch.int8
     return (INT8_INPUT, torch.int8) if dtype == "int8" else (getattr(torch, dtype), None)
 
 
@@ -133,16 +138,19 @@ def _stores(device, dtype: str, gen, channels: int = 2, lens=LENS):
     kv, pages = _page_dtypes(dtype)
     store = RaggedKVStore(BATCH, HEADS, HEAD_DIM, dtype=kv, device=device, score_channels=channels,
                           page_size=PAGE, kv_dtype=pages)
-    ref = reference.ReferenceStore(BATCH, HEADS, HEAD_DIM, dtype=kv, score_channels=channels, kv_dtype=pages)
+    # int8 pages: the reference holds the values the pages give back in float32, where they are
+    # exact (K and V in bfloat16 quantize as their float32 widening does).
+    held = torch.float32 if pages is not None else kv
+    ref = reference.ReferenceStore(BATCH, HEADS, HEAD_DIM, dtype=held, score_channels=channels, kv_dtype=pages)
     longest = max(map(max, lens))
     valid = torch.arange(longest) < torch.tensor(lens)[..., None]
     k, v = _tokens(gen, longest, kv)
     store.append(k.to(device), v.to(device), torch.arange(longest).to(device), valid.to(device))
-    ref.append(k, v, torch.arange(longest).expand(BATCH, longest), valid)
+    ref.append(k.to(held), v.to(held), torch.arange(longest).expand(BATCH, longest), valid)
     k, v = _tokens(gen, 3, kv)
     pos = torch.arange(longest, longest + 3)
     store.append(k.to(device), v.to(device), pos.to(device))
-    ref.append(k, v, pos.expand(BATCH, 3))
+    ref.append(k.to(held), v.to(held), pos.expand(BATCH, 3))
     return store, ref
 
 
@@ -406,7 +414,7 @@ def check_model(device, dtype, gen, policy) -> list[Part]:
 # (op as the table names it, its check, the dtypes it runs in: None for every dtype, the
 # environment variable that picks the CUDA kernel and its value: None for the default kernels).
 SCORE_DTYPE = "float32 scores"
-HALF = ("float16", "bfloat16")
+HALF = ("float16", "bfloat16", INT8_BF16)
 BOTH = ("out", "statistics")
 CHECKS: tuple[tuple[str, Callable, tuple[str, ...] | None, tuple[str, str] | None], ...] = (
     ("store_append", check_append, None, None),
@@ -416,8 +424,8 @@ CHECKS: tuple[tuple[str, Callable, tuple[str, ...] | None, tuple[str, str] | Non
     ("store_compact unordered", partial(check_compact, stable=False), None, None),
     ("store_topk", check_store_topk, None, None),
     ("store_check", check_store_check, None, None),
-    ("attention_run", partial(check_attention, compared=("out",)), None, None),
-    ("attention_run statistics", partial(check_attention, compared=("statistics",)), None, None),
+    ("attention_run", partial(check_attention, compared=("out",)), DTYPES + (INT8_BF16,), None),
+    ("attention_run statistics", partial(check_attention, compared=("statistics",)), DTYPES + (INT8_BF16,), None),
     ("attention_run, scalar prefill (KVCACHE_EXT_TC_PREFILL=0)", partial(check_attention, compared=BOTH), HALF,
      ("KVCACHE_EXT_TC_PREFILL", "0")),
     ("attention_run, tensor-core decode (KVCACHE_EXT_TC_DECODE=1)", partial(check_attention, compared=BOTH), HALF,
