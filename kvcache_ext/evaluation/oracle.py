@@ -37,8 +37,7 @@ from kvcache_ext.policies import AdaKV, Policy, Protection, Scorer, Uniform
 from kvcache_ext.policies.scorer import group_reduce
 from kvcache_ext.policies.views import CacheView, PromptView
 
-ALLOCATIONS = {"oracle": AdaKV, "oracle-uniform": Uniform}
-assert tuple(ALLOCATIONS) == ORACLE_POLICIES
+ALLOCATIONS = dict(zip(ORACLE_POLICIES, (AdaKV, Uniform)))   # oracle, oracle-uniform
 
 
 class AnswerOracle(Scorer):
