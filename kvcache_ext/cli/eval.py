@@ -35,7 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", type=model_name, default=None, help=MODEL_HELP)
     p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
                    help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES}); kvpress's presses "
-                   "by name (kvpress-snapkv, kvpress-ada-snapkv, kvpress-kvzip, ...) when kvpress is installed")
+                   "by name (kvpress-snapkv, kvpress-ada-snapkv, kvpress-kvzip, ...) when kvpress is installed; "
+                   "oracle, oracle-uniform: the ceiling, what the full cache's own answer attends to most "
+                   "(passkey, needle, ruler)")
     p.add_argument("--budget", type=int_list, default=None,
                    help=f"tokens per KV head, comma-separated (default {','.join(map(str, DEFAULT_BUDGETS))})")
     p.add_argument("--keep", type=_keep_list(fraction_list), default=None,
@@ -199,7 +201,16 @@ def check_arguments(args) -> str | None:
         why = kvpress_missing()
         if why:
             return f"--policy {presses[0]}: {why}"
-    for name in [name for name in _names(args.policy) if name not in KVPRESS_POLICIES]:
+    from kvcache_ext.evaluation.named_policies import ORACLE_POLICIES
+    oracles = [name for name in _names(args.policy) if name in ORACLE_POLICIES]
+    if oracles:
+        if args.task not in ("passkey", "needle", "ruler"):
+            return (f"--policy {oracles[0]}: the oracle keeps what the full cache's answer attends to; it runs on "
+                    f"passkey, needle and ruler, not {args.task}")
+        if args.prefill_block is not None or args.decode_every is not None:
+            return (f"--policy {oracles[0]}: the oracle compresses once after a one-shot prefill; "
+                    "drop --prefill-block and --decode-every")
+    for name in [name for name in _names(args.policy) if name not in KVPRESS_POLICIES + ORACLE_POLICIES]:
         for budget in budgets_of(args):
             tokens = budget if isinstance(budget, int) else max(1, round(budget * 1024))
             flag = "--budget" if isinstance(budget, int) else "--keep"

@@ -105,6 +105,9 @@ BUILT_IN = {
 }
 
 RESERVED = ("full", "all")   # HF's full cache; every name (parse_policies)
+# The evaluation's ceiling (``evaluation.oracle``): it needs the full cache's answer to the prompt
+# it compresses, so only ``kvcache-ext eval`` runs it; ``make_policy`` refuses these names.
+ORACLE_POLICIES = ("oracle", "oracle-uniform")
 _REGISTRY: dict[str, tuple[Callable, Callable | None]] = {}
 
 
@@ -119,8 +122,8 @@ def register_policy(name: str, scorer: Callable, allocation: Callable | None = N
     if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name or " " in name:
         raise ValueError(f"register_policy name must be a non-empty lower-case name without spaces or "
                          f"commas, got {name!r}")
-    if name in RESERVED:
-        raise ValueError(f"register_policy name {name!r} is reserved ({', '.join(RESERVED)})")
+    if name in RESERVED + ORACLE_POLICIES:
+        raise ValueError(f"register_policy name {name!r} is reserved ({', '.join(RESERVED + ORACLE_POLICIES)})")
     if not callable(scorer):
         raise TypeError(f"register_policy scorer must be a function of the budget that returns a Scorer, "
                         f"got {type(scorer).__name__}")
@@ -153,6 +156,10 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
     key = name.strip().lower()
     if key == "full":
         return None
+    if key in ORACLE_POLICIES:
+        raise ValueError(f"policy {name!r} is the evaluation's oracle: it needs the full cache's answer to the "
+                         "prompt it compresses, so it is no policy to serve or patch a model with; kvcache-ext eval "
+                         f"--policy {key} runs it (passkey, needle, ruler)")
     if key not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
     scorer, allocation = _REGISTRY[key]
@@ -164,7 +171,7 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
 
 def parse_policies(text: str) -> list[str]:
     """A comma-separated list of names; "all" is every name of ours (kvpress's presses,
-    ``kvpress-*``, are named one by one)."""
+    ``kvpress-*``, and the oracles, ``ORACLE_POLICIES``, are named one by one)."""
     from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     known = policy_names()
@@ -172,10 +179,10 @@ def parse_policies(text: str) -> list[str]:
         raise ValueError(f"no policy named in {text!r}; known: {', '.join(known)} (or all)")
     if names == ["all"]:
         return list(known)
-    unknown = [n for n in names if n not in known + KVPRESS_POLICIES]
+    unknown = [n for n in names if n not in known + KVPRESS_POLICIES + ORACLE_POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)} (or all), and kvpress's "
-                         f"{', '.join(KVPRESS_POLICIES)}")
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)} (or all), kvpress's "
+                         f"{', '.join(KVPRESS_POLICIES)}, and the oracles {', '.join(ORACLE_POLICIES)}")
     return names
 
 

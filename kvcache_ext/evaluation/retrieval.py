@@ -8,6 +8,7 @@
 
 With a one-shot schedule every policy shares one dense prefill per prompt
 (``shared_prefill``); a block-wise prefill runs the patched model on the prompt for each policy.
+The oracles (``evaluation.oracle``) run last on each prompt, from the full cache's answer to it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from kvcache_ext.evaluation.decoding import (
     greedy_continue,
 )
 from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, run_press
-from kvcache_ext.evaluation.named_policies import policy_runs, run_label
+from kvcache_ext.evaluation.named_policies import ORACLE_POLICIES, policy_runs, run_label
+from kvcache_ext.evaluation.oracle import oracle_policy, timed_answer_scores
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
 from kvcache_ext.tasks import make_needle_prompt, make_passkey_prompt
 from kvcache_ext.tasks.ruler import make_ruler_prompt
@@ -113,7 +115,8 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
 
     # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
     out = []
-    ours = [name for name in policies if name not in KVPRESS_POLICIES]
+    ours = [name for name in policies if name not in KVPRESS_POLICIES + ORACLE_POLICIES]
+    full_answer = None
     for label, name, budget, policy in prompt_runs(ours, budgets, context.shape[1], schedule):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
@@ -122,6 +125,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
             new, decode_s = greedy_continue(model, cache, last_logits(cache, recorded.logits),
                                             max_new_tokens, eos)
             full_bytes = cache_bytes(cache)
+            full_answer = new
             if "full" not in policies:
                 continue
             out.append(record(name, None, new, decode_s, full_bytes, prefill_s=recorded.seconds))
@@ -143,6 +147,23 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                 out.append(record(run_label(name, kv_dtype), label, new, decode_s, cache_bytes(cache), budget,
                                   prefill_s))
             on_run and on_run(out[-1])
+    oracles = [name for name in policies if name in ORACLE_POLICIES]
+    if oracles:
+        # The full cache's answer, teacher-forced after what the model read (the question too, in
+        # agnostic mode), rates the compressed part's tokens once for every budget.
+        asked = context if question is None else torch.cat([context, question], dim=1)
+        scores, scoring_s = timed_answer_scores(model, asked, full_answer, context.shape[1])
+        for name in oracles:
+            for label in budgets:
+                tokens = budget_tokens(label, context.shape[1])
+                policy = oracle_policy(name, tokens, scores)
+                with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
+                    cache = compressed_cache(policy, recorded, handle.model_parts, kv_dtype)
+                    new, decode_s = greedy_continue(model, cache, last_logits(cache, recorded.logits),
+                                                    max_new_tokens, eos)
+                    out.append(record(run_label(name, kv_dtype), label, new, decode_s, cache_bytes(cache), tokens,
+                                      recorded.seconds + scoring_s))
+                on_run and on_run(out[-1])
     for name in [name for name in policies if name in KVPRESS_POLICIES]:
         for label in budgets:
             new, decode_s, held, prefill_s = run_press(model, tokenizer, name, label, context, question,
