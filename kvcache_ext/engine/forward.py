@@ -14,6 +14,7 @@ import torch
 
 from kvcache_ext.engine.blocks import attend_in_blocks
 from kvcache_ext.engine.decode import decode
+from kvcache_ext.engine.lookahead import hold_prompt_queries, note_queries
 from kvcache_ext.engine.prompt import compress_prompt, release_prefill_slack
 from kvcache_ext.engine.reconstruction import attend_context, hold_prompt
 from kvcache_ext.engine.state import LayerState
@@ -46,6 +47,8 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
         valid = None if attention_mask is None else decode_validity(state, attention_mask, B, q.device)
         out = decode(state, q, k, v, pos, valid, scale)
         state.finish_decode_step()
+        if state.lookahead is not None:   # a deferred compression: this step's query joins its window
+            note_queries(state, q, pos, None if valid is None else valid[:, None], decode_step=True)
         return out.transpose(1, 2)
     valid, all_valid = step_validity(state, attention_mask, n, B, q.device)
     if state.seen == 0 and n > 1 and state.policy.schedule.prefill_block is None:
@@ -65,6 +68,8 @@ def layer_forward(state: LayerState, dense_attention, module, q, k, v, attention
     out = attend_in_blocks(state, q, k, v, pos, valid, scale, block, all_valid)
     if fresh:
         release_prefill_slack(state)
+    if state.lookahead is not None:   # tokens after a prompt whose compression waits: their queries join
+        note_queries(state, q, pos, valid, decode_step=False)
     return out.transpose(1, 2)
 
 
@@ -84,6 +89,9 @@ def prefill_dense(state: LayerState, q, k, v, pos, valid, scale) -> None:
     state.advance(n)
     if state.policy.scorer.capabilities.reconstructs:
         hold_prompt(state, k, v, pos, valid, scale)   # scored and compressed after the passes
+        return
+    if state.policy.schedule.lookahead:
+        hold_prompt_queries(state, q, k, v, pos, valid, scale)   # compressed after the lookahead steps
         return
     compress_prompt(state, q, k, v, pos, valid, scale)
     release_prefill_slack(state)

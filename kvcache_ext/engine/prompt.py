@@ -10,10 +10,10 @@ from kvcache_ext.engine.state import LayerState
 from kvcache_ext.policies.views import PromptView
 
 
-def prompt_view(state: LayerState, q, k, v, pos, valid, scale) -> PromptView:
-    """A fresh prompt of one layer as its scorer sees it."""
-    return PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale,
-                      layer_idx=state.layer_idx, num_layers=state.num_layers, budget=state.budget,
+def prompt_view(state: LayerState, q, k, v, pos, valid, scale, budget=None) -> PromptView:
+    """A fresh prompt of one layer as its scorer sees it (``budget`` [B]: instead of the layer's)."""
+    return PromptView(q=q, k=k, v=v, pos=pos, valid=valid, scale=scale, layer_idx=state.layer_idx,
+                      num_layers=state.num_layers, budget=state.budget if budget is None else budget,
                       model=state.model, layer_state=state.scorer_state,
                       cache_state=state.shared.scorer_state, token_ids=state.shared.token_ids)
 
@@ -31,19 +31,23 @@ def note_prompt(state: LayerState, pos, valid) -> None:
     state.note_newest(pos.masked_fill(~valid, -1).max(dim=1).values)
 
 
-def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels) -> None:
+def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels, protection=None, budget=None) -> None:
     """Stores each head's budget of a prompt by ``scores`` [B, H, n] (protection and the
-    allocation applied), with the scorer's ``channels`` when the schedule evicts again."""
+    allocation applied), with the scorer's ``channels`` when the schedule evicts again.
+    ``protection`` / ``budget`` [B]: instead of the policy's / the layer's (a deferred
+    compression's, ``engine.lookahead``)."""
     p, kv = state.policy, state.kv
+    protection = p.protection if protection is None else protection
+    budget = state.budget if budget is None else budget
     B, H, n, _ = k.shape
     if state.window is not None:
         # A sliding-window layer: the tokens the next token will not see are gone first; the
         # budget applies among the rest.
         valid = valid & (pos >= state.window_start(state.last_pos + 1)[:, None])
     held = valid[:, None, :].expand(B, H, n)
-    scores, protected = p.protection.apply(scores, pos[:, None, :].expand(B, H, n), state.last_pos, held)
+    scores, protected = protection.apply(scores, pos[:, None, :].expand(B, H, n), state.last_pos, held)
     counts = lambda s, m, total: kv.prompt_grouped_counts(s, pos, valid, total)
-    per_head = head_budgets(state, state.budget, scores, held, protected, counts)
+    per_head = head_budgets(state, budget, scores, held, protected, counts)
     keep = kv.prompt_keep(scores, pos, valid, per_head)
     kv.append(k, v, pos, keep)
     if channels is not None and p.schedule.evicts_over_cache:

@@ -102,6 +102,7 @@ class LayerState:
         "decode_steps",         # decode steps seen
         "decode_works",         # what its decode steps do, by kind (engine.decode.DecodeWork), made once
         "context",              # a prompt held for reconstruction passes (reconstruction.Context)
+        "lookahead",            # the queries of a compression deferred by lookahead (lookahead.Held)
         "scorer_state",         # the scorer's own state of this layer (views' layer_state)
     )
 
@@ -129,6 +130,7 @@ class LayerState:
         self.decode_steps = 0
         self.decode_works = {}
         self.context = None
+        self.lookahead = None
         self.scorer_state.clear()
         if self.layer_idx == 0:
             self.shared.clear()
@@ -140,6 +142,9 @@ class LayerState:
         if self.context is not None:
             raise RuntimeError(f"layer {self.layer_idx} holds a prompt for reconstruction passes: score it "
                                "(handle.score_prompt) before forking the cache")
+        if self.lookahead is not None:
+            raise RuntimeError(f"layer {self.layer_idx} holds a whole prompt until its deferred compression "
+                               "(Schedule lookahead): decode its lookahead steps before forking the cache")
         other = LayerState(self.layer_idx, self.num_layers, self.policy, self.storage, model=self.model,
                            max_cache_len=max_cache_len, shared=shared)
         other.note_window(self.window)
@@ -265,6 +270,23 @@ class LayerState:
         if decode_budget is not None:
             self.decode_budget, self.decode_budget_host = decode_budget, decode_budget.cpu()
         self.decode_works = {}   # made again from these budgets
+
+    def new_storage(self) -> None:
+        """Replaces the storage by an empty one for the same tokens (a deferred compression,
+        ``engine.lookahead``, stores its choice anew)."""
+        B, dtype, device = self.tokens
+        H, D, _ = self.layout
+        self.kv = self.storage(B, H, D, dtype, device, self.policy.scorer.capabilities.channels)
+
+    # --- the queries of a deferred compression ---------------------------------------------
+    def hold_queries(self, held) -> None:
+        """Keeps the queries of a compression deferred by lookahead (``lookahead.Held``)."""
+        self.lookahead = held
+
+    def release_queries(self):
+        """The held queries, no longer held."""
+        held, self.lookahead = self.lookahead, None
+        return held
 
     # --- a prompt held for reconstruction passes ------------------------------------------
     def hold(self, context) -> None:

@@ -17,6 +17,7 @@ The library's own policies are the entries of ``BUILT_IN`` below.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from kvcache_ext.policies import (
@@ -40,6 +41,7 @@ from kvcache_ext.policies import (
     Spanned,
     StreamingLLM,
 )
+from kvcache_ext.policies.schedule import LOOKAHEAD
 
 
 def _h2o(budget: int) -> H2O:
@@ -48,7 +50,8 @@ def _h2o(budget: int) -> H2O:
     return H2O(recent=budget // 2)
 
 
-# name -> (scorer(budget), allocation() or None: the Policy's default, uniform)
+# name -> (scorer(budget), allocation() or None: the Policy's default, uniform[, lookahead: decode
+# steps before the one-shot compression, on top of the run's schedule])
 BUILT_IN = {
     "streamingllm": (lambda b: StreamingLLM(), None),
     "random": (lambda b: Random(), None),
@@ -102,23 +105,31 @@ BUILT_IN = {
     "snapkv-spans": (lambda b: Spanned(SnapKV()), None),
     "ada-snapkv-spans": (lambda b: Spanned(SnapKV()), lambda: AdaKV()),
     "ahakv-spans": (lambda b: Spanned(AhaKV()), None),
+    # One-shot compression deferred by L decode steps whose queries join SnapKV's observation
+    # window (Schedule lookahead): L = 8, and the ablation's 4 and 16.
+    "snapkv-lookahead": (lambda b: SnapKV(), None, 8),
+    "ada-snapkv-lookahead": (lambda b: SnapKV(), lambda: AdaKV(), 8),
+    "ada-snapkv-spans-lookahead": (lambda b: Spanned(SnapKV()), lambda: AdaKV(), 8),
+    "ada-snapkv-lookahead4": (lambda b: SnapKV(), lambda: AdaKV(), 4),
+    "ada-snapkv-lookahead16": (lambda b: SnapKV(), lambda: AdaKV(), 16),
 }
 
 RESERVED = ("full", "all")   # HF's full cache; every name (parse_policies)
 # The evaluation's ceiling (``evaluation.oracle``): it needs the full cache's answer to the prompt
 # it compresses, so only ``kvcache-ext eval`` runs it; ``make_policy`` refuses these names.
 ORACLE_POLICIES = ("oracle", "oracle-uniform")
-_REGISTRY: dict[str, tuple[Callable, Callable | None]] = {}
+_REGISTRY: dict[str, tuple[Callable, Callable | None, int]] = {}
 
 
 def register_policy(name: str, scorer: Callable, allocation: Callable | None = None, *,
-                    replace: bool = False) -> None:
+                    replace: bool = False, lookahead: int = 0) -> None:
     """Makes ``name`` a policy that ``make_policy`` and ``kvcache-ext eval --policy`` know.
 
     ``scorer(budget)`` builds its scorer (a ``kvcache_ext.policies.Scorer``) for a budget in
     tokens per KV head; ``allocation()`` builds its allocation (a class such as ``AdaKV``, or a
     function), None: the Policy's default (uniform). Names are lower case, without spaces or
-    commas; a name already taken is refused unless ``replace=True``."""
+    commas; a name already taken is refused unless ``replace=True``. ``lookahead``: decode steps
+    before its one-shot compression (``Schedule(lookahead=...)``, set on the run's schedule)."""
     if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name or " " in name:
         raise ValueError(f"register_policy name must be a non-empty lower-case name without spaces or "
                          f"commas, got {name!r}")
@@ -132,7 +143,8 @@ def register_policy(name: str, scorer: Callable, allocation: Callable | None = N
                         f"Allocation, or None, got {type(allocation).__name__}")
     if name in _REGISTRY and not replace:
         raise ValueError(f"policy {name!r} is already registered (replace=True replaces it)")
-    _REGISTRY[name] = (scorer, allocation)
+    lookahead = LOOKAHEAD(lookahead, "register_policy lookahead")
+    _REGISTRY[name] = (scorer, allocation, lookahead)
 
 
 def unregister_policy(name: str) -> None:
@@ -147,8 +159,8 @@ def policy_names() -> tuple[str, ...]:
     return ("full",) + tuple(_REGISTRY)
 
 
-for _name, (_scorer, _allocation) in BUILT_IN.items():
-    register_policy(_name, _scorer, _allocation)
+for _name, (_scorer, _allocation, *_lookahead) in BUILT_IN.items():
+    register_policy(_name, _scorer, _allocation, lookahead=_lookahead[0] if _lookahead else 0)
 
 
 def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Policy | None:
@@ -162,7 +174,9 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
                          f"--policy {key} runs it (passkey, needle, ruler)")
     if key not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
-    scorer, allocation = _REGISTRY[key]
+    scorer, allocation, lookahead = _REGISTRY[key]
+    if lookahead:
+        schedule = dataclasses.replace(schedule or Schedule(), lookahead=lookahead)
     kwargs = {"schedule": schedule} if schedule is not None else {}
     if allocation is not None:
         kwargs["allocation"] = allocation()

@@ -197,6 +197,8 @@ class DecodeGraph:
                 return "a layer without its paged storage (before the prompt, or the reference's)"
             if state.window is not None or state.context is not None:
                 return "a sliding-window layer, or a prompt held for reconstruction passes"
+            if state.lookahead is not None:
+                return "a prompt held whole until its deferred compression (Schedule lookahead)"
             if state.tokens[0] != input_ids.shape[0] or state.tokens[2] != input_ids.device:
                 return "another batch or device than the cache's"
             for kind in (False, True) if every is not None else (False,):

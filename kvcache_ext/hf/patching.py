@@ -291,6 +291,11 @@ def _init_continuous_batching(model, handle, *args, **kwargs):
         raise NotImplementedError(f"kvcache_ext: continuous batching (generate_batch, serve) of a model whose "
                                   f"heads are split over {handle.shape.ranks} tensor-parallel ranks is not "
                                   "supported; use generate")
+    if handle.policy.schedule.lookahead:
+        # Its requests' steps run packed, outside the layer calls that hold the prompt's queries.
+        raise NotImplementedError(f"kvcache_ext: continuous batching (generate_batch, serve) of a policy whose "
+                                  f"compression waits for {handle.policy.schedule.lookahead} decode steps "
+                                  "(Schedule lookahead) is not supported; use generate")
     manager = batching.manager(model, handle, *args, **kwargs)
     handle.remember_batching(manager)
     return manager

@@ -123,6 +123,10 @@ def compress_prefix(handle, token_ids) -> SharedPrefix:
         raise ValueError(f"share_prefix: the policy {policy} evicts over the cache (schedule {policy.schedule}), "
                          "which would write the tokens its readers share; share a prefix under a one-shot "
                          "schedule (the prompt compressed once, then appended to)")
+    if policy.schedule.lookahead:
+        raise ValueError(f"share_prefix: the policy {policy} compresses after {policy.schedule.lookahead} decode "
+                         "steps (schedule lookahead), which a shared prefix has not; share a prefix under a one-shot "
+                         "schedule with lookahead=0")
     vocab = handle.model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
         raise ValueError(f"share_prefix token_ids must be < the model's vocabulary size {vocab}, got {max(ids)}")

@@ -25,7 +25,7 @@ from kvcache_ext.policies.protection import Protection
 from kvcache_ext.policies.pyramid import Pyramid
 from kvcache_ext.policies.random_eviction import Random
 from kvcache_ext.policies.roco import RoCo
-from kvcache_ext.policies.schedule import BlockwisePrefill, EveryNSteps, EveryStep, OneShot, Schedule
+from kvcache_ext.policies.schedule import BlockwisePrefill, EveryNSteps, EveryStep, Lookahead, OneShot, Schedule
 from kvcache_ext.policies.scissorhands import ScissorHands
 from kvcache_ext.policies.scorer import ReconstructionScorer, Scorer
 from kvcache_ext.policies.snapkv import SnapKV
@@ -41,5 +41,5 @@ __all__ = ["Policy", "ModelShape", "Scorer", "Capabilities", "ReconstructionScor
            "StreamingLLM", "H2O", "TOVA", "SnapKV", "Random", "RoCo", "ScissorHands",
            "AhaKV", "KVEC", "KVzip", "ExpectedAttention", "CAOTE", "FastCAOTE", "caote_policy",
            "Pooling", "Pooled", "Spans", "Spanned", "Uniform", "Pyramid", "AdaKV", "AcrossLayers",
-           "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps",
+           "OneShot", "BlockwisePrefill", "EveryStep", "EveryNSteps", "Lookahead",
            "PromptView", "CacheView", "ModelParts"]

@@ -93,6 +93,11 @@ class Policy:
         if self.protection.size >= INT32_MAX:
             raise ValueError(f"Policy protection {self.protection} protects 2^31 - 1 tokens or more")
         self.scorer.check_policy(self)
+        lookahead = self.schedule.lookahead
+        if lookahead and self.scorer.observing(lookahead) is None:
+            raise ValueError(f"Policy schedule lookahead={lookahead} widens the scorer's observation window over "
+                             f"the decoded tokens' queries; {type(self.scorer).__name__} scores from no such "
+                             "window. Use SnapKV (or a wrapper of it, such as Spanned(SnapKV())), or lookahead=0")
         if self.allocation.whole_model and not self.scorer.capabilities.reconstructs:
             raise ValueError(f"{self.allocation} splits the budget by every layer's scores at once, which "
                              f"only a scorer that reconstructs the prompt (KVzip) has; {type(self.scorer).__name__} "

@@ -1,4 +1,5 @@
-"""When a policy evicts: after the prefill, after every prefill block, during decoding."""
+"""When a policy evicts: after the prefill, after every prefill block, during decoding, or once
+after a few decode steps (lookahead)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,8 @@ from kvcache_ext.checks import Int, Optional, check_fields
 
 MAX_BLOCK = 256   # the attention kernel's largest query block
 BLOCK = Int(1, MAX_BLOCK, what=f"an integer in [1, {MAX_BLOCK}] (the attention kernel's largest block)")
+MAX_LOOKAHEAD = 4096
+LOOKAHEAD = Int(0, MAX_LOOKAHEAD, what=f"an integer in [0, {MAX_LOOKAHEAD}] (decode steps before the compression)")
 
 
 @dataclass(frozen=True)
@@ -20,18 +23,32 @@ class Schedule:
     ``decode_every``: None never evicts while decoding (the cache grows by one token per
     step); N evicts every N decode steps down to ``decode_target`` tokens per head
     (default: the budget), so 1 holds the cache at its budget.
+
+    ``lookahead``: 0 compresses a one-shot prompt right after the prefill. L > 0 defers that
+    one compression: the model decodes L tokens over the whole prompt, then each layer scores
+    the prompt once with an observation window of the prompt's newest queries followed by
+    every query since (the L decoded tokens', and those of any call in between), keeps its
+    budget of the prompt plus every token since, and decoding goes on over what it kept. Only
+    a scorer with an observation window (SnapKV, and wrappers of it) can widen it
+    (``Scorer.observing``); one-shot prefill only (no ``prefill_block``, no ``decode_every``).
+    The cache holds the whole prompt and L tokens until then, as the prefill did.
     """
 
     prefill_block: int | None = None
     decode_every: int | None = None
     decode_target: int | None = None
+    lookahead: int = 0
 
     def __post_init__(self):
         check_fields(self, "Schedule", prefill_block=Optional(BLOCK), decode_every=Optional(Int(1)),
-                     decode_target=Optional(Int(1)))
+                     decode_target=Optional(Int(1)), lookahead=LOOKAHEAD)
         if self.decode_target is not None and self.decode_every is None:
             raise ValueError(f"Schedule decode_target (= {self.decode_target}) needs decode_every: "
                              "it is the size decode-time eviction evicts down to")
+        if self.lookahead and (self.prefill_block is not None or self.decode_every is not None):
+            raise ValueError(f"Schedule lookahead (= {self.lookahead}) defers a one-shot compression; it takes "
+                             f"neither prefill_block (= {self.prefill_block}) nor decode_every "
+                             f"(= {self.decode_every}): give lookahead=0 or leave both None")
 
     @property
     def evicts_over_cache(self) -> bool:
@@ -60,3 +77,10 @@ def EveryNSteps(n: int, target: int | None = None, prefill_block: int | None = N
     return Schedule(prefill_block=Optional(BLOCK)(prefill_block, "EveryNSteps prefill_block"),
                     decode_every=Int(1)(n, "EveryNSteps n"),
                     decode_target=Optional(Int(1))(target, "EveryNSteps target"))
+
+
+def Lookahead(steps: int = 8) -> Schedule:
+    """Compress each prompt once, after ``steps`` decode steps over the whole prompt, with their
+    queries in the observation window; decoding then appends without eviction."""
+    return Schedule(lookahead=Int(1, MAX_LOOKAHEAD, what=f"an integer in [1, {MAX_LOOKAHEAD}] (decode steps "
+                                  "before the compression)")(steps, "Lookahead steps"))

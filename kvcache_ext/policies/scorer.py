@@ -48,6 +48,12 @@ class Scorer:
         serve; ``Policy`` calls it. By default only the schedule is checked."""
         self.check(policy.schedule)
 
+    def observing(self, extra: int) -> "Scorer | None":
+        """This scorer with an observation window ``extra`` queries longer (a deferred
+        compression, ``Schedule(lookahead=...)``, widens it over the queries since the prompt);
+        None: it scores from no window of newest queries (the default)."""
+        return None
+
     def check_model(self, model) -> None:
         """Raises ValueError for a model this scorer cannot serve; ``patch`` calls it with the
         model's ``ModelShape`` (layers, query and KV heads, head dim, ``groups`` = G, and

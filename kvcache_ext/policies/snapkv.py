@@ -1,7 +1,7 @@
 """SnapKV (Li et al., 2024): attention from an observation window of the newest queries, pooled."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,9 @@ class SnapKV(Scorer):
 
     def default_protection(self) -> Protection:
         return Protection(recent=self.window)
+
+    def observing(self, extra: int) -> "SnapKV":
+        return replace(self, window=self.window + extra)
 
     def check(self, schedule) -> None:
         if self.order == "pool_then_mean" and schedule.evicts_over_cache:

@@ -49,6 +49,10 @@ class Spanned(Wrapper):
     def wraps(self, inner: Capabilities) -> Capabilities:
         return replace(inner, needs_token_ids=True)   # the spans come from the rows' token ids
 
+    def observing(self, extra: int) -> "Spanned | None":
+        base = self.base.observing(extra)
+        return None if base is None else replace(self, base=base)
+
     # --- shared scores --------------------------------------------------------------------
     def _share(self, scores, pos, real, last_pos, view) -> torch.Tensor:
         kinds, token_ids = view.model.token_kinds, view.token_ids
