@@ -163,6 +163,7 @@ def test_named_policies_carry_their_lookahead():
     assert policy.schedule.lookahead == 8 and isinstance(policy.allocation, AdaKV)
     spans = make_policy("ada-snapkv-spans-lookahead", 64)
     assert isinstance(spans.scorer, Spanned) and spans.schedule.lookahead == 8
+    assert make_policy("ada-snapkv-deferred", 64).schedule == Schedule(lookahead=8, lookahead_queries=False)
     with pytest.raises(ValueError, match="lookahead"):
         make_policy("snapkv-lookahead", 64, Schedule(decode_every=1))
 
@@ -194,3 +195,34 @@ def test_d_bad_arguments_are_refused():
         teacher_forced(model, cache, *inputs(batch=1, length=30), steps=1)
         with pytest.raises(RuntimeError, match="deferred compression"):
             cache.fork()
+
+
+def test_without_the_queries_since_the_prompt_is_scored_by_its_own_window():
+    """lookahead_queries=False (the ablation): the same kept positions as the prompt alone scored
+    by SnapKV's window, plus the tokens since."""
+    window, budget, steps, n = 4, 12, 3, 40
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    ids, mask = inputs(batch=1, length=n)
+    fed = fed_tokens(1, steps)
+    policy = Policy(SnapKV(window=window, kernel=1), budget=budget,
+                    schedule=Schedule(lookahead=steps, lookahead_queries=False))
+    with kvcache_ext.patch(model, policy) as handle:
+        cache = handle.new_cache()
+        teacher_forced(model, cache, ids, mask, steps=steps, fed=fed)
+    seen = _record_attention(model)
+    with torch.no_grad():
+        model(ids)
+    model.set_attn_implementation("sdpa")
+    for layer, (q, k) in seen.items():
+        H, G = k.shape[1], q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(G, dim=1)
+        logits = (q[:, :, -window:] @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        causal = torch.arange(n)[None, :] <= torch.arange(n - window, n)[:, None]
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        scores = probs.mean(dim=2).unflatten(1, (H, G)).mean(dim=2)[0]
+        scores[:, n - window:] = float("inf")
+        prompt = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        expected = torch.cat([prompt, torch.arange(n, n + steps).expand(H, steps)], dim=1)
+        assert torch.equal(kept_positions(cache, layer)[0], expected), layer
+    with pytest.raises(TypeError, match="Schedule lookahead_queries"):
+        Schedule(lookahead=2, lookahead_queries="no")

@@ -29,6 +29,7 @@ class Held:
     q: torch.Tensor
     q_pos: torch.Tensor
     scale: float
+    prompt_last: torch.Tensor   # [B] the prompt's newest position in each row
     since: int = 0
     steps: int = 0
 
@@ -52,7 +53,7 @@ def hold_prompt_queries(state: LayerState, q, k, v, pos, valid, scale) -> None:
     window = state.policy.scorer.capabilities.stats_window or 1
     index, real = newest_queries(valid, pos, window)
     rows = q.gather(2, index[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
-    state.hold_queries(Held(rows, pos.gather(1, index).masked_fill(~real, -1), scale))
+    state.hold_queries(Held(rows, pos.gather(1, index).masked_fill(~real, -1), scale, state.last_pos.clone()))
     release_prefill_slack(state)
 
 
@@ -92,10 +93,16 @@ def compress_held(state: LayerState) -> None:
     q.scatter_(2, column[:, None, :, None].expand(B, Hq, r, D), held.q)
     q = q[:, :, :L]
     policy = state.policy
-    scorer = policy.scorer.observing(held.since)
     protection = replace(policy.protection, recent=policy.protection.recent + held.since)
     budget = state.budget + held.since
-    scores, channels = scorer.prompt_scores(prompt_view(state, q, k, v, pos, real, held.scale, budget))
+    scored = real
+    if not policy.schedule.lookahead_queries:
+        # The ablation: the tokens since are out of the scoring (their queries see nothing, their
+        # keys are not seen), so the window's real queries are the prompt's; they are kept by
+        # the protection all the same.
+        scored = real & (pos <= held.prompt_last[:, None])
+    scorer = policy.scorer.observing(held.since)
+    scores, channels = scorer.prompt_scores(prompt_view(state, q, k, v, pos, scored, held.scale, budget))
     state.new_storage()
     keep_prompt(state, k, v, pos, real, scores, channels, protection=protection, budget=budget)
     release_prefill_slack(state)

@@ -41,6 +41,7 @@ from kvcache_ext.policies import (
     Spanned,
     StreamingLLM,
 )
+from kvcache_ext.checks import Bool
 from kvcache_ext.policies.schedule import LOOKAHEAD
 
 
@@ -51,7 +52,7 @@ def _h2o(budget: int) -> H2O:
 
 
 # name -> (scorer(budget), allocation() or None: the Policy's default, uniform[, lookahead: decode
-# steps before the one-shot compression, on top of the run's schedule])
+# steps before the one-shot compression, on top of the run's schedule[, lookahead_queries]])
 BUILT_IN = {
     "streamingllm": (lambda b: StreamingLLM(), None),
     "random": (lambda b: Random(), None),
@@ -112,24 +113,27 @@ BUILT_IN = {
     "ada-snapkv-spans-lookahead": (lambda b: Spanned(SnapKV()), lambda: AdaKV(), 8),
     "ada-snapkv-lookahead4": (lambda b: SnapKV(), lambda: AdaKV(), 4),
     "ada-snapkv-lookahead16": (lambda b: SnapKV(), lambda: AdaKV(), 16),
+    # The ablation: deferred by 8 steps, but the prompt scored by its own window.
+    "ada-snapkv-deferred": (lambda b: SnapKV(), lambda: AdaKV(), 8, False),
 }
 
 RESERVED = ("full", "all")   # HF's full cache; every name (parse_policies)
 # The evaluation's ceiling (``evaluation.oracle``): it needs the full cache's answer to the prompt
 # it compresses, so only ``kvcache-ext eval`` runs it; ``make_policy`` refuses these names.
 ORACLE_POLICIES = ("oracle", "oracle-uniform")
-_REGISTRY: dict[str, tuple[Callable, Callable | None, int]] = {}
+_REGISTRY: dict[str, tuple[Callable, Callable | None, int, bool]] = {}
 
 
 def register_policy(name: str, scorer: Callable, allocation: Callable | None = None, *,
-                    replace: bool = False, lookahead: int = 0) -> None:
+                    replace: bool = False, lookahead: int = 0, lookahead_queries: bool = True) -> None:
     """Makes ``name`` a policy that ``make_policy`` and ``kvcache-ext eval --policy`` know.
 
     ``scorer(budget)`` builds its scorer (a ``kvcache_ext.policies.Scorer``) for a budget in
     tokens per KV head; ``allocation()`` builds its allocation (a class such as ``AdaKV``, or a
     function), None: the Policy's default (uniform). Names are lower case, without spaces or
     commas; a name already taken is refused unless ``replace=True``. ``lookahead``: decode steps
-    before its one-shot compression (``Schedule(lookahead=...)``, set on the run's schedule)."""
+    before its one-shot compression (``Schedule(lookahead=...)``, set on the run's schedule), and
+    ``lookahead_queries``: whether their queries join the observation window."""
     if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name or " " in name:
         raise ValueError(f"register_policy name must be a non-empty lower-case name without spaces or "
                          f"commas, got {name!r}")
@@ -144,7 +148,8 @@ def register_policy(name: str, scorer: Callable, allocation: Callable | None = N
     if name in _REGISTRY and not replace:
         raise ValueError(f"policy {name!r} is already registered (replace=True replaces it)")
     lookahead = LOOKAHEAD(lookahead, "register_policy lookahead")
-    _REGISTRY[name] = (scorer, allocation, lookahead)
+    lookahead_queries = Bool()(lookahead_queries, "register_policy lookahead_queries")
+    _REGISTRY[name] = (scorer, allocation, lookahead, lookahead_queries)
 
 
 def unregister_policy(name: str) -> None:
@@ -159,8 +164,8 @@ def policy_names() -> tuple[str, ...]:
     return ("full",) + tuple(_REGISTRY)
 
 
-for _name, (_scorer, _allocation, *_lookahead) in BUILT_IN.items():
-    register_policy(_name, _scorer, _allocation, lookahead=_lookahead[0] if _lookahead else 0)
+for _name, (_scorer, _allocation, *_schedule) in BUILT_IN.items():
+    register_policy(_name, _scorer, _allocation, **dict(zip(("lookahead", "lookahead_queries"), _schedule)))
 
 
 def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Policy | None:
@@ -174,9 +179,10 @@ def make_policy(name: str, budget: int, schedule: Schedule | None = None) -> Pol
                          f"--policy {key} runs it (passkey, needle, ruler)")
     if key not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
-    scorer, allocation, lookahead = _REGISTRY[key]
+    scorer, allocation, lookahead, lookahead_queries = _REGISTRY[key]
     if lookahead:
-        schedule = dataclasses.replace(schedule or Schedule(), lookahead=lookahead)
+        schedule = dataclasses.replace(schedule or Schedule(), lookahead=lookahead,
+                                       lookahead_queries=lookahead_queries)
     kwargs = {"schedule": schedule} if schedule is not None else {}
     if allocation is not None:
         kwargs["allocation"] = allocation()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache_ext.checks import Int, Optional, check_fields
+from kvcache_ext.checks import Bool, Int, Optional, check_fields
 
 MAX_BLOCK = 256   # the attention kernel's largest query block
 BLOCK = Int(1, MAX_BLOCK, what=f"an integer in [1, {MAX_BLOCK}] (the attention kernel's largest block)")
@@ -32,16 +32,20 @@ class Schedule:
     a scorer with an observation window (SnapKV, and wrappers of it) can widen it
     (``Scorer.observing``); one-shot prefill only (no ``prefill_block``, no ``decode_every``).
     The cache holds the whole prompt and L tokens until then, as the prefill did.
+    ``lookahead_queries``: False leaves the queries since the prompt out of the window (the
+    prompt's own window scores the prompt, as one-shot; the tokens since are kept all the
+    same): the ablation that keeps only the deferral.
     """
 
     prefill_block: int | None = None
     decode_every: int | None = None
     decode_target: int | None = None
     lookahead: int = 0
+    lookahead_queries: bool = True
 
     def __post_init__(self):
         check_fields(self, "Schedule", prefill_block=Optional(BLOCK), decode_every=Optional(Int(1)),
-                     decode_target=Optional(Int(1)), lookahead=LOOKAHEAD)
+                     decode_target=Optional(Int(1)), lookahead=LOOKAHEAD, lookahead_queries=Bool())
         if self.decode_target is not None and self.decode_every is None:
             raise ValueError(f"Schedule decode_target (= {self.decode_target}) needs decode_every: "
                              "it is the size decode-time eviction evicts down to")
