@@ -164,6 +164,9 @@ def test_named_policies_carry_their_lookahead():
     spans = make_policy("ada-snapkv-spans-lookahead", 64)
     assert isinstance(spans.scorer, Spanned) and spans.schedule.lookahead == 8
     assert make_policy("ada-snapkv-deferred", 64).schedule == Schedule(lookahead=8, lookahead_queries=False)
+    sentences = make_policy("ada-snapkv-sentences-lookahead", 64)
+    assert sentences.scorer.spans.unit == "sentence" and sentences.schedule.lookahead == 8
+    assert make_policy("ada-snapkv-sentences", 64).schedule == Schedule()
     with pytest.raises(ValueError, match="lookahead"):
         make_policy("snapkv-lookahead", 64, Schedule(decode_every=1))
 

@@ -39,6 +39,7 @@ from kvcache_ext.policies import (
     ScissorHands,
     SnapKV,
     Spanned,
+    Spans,
     StreamingLLM,
 )
 from kvcache_ext.checks import Bool
@@ -115,6 +116,9 @@ BUILT_IN = {
     "ada-snapkv-lookahead16": (lambda b: SnapKV(), lambda: AdaKV(), 16),
     # The ablation: deferred by 8 steps, but the prompt scored by its own window.
     "ada-snapkv-deferred": (lambda b: SnapKV(), lambda: AdaKV(), 8, False),
+    # Whole sentences (Spans("sentence")): without and with the lookahead.
+    "ada-snapkv-sentences": (lambda b: Spanned(SnapKV(), Spans("sentence")), lambda: AdaKV()),
+    "ada-snapkv-sentences-lookahead": (lambda b: Spanned(SnapKV(), Spans("sentence")), lambda: AdaKV(), 8),
 }
 
 RESERVED = ("full", "all")   # HF's full cache; every name (parse_policies)
