@@ -95,7 +95,10 @@ def test_every_named_policy_builds_and_unknown_names_are_refused():
     assert make_policy("full", 64) is None
     for name in policy_names()[1:]:
         assert make_policy(name, 64).budget == 64
-        if not name.startswith(("kvec", "kvzip", "ada-kvzip")):   # K-VEC and KVzip are one-shot only, and say so
+        if make_policy(name, 64).schedule.lookahead:   # a deferred one-shot compression, and says so
+            with pytest.raises(ValueError, match="lookahead"):
+                make_policy(name, 64, Schedule(prefill_block=16, decode_every=1))
+        elif not name.startswith(("kvec", "kvzip", "ada-kvzip")):   # K-VEC and KVzip are one-shot only, and say so
             assert make_policy(name, 64, Schedule(prefill_block=16, decode_every=1)).schedule.prefill_block == 16
     for name in ("kvec", "kvzip", "ada-kvzip", "kvzip-global"):
         with pytest.raises(ValueError, match="one-shot"):
