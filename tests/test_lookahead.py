@@ -229,3 +229,25 @@ def test_without_the_queries_since_the_prompt_is_scored_by_its_own_window():
         assert torch.equal(kept_positions(cache, layer)[0], expected), layer
     with pytest.raises(TypeError, match="Schedule lookahead_queries"):
         Schedule(lookahead=2, lookahead_queries="no")
+
+
+def test_a_sliding_window_layer_keeps_its_window_through_the_lookahead():
+    """Gemma 3's sliding layer (window 12) under a lookahead: the ragged path gives the reference
+    path's logits and kept positions, a budget over the sequence gives the unpatched logits, and
+    the sliding layer holds only positions its next query sees."""
+    model = tiny_model("gemma3_text", heads=4, kv_heads=2, layers=2, sliding_window=12)
+    ids, mask = inputs(batch=1, length=40)
+    full = teacher_forced(model, None, ids, mask, steps=6)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4, kernel=3), budget=100, schedule=Lookahead(3))) as handle:
+        torch.testing.assert_close(teacher_forced(model, handle.new_cache(), ids, mask, steps=6), full,
+                                   atol=1e-4, rtol=1e-4)
+    with kvcache_ext.patch(model, Policy(SnapKV(window=4, kernel=3), budget=10, schedule=Lookahead(3))) as handle:
+        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
+        got = teacher_forced(model, ragged, ids, mask, steps=6)
+        expected = teacher_forced(model, reference, ids, mask, steps=6)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for layer in range(2):
+        assert torch.equal(kept_positions(ragged, layer), kept_positions(reference, layer))
+    newest = 40 + 6 - 1
+    kept = kept_positions(ragged, 0)
+    assert int(kept[kept >= 0].min()) > newest - 12
