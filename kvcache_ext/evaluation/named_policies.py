@@ -99,6 +99,13 @@ BUILT_IN = {
                              lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     "kvzip-global-sentences": (lambda b: Spanned(KVzip(), Spans("sentence")),
                                lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # Sentences with each one other change: their mean, equal layer budgets (heads still by the
+    # scores), the model's own softmax over the whole context.
+    "kvzip-global-sentences-mean": (lambda b: Spanned(KVzip(), Spans("sentence", "mean")),
+                                    lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-layers-sentences": (lambda b: Spanned(KVzip(), Spans("sentence")), lambda: AdaKV(alpha=1.0)),
+    "kvzip-global-context-sentences": (lambda b: Spanned(KVzip(softmax="context"), Spans("sentence")),
+                                       lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     "kvzip-global-floor": (lambda b: KVzip(), lambda: AdaKV(alpha=0.5, layers=AcrossLayers())),
     "kvzip-global-gqa-mean": (lambda b: KVzip(gqa="mean"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.
