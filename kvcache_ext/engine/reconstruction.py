@@ -228,9 +228,12 @@ def hold_prompt(state: LayerState, k, v, pos, valid, scale) -> None:
 
 def finish(states: list[LayerState], scores: list[torch.Tensor]) -> None:
     """Every layer (``states``, a cache's in layer order) keeps its budget of its held prompt
-    by ``scores`` and drops the rest (the layers' budgets first split by all the scores when
+    by ``scores`` (the passes' raw scores, as the scorer reads them: ``held_scores``) and drops the rest (the layers' budgets first split by all the scores when
     the allocation asks: AcrossLayers)."""
     policy = states[0].policy
+    scores = [policy.scorer.held_scores(layer_scores, state.context.pos, state.context.valid, state.last_pos,
+                                        state.model, state.shared.token_ids)
+              for state, layer_scores in zip(states, scores)]
     if policy.allocation.whole_model:
         ranked = []
         for state, layer_scores in zip(states, scores):

@@ -95,6 +95,23 @@ BUILT_IN = {
     # The chat template's prefix rebuilt and rated like the rest (skip_prefix=None; the default,
     # "chat", is kvpress's reading: neither rebuilt nor rated, its sinks apart).
     "kvzip-global-rebuild": (lambda b: KVzip(skip_prefix=None), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # KVzip's scores shared by whole spans (Spanned) before its global top-k: words and numbers,
+    # numbers only, sentences; and the span-free ablations of its allocation (a half-uniform
+    # floor per head, Ada-KV's alpha, over the same layer split) and of its GQA reduction.
+    "kvzip-global-spans": (lambda b: Spanned(KVzip()), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-global-numbers": (lambda b: Spanned(KVzip(), Spans("number")),
+                             lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-global-sentences": (lambda b: Spanned(KVzip(), Spans("sentence")),
+                               lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # Sentences with each one other change: their mean, equal layer budgets (heads still by the
+    # scores), the model's own softmax over the whole context.
+    "kvzip-global-sentences-mean": (lambda b: Spanned(KVzip(), Spans("sentence", "mean")),
+                                    lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-layers-sentences": (lambda b: Spanned(KVzip(), Spans("sentence")), lambda: AdaKV(alpha=1.0)),
+    "kvzip-global-context-sentences": (lambda b: Spanned(KVzip(softmax="context"), Spans("sentence")),
+                                       lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-global-floor": (lambda b: KVzip(), lambda: AdaKV(alpha=0.5, layers=AcrossLayers())),
+    "kvzip-global-gqa-mean": (lambda b: KVzip(gqa="mean"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.
     "snapkv-nopool": (lambda b: SnapKV(kernel=1), None),
     "ahakv-nopool": (lambda b: AhaKV(score_pool=None), None),

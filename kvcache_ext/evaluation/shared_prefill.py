@@ -99,7 +99,7 @@ def score_by_reconstruction(handle, cache: RaggedCache, recorded: RecordedPrefil
     recording, reuses their scores after. Returns the passes' wall time (0 when none ran)."""
     if not awaiting(cache):
         return 0.0
-    key = repr(cache.policy.scorer)
+    key = repr(cache.policy.scorer.reconstruction)   # the raw scores: a wrapper's base gives the same
     if key in recorded.reconstructed:
         handle.score_prompt(cache, input_ids, attention_mask, scores=recorded.reconstructed[key][0])
     else:

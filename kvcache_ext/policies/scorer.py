@@ -146,6 +146,21 @@ class ReconstructionScorer(Scorer):
         Hq / ``groups``): what the pass says of each token, per KV head."""
         raise NotImplementedError
 
+    @property
+    def reconstruction(self) -> "ReconstructionScorer":
+        """The scorer whose passes give the raw scores (itself; a wrapper: its base's): two
+        scorers with the same one give the same raw scores, so a harness that reuses them keys
+        them by it."""
+        return self
+
+    def held_scores(self, scores: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, last_pos: torch.Tensor,
+                    model, token_ids) -> torch.Tensor:
+        """The scores [B, H, n] a layer keeps its budget by, from its passes' raw scores [B, H,
+        n] (``pos`` [B, n] positions, ``valid`` [B, n] False on padding, ``last_pos``
+        [B], ``model``: the ``ModelParts``, ``token_ids``: the cache's ``TokenIds``); by
+        default the raw scores (``Spanned`` shares them by span)."""
+        return scores
+
     def prompt_scores(self, p: PromptView):
         raise RuntimeError(f"{type(self).__name__} scores come from reconstruction passes of the whole model; "
                            "the patched model runs them (kvcache_ext.hf.reconstruction)")

@@ -29,8 +29,10 @@ class Spanned(Wrapper):
     Blind to padding, to the base's protected recent window (``base.default_protection()``)
     and to infinite scores, like ``Pooled``; a base that pools (SnapKV) pools first. The base's
     state (channels, statistics, updates) is untouched: only the score the selection reads
-    changes. Everything else is the base's. A scorer that reconstructs the prompt (KVzip) has
-    no per-layer scores to share and is refused."""
+    changes. Everything else is the base's. A base that reconstructs the prompt (KVzip) runs
+    its passes as it would alone (``Spanned`` is then a reconstructing scorer too, with the
+    base's passes, softmax and sinks); the raw scores of every layer are shared by span once
+    the passes are done, before the allocation splits the budget (``held_scores``)."""
 
     base: Scorer
     spans: Spans = field(default_factory=Spans)
@@ -38,13 +40,16 @@ class Spanned(Wrapper):
     def __post_init__(self):
         check_fields(self, "Spanned", base=Instance(Scorer, "a kvcache_ext.policies scorer"),
                      spans=Instance(Spans, "a kvcache_ext.policies.Spans"))
-        if self.base.capabilities.reconstructs:
-            raise ValueError(f"Spanned base must score one layer at a time; got {type(self.base).__name__}, "
-                             "which scores by reconstructing the prompt (its scores are not read per layer)")
 
     @property
     def inner(self) -> Scorer:
         return self.base
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # A reconstructing base's passes run as its own (the wrapper reads only their result).
+        inner = self.base.capabilities
+        return replace(super().capabilities, reconstructs=inner.reconstructs)
 
     def wraps(self, inner: Capabilities) -> Capabilities:
         return replace(inner, needs_token_ids=True)   # the spans come from the rows' token ids
@@ -53,9 +58,40 @@ class Spanned(Wrapper):
         base = self.base.observing(extra)
         return None if base is None else replace(self, base=base)
 
+    # --- a reconstructing base (ReconstructionScorer): its passes, scores shared after ----
+    @property
+    def reconstruction(self):
+        return self.base.reconstruction
+
+    @property
+    def softmax(self) -> str:
+        return self.base.softmax
+
+    @property
+    def sinks(self) -> int:
+        return self.base.sinks
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return self.base.needs_tokenizer
+
+    def rebuilt(self, ids, valid, tokens):
+        return self.base.rebuilt(ids, valid, tokens)
+
+    def passes(self, ids, rebuilt, tokens, start: int = 0):
+        return self.base.passes(ids, rebuilt, tokens, start)
+
+    def pass_scores(self, probs, groups):
+        return self.base.pass_scores(probs, groups)
+
+    def held_scores(self, scores, pos, valid, last_pos, model, token_ids):
+        scores = self.base.held_scores(scores, pos, valid, last_pos, model, token_ids)
+        B, H, n = scores.shape
+        return self._share(scores.float(), pos[:, None, :].expand(B, H, n), valid[:, None, :].expand(B, H, n),
+                           last_pos, model.token_kinds, token_ids)
+
     # --- shared scores --------------------------------------------------------------------
-    def _share(self, scores, pos, real, last_pos, view) -> torch.Tensor:
-        kinds, token_ids = view.model.token_kinds, view.token_ids
+    def _share(self, scores, pos, real, last_pos, kinds, token_ids) -> torch.Tensor:
         if kinds is None:
             raise RuntimeError("Spanned needs the tokenizer's token kinds (ModelParts.token_kinds): patch the "
                                "model with its tokenizer (kvcache_ext.patch(model, policy, tokenizer=...)) and "
@@ -77,7 +113,9 @@ class Spanned(Wrapper):
         scores, channels = self.base.prompt_scores(p)
         B, H, n = scores.shape
         pos = p.pos[:, None, :].expand(B, H, n)
-        return self._share(scores.float(), pos, p.valid[:, None, :].expand(B, H, n), p.last_pos, p), channels
+        return self._share(scores.float(), pos, p.valid[:, None, :].expand(B, H, n), p.last_pos,
+                           p.model.token_kinds, p.token_ids), channels
 
     def cache_scores(self, view: CacheView) -> torch.Tensor:
-        return self._share(self.base.cache_scores(view).float(), view.pos, view.mask, view.last_pos, view)
+        return self._share(self.base.cache_scores(view).float(), view.pos, view.mask, view.last_pos,
+                           view.model.token_kinds, view.token_ids)
