@@ -71,9 +71,9 @@ def compress_held(state: LayerState) -> None:
     head's budget of the prompt plus the tokens since (those always kept)."""
     held = state.release_queries()
     parts = state.kv.view(None, True)
+    # On int8 pages k and v are the values the pages give back; the tokens kept are stored again
+    # from them (the same rows and scales in float32).
     k, v = parts["k"], parts["v"]
-    if not k.is_floating_point():
-        raise NotImplementedError("a lookahead schedule over int8 pages is not supported: patch without kv_dtype")
     # Nothing was evicted: every head holds the same tokens. Each row in position order, its
     # empty columns first (the left padding of a prompt).
     pos, real = parts["pos"][:, 0], parts["mask"][:, 0]
