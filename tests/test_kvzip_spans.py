@@ -20,7 +20,7 @@ import kvcache_ext
 from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
 from kvcache_ext.policies import (AcrossLayers, AdaKV, EveryStep, KVzip, Policy, Spanned, Spans, Uniform)
-from test_patch import inputs, teacher_forced
+from test_patch import assert_paths_agree, inputs, teacher_forced
 from tiny_models import VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,27 +71,11 @@ def _walk_spans(ids: list[int], unit: str) -> list[int]:
     return starts
 
 
-def _assert_paths_agree(policy, steps=6):
-    """A 3-layer GQA model, a left-padded batch of 2 (60 tokens, then ``steps`` fed tokens):
-    the ragged and the reference caches give the same logits and keep the same tokens."""
-    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
-    ids, mask = inputs(batch=2, length=60, pad=(0, 7))
-    with kvcache_ext.patch(model, policy, tokenizer=TOKENIZER) as handle:
-        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
-        got = teacher_forced(model, ragged, ids, mask, steps=steps)
-        expected = teacher_forced(model, reference, ids, mask, steps=steps)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    for layer in range(3):
-        a, b = ragged.layer_kv(layer).view(None, False), reference.layer_kv(layer).view(None, False)
-        assert torch.equal(a["pos"].masked_fill(~a["mask"], -1), b["pos"].masked_fill(~b["mask"], -1))
-    assert int(ragged.kept_tokens()[0].sum()) < 2 * 2 * (60 + steps)   # eviction happened
-    return ragged
-
-
 @pytest.mark.parametrize("allocation", [Uniform(), AdaKV(), AdaKV(alpha=1.0, layers=AcrossLayers())], ids=repr)
 @pytest.mark.parametrize("spans", [Spans("word"), Spans("number"), Spans("sentence", "mean")], ids=repr)
 def test_ragged_path_equals_reference_path(allocation, spans):
-    _assert_paths_agree(Policy(Spanned(kvzip(chunk=16), spans), budget=20, allocation=allocation))
+    assert_paths_agree(Policy(Spanned(kvzip(chunk=16), spans), budget=20, allocation=allocation), steps=6,
+                       tokenizer=TOKENIZER)
 
 
 def _kept(cache, layer):

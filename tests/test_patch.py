@@ -88,14 +88,15 @@ def test_budget_at_least_length_gives_unpatched_logits(arch, layout):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5, msg=str(policy))
 
 
-def assert_paths_agree(policy, steps=8, kv_dtype=None):
+def assert_paths_agree(policy, steps=8, kv_dtype=None, tokenizer=None):
     """Runs a 3-layer GQA model on a left-padded batch of 2 (60 tokens, then `steps` fed tokens)
     through the ragged path and the reference path; asserts the same logits, the same tokens
     kept per head, a store holding only those, and real eviction. Returns (ragged, logits).
-    ``kv_dtype``: what the ragged caches' pages hold (the reference holds the same values)."""
+    ``kv_dtype``: what the ragged caches' pages hold (the reference holds the same values);
+    ``tokenizer``: patched with it (policies that read token texts)."""
     model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
     ids, mask = inputs(batch=2, length=60, pad=(0, 7))
-    with kvcache_ext.patch(model, policy, kv_dtype=kv_dtype) as handle:
+    with kvcache_ext.patch(model, policy, kv_dtype=kv_dtype, tokenizer=tokenizer) as handle:
         ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
         got = teacher_forced(model, ragged, ids, mask, steps=steps)
         expected = teacher_forced(model, reference, ids, mask, steps=steps)
