@@ -8,7 +8,8 @@ import math
 import pytest
 
 from kvcache_ext import cli
-from kvcache_ext.cli.eval import resolved
+from kvcache_ext.cli.eval import DEFAULT_POLICIES, resolved
+from kvcache_ext.evaluation.named_policies import parse_policies
 from kvcache_ext.evaluation.frontier import MIB, frontier_rows, plot_frontier
 from kvcache_ext.evaluation.report import format_table, summarize
 from kvcache_ext.evaluation.spread import mean_of_means_error, standard_error
@@ -34,6 +35,14 @@ def test_protocol_fills_in_what_the_command_line_leaves_out():
     assert (args.task, args.lengths, args.keep, args.seeds, args.mode) == ("ruler", [2048], [0.5], 8, ["agnostic"])
     plain = _parsed("--task", "passkey")
     assert (plain.lengths, plain.seeds, plain.keep, plain.protocol) == ([1024, 2048], 1, None, None)
+
+
+def test_protocol_runs_each_family_beside_our_best_selection_unless_policies_are_given():
+    assert parse_policies(_parsed("--protocol", "kvpress").policy) == [
+        "full", "snapkv", "ada-snapkv", "expected-attention", "kvzip-global",
+        "ada-snapkv-sentences", "kvzip-global-context-sentences"]
+    assert _parsed("--protocol", "kvpress", "--policy", "full,h2o").policy == ["full", "h2o"]
+    assert parse_policies(_parsed("--task", "ruler").policy) == parse_policies(DEFAULT_POLICIES)
 
 
 @pytest.mark.parametrize("argv,says", [

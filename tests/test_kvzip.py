@@ -108,6 +108,35 @@ def test_scores_equal_an_independent_implementation(chunk, softmax, skip):
         assert bool((g[0][:, ~rated] == 0).all()) and bool((g[0][:, rebuilt[0]] > 0).all())
 
 
+@pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
+def test_scores_on_sliding_layers_equal_an_independent_implementation(chunk, softmax):
+    """Gemma 3 with a sliding layer of 16 tokens under a context of 40: each pass query sees the
+    keys of its window only, as the model's eager attention does; then the ragged path keeps
+    what the reference path keeps, and generate runs past the window."""
+    model = tiny_model("gemma3_text", heads=4, kv_heads=2, layers=2, sliding_window=16)
+    ids, _ = inputs(batch=1, length=40, seed=4)
+    scorer = kvzip(chunk=chunk, softmax=softmax)
+    policy = Policy(scorer, budget=10)
+    from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill
+    recorded = record_prefill(model, ids)
+    assert recorded.windows == [16, None]
+    with kvcache_ext.patch(model, policy) as handle:
+        passes = scorer.passes(ids, torch.ones_like(ids, dtype=torch.bool), handle.tokens, 0)
+        got = handle.score_prompt(compressed_cache(policy, recorded), ids)
+    expected = _independent_scores(model, ids, passes, softmax, scorer.sinks)
+    for layer, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g[0].double(), e, atol=1e-5, rtol=1e-4, msg=f"layer {layer}")
+    # The window bit: the sliding layer's earliest context tokens are seen by no pass query.
+    assert bool((got[0][0][:, :8] == 0).all()) and bool((got[1][0][:, :8] > 0).any())
+    with kvcache_ext.patch(model, policy) as handle:
+        ragged, reference = handle.new_cache(), handle.new_cache(reference=True)
+        out = model.generate(ids, **with_cache(model, ragged), max_new_tokens=5, do_sample=False)
+        ref = model.generate(ids, **with_cache(model, reference), max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, ref)
+    for a, b in zip(ragged.kept_tokens(), reference.kept_tokens()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("skip", [None, 0, 1], ids=["whole", "skip-row0", "skip-row1"])
 @pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
 def test_a_left_padded_batch_scores_each_row_as_alone(chunk, softmax, skip):

@@ -85,3 +85,34 @@ kvcache-ext eval --report ruler-4k-keep25.json ruler-4k-kvzip-agnostic.json rule
 # and 3K tokens, past its 512-token sliding window.
 kvcache-ext eval --task passkey --model gemma3-270m --policy full,snapkv,ada-snapkv,streamingllm --budget 256 \
   --lengths 1024,3072 --depths 0.1,0.5,0.9 --mode aware --json passkey-gemma3-270m.json --no-progress
+
+# int8 pages against the model's dtype, RULER-style at 2K tokens (docs/results.md "int8 pages").
+RULER2K="--task ruler --lengths 2048 --seeds 1 --max-new-tokens 48 --no-progress"
+kvcache-ext eval $RULER2K --mode aware --policy full,ada-snapkv --keep 1,0.5,0.25,0.125 --json ruler-2k-int8-none.json
+kvcache-ext eval $RULER2K --mode aware --policy full,ada-snapkv --keep 1,0.5,0.25,0.125 --kv-dtype int8 \
+  --json ruler-2k-int8-int8.json
+
+# Keep .25, one prompt per task: Lookahead and sentence spans (aware), the oracle (both modes),
+# KVzip's spans and allocation (agnostic); docs/results.md's sections of the same names.
+K25="--task ruler --seeds 1 --max-new-tokens 48 --keep 0.25 --no-progress"
+kvcache-ext eval $K25 --lengths 2048 --mode aware --json ruler-2k-aware-lookahead.json \
+  --policy full,ada-snapkv-lookahead,ada-snapkv-spans-lookahead,snapkv-lookahead
+kvcache-ext eval $K25 --lengths 2048 --mode aware --json ruler-2k-aware-lookahead-ablation.json \
+  --policy full,ada-snapkv-deferred,ada-snapkv-lookahead4,ada-snapkv-lookahead16,ada-snapkv-spans
+kvcache-ext eval $K25 --lengths 2048 --mode aware --json ruler-2k-aware-lookahead-sentences.json \
+  --policy full,ada-snapkv-sentences,ada-snapkv-sentences-lookahead
+kvcache-ext eval $K25 --lengths 4096 --mode aware --json ruler-4k-aware-lookahead.json \
+  --policy full,ada-snapkv-sentences,ada-snapkv-sentences-lookahead,ada-snapkv-lookahead
+kvcache-ext eval $K25 --lengths 2048 --mode aware --model gemma3-270m --json ruler-2k-aware-lookahead-gemma3.json \
+  --policy full,ada-snapkv,ada-snapkv-lookahead,ada-snapkv-sentences-lookahead
+kvcache-ext eval $K25 --lengths 2048 --mode aware --policy full,oracle,ada-snapkv --json ruler-2k-oracle-aware.json
+kvcache-ext eval $K25 --lengths 2048 --mode agnostic --policy full,oracle,ada-snapkv --json ruler-2k-oracle-agnostic.json
+kvcache-ext eval $K25 --lengths 2048 --mode agnostic --json ruler-2k-agnostic-kvzip-spans.json \
+  --policy full,kvzip-global,kvzip-global-spans,kvzip-global-numbers,kvzip-global-sentences,kvzip-global-floor,kvzip-global-gqa-mean
+kvcache-ext eval $K25 --lengths 4096 --mode agnostic --json ruler-4k-agnostic-kvzip-spans.json \
+  --policy full,kvzip-global,kvzip-global-spans,kvzip-global-numbers,kvzip-global-sentences
+kvcache-ext eval $K25 --lengths 4096 --mode agnostic --ruler-tasks niah_single_3,niah_multikey_1 \
+  --policy kvzip-global-sentences-mean,kvzip-layers-sentences,kvzip-global-context-sentences,kvzip-global-context \
+  --json ruler-4k-agnostic-kvzip-sentences-2.json
+kvcache-ext eval $K25 --lengths 2048,4096 --mode agnostic --policy kvzip-global-context-sentences,kvzip-global-context \
+  --json ruler-agnostic-kvzip-context-sentences.json

@@ -9,6 +9,10 @@ import time
 import torch
 
 DEFAULT_POLICIES = "full,streamingllm,h2o,tova,snapkv,ada-snapkv"
+# The protocol's default: each scorer family kvpress ranks, with our best selection of each beside
+# it (sentence spans over Ada-SnapKV's scores, KVzip's with its allocation across layers and heads).
+PROTOCOL_POLICIES = ("full,snapkv,ada-snapkv,expected-attention,kvzip-global,"
+                     "ada-snapkv-sentences,kvzip-global-context-sentences")
 DEFAULT_BUDGETS = (64, 128, 256, 512)   # --budget when neither it nor --keep is given
 TASKS = ("passkey", "needle", "multi", "ruler", "ppl", "fidelity")
 FRACTION_TASKS = ("passkey", "needle", "multi", "ruler")   # --keep, and KVzip's reconstruction passes
@@ -17,7 +21,8 @@ PROMPT_MODES = ("aware", "agnostic")   # retrieval.MODES (not imported here: the
 DEFAULT_LENGTHS, DEFAULT_SEEDS = [1024, 2048], 1
 KVPRESS_KEEP = (0.75, 0.5, 0.25, 0.125)   # kvpress's compression ratios 0.25, 0.5, 0.75 and 0.875
 PROTOCOLS = {   # --protocol NAME: what it sets where the command line leaves it out
-    "kvpress": {"task": "ruler", "lengths": [4096], "keep": list(KVPRESS_KEEP), "seeds": 5},
+    "kvpress": {"task": "ruler", "lengths": [4096], "keep": list(KVPRESS_KEEP), "seeds": 5,
+                "policy": PROTOCOL_POLICIES},
 }
 
 
@@ -31,9 +36,10 @@ def add_arguments(p) -> None:
                    help="the task to run (required unless --report or --protocol)")
     p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
                    help="kvpress: its leaderboard's setting, --task ruler --lengths 4096 --keep kvpress --seeds 5 "
-                   "(each of these given on the command line replaces the protocol's)")
+                   f"--policy {PROTOCOL_POLICIES} (each of these given on the command line replaces the "
+                   "protocol's)")
     p.add_argument("--model", type=model_name, default=None, help=MODEL_HELP)
-    p.add_argument("--policy", type=_policy_names(parse_policies), default=DEFAULT_POLICIES,
+    p.add_argument("--policy", type=_policy_names(parse_policies), default=None,
                    help=f"comma-separated policy names, or all (default {DEFAULT_POLICIES}); kvpress's presses "
                    "by name (kvpress-snapkv, kvpress-ada-snapkv, kvpress-kvzip, ...) when kvpress is installed; "
                    "oracle, oracle-uniform: the ceiling, what the full cache's own answer attends to most "
@@ -60,6 +66,9 @@ def add_arguments(p) -> None:
                    "otherwise one-shot)")
     p.add_argument("--decode-every", type=int_range(1), default=None,
                    help="evict every N decode steps (default: never while decoding)")
+    p.add_argument("--decode-alone", action="store_true",
+                   help="passkey, needle, ruler: decode each run by itself (its decode time per token is then "
+                   "its own); by default the one-shot runs of a prompt decode as the rows of one batch")
     p.add_argument("--continuation", type=int_range(1), default=128, help="fidelity: continuation tokens")
     p.add_argument("--max-new-tokens", type=int_range(1), default=None,
                    help=f"tokens generated (passkey, needle, multi: default {MAX_NEW_TOKENS}; ruler: RULER's per "
@@ -150,11 +159,12 @@ def schedule_of(args):
 
 def resolved(args):
     """``args`` as a new namespace with what ``--protocol`` sets where the command line left it
-    out, then the plain defaults of --lengths and --seeds (None in the parser, so that a protocol
-    can tell them from values given)."""
+    out, then the plain defaults of --lengths, --seeds and --policy (None in the parser, so that a
+    protocol can tell them from values given)."""
     import argparse
     values = dict(vars(args))
-    defaults = {"lengths": DEFAULT_LENGTHS, "seeds": DEFAULT_SEEDS, **PROTOCOLS.get(values.get("protocol"), {})}
+    defaults = {"lengths": DEFAULT_LENGTHS, "seeds": DEFAULT_SEEDS, "policy": DEFAULT_POLICIES,
+                **PROTOCOLS.get(values.get("protocol"), {})}
     for name, value in defaults.items():
         if values.get(name) is None:
             values[name] = value
@@ -315,7 +325,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
         run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, list(args.depths),
                       list(args.mode), args.seeds, schedule, max_new_tokens_of(args), progress, on_record=done,
                       ruler_tasks=ruler_tasks_of(args) if args.task == "ruler" else (),
-                      kv_dtype=getattr(args, "kv_dtype", None))
+                      kv_dtype=getattr(args, "kv_dtype", None), together=not getattr(args, "decode_alone", False))
     elif args.task == "multi":
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
         bar = tqdm(total=len(lengths) * args.seeds * per_text, desc="eval multi", unit="run", disable=not progress)

@@ -100,22 +100,17 @@ def prefill_dense(state: LayerState, q, k, v, pos, valid, scale) -> None:
 def check_window_call(state: LayerState, n: int) -> None:
     """A sliding-window layer whose sequence passes its window: the calls whose attention the
     engine windows exactly are a decode step (one token: the tokens it no longer sees are
-    dropped first) and the one-shot dense prefill of a fresh prompt (the model's own attention
-    with HF's sliding mask; the prompt's tokens outside the next token's window are not kept).
-    Several tokens over a cache (a block-wise prefill, a second prompt) would need a window per
-    query, which the store's attention does not take: refused."""
-    if n == 1:
-        return
-    what = None
-    if state.seen or state.policy.schedule.prefill_block is not None:
-        what = (f"a call of {n} tokens over a cache that has seen {state.seen} (a block-wise prefill "
-                "or a later prompt past the window)")
-    elif state.policy.scorer.capabilities.reconstructs:
-        what = f"{type(state.policy.scorer).__name__}'s reconstruction passes over a prompt of {n} tokens"
-    if what is not None:
+    dropped first), the one-shot dense prefill of a fresh prompt (the model's own attention
+    with HF's sliding mask; the prompt's tokens outside the next token's window are not kept)
+    and the reconstruction passes over a held prompt (``engine.reconstruction``, a mask per
+    query). Several tokens over a cache (a block-wise prefill, a second prompt) would need a
+    window per query, which the store's attention does not take: refused."""
+    if n > 1 and (state.seen or state.policy.schedule.prefill_block is not None):
         raise NotImplementedError(
             f"layer {state.layer_idx} uses sliding-window attention (window {state.window}); kvcache_ext "
-            f"windows a one-shot prefill of a fresh prompt and one-token decode steps, not {what}")
+            "windows a one-shot prefill of a fresh prompt and one-token decode steps, not a call of "
+            f"{n} tokens over a cache that has seen {state.seen} (a block-wise prefill or a later "
+            "prompt past the window)")
 
 
 def drop_outside_window(state: LayerState, newest: torch.Tensor) -> None:

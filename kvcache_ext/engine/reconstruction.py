@@ -65,21 +65,30 @@ def attend_context(state, q, k, v, pos):
             "patched model, or kvcache_ext.engine.reconstruction.reconstruct, on the prompt first)")
     real = ctx.pass_real
     # Every context token is older than every pass token: a pass token sees the real context
-    # and, causally, the real pass tokens before it (padding sees the context only).
+    # and, causally, the real pass tokens before it (padding sees the context only). In a
+    # sliding-window layer it sees only the keys of its window, context and pass tokens alike.
     padded_pass = not bool(real.all())   # a host check, once
-    sees_new = (pos[:, None, :] <= pos[:, :, None]) & real[:, None, :] if padded_pass else None   # [B, r, r]
+    sliding = None if state.window is None else (state.window, pos)
+    own = padded_pass or sliding is not None   # the pass's own tokens need a mask, not causal=True
+    sees_new = None
+    if own:
+        sees_new = pos[:, None, :] <= pos[:, :, None]                                   # [B, r, r]
+        if padded_pass:
+            sees_new = sees_new & real[:, None, :]
+        if sliding is not None:
+            sees_new = sees_new & (pos[:, None, :] > pos[:, :, None] - state.window)
     # The output in parts merged by their log-sum-exps, as flash-decoding merges splits: the
     # keys the scores' softmax runs over, the rest of the context (no causal structure, a mask
     # only for padding) and the pass's own tokens (causal). One masked call over everything
     # would compute every (query, key) pair of the pass with an explicit mask, which is slower.
     # The scored part's log-sum-exp is the scores' normaliser.
-    scored, rest = scored_keys(ctx, scorer)
+    scored, rest = scored_keys(ctx, scorer, sliding)
     parts = [attention_with_lse(q, scored.k, scored.v, ctx.scale, sees=scored.sees)]
     if rest is not None:
         rest_k, rest_v, rest_sees = rest
         parts.append(attention_with_lse(q, rest_k, rest_v, ctx.scale, sees=rest_sees))
-    new_out, new_lse = attention_with_lse(q, k, v, ctx.scale, causal=not padded_pass,
-                                          sees=sees_new[:, None] if padded_pass else None)
+    new_out, new_lse = attention_with_lse(q, k, v, ctx.scale, causal=not own,
+                                          sees=sees_new[:, None] if own else None)
     parts.append((new_out, new_lse))
     lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
     out = sum(part_out * (part_lse - lse).exp()[..., None] for part_out, part_lse in parts)
@@ -96,23 +105,33 @@ class ScoredKeys:
 
     k: torch.Tensor                  # [B, H, w, D]
     v: torch.Tensor
-    sees: torch.Tensor | None        # [B, 1, 1, w] bool; None: every row sees every key
+    sees: torch.Tensor | None        # [B, 1, 1, w] bool ([B, 1, r, w] per query in a sliding layer); None: all
     first: int                       # the window's first column (the sinks come before it)
     window: tuple[int, int]          # the context indices the window's columns hold
 
 
-def scored_keys(ctx, scorer):
+def scored_keys(ctx, scorer, sliding: tuple[int, torch.Tensor] | None = None):
     """The context split for a pass: (the keys the scores' softmax runs over, as ScoredKeys;
     the other keys as (k, v, sees) or None). With ``softmax="chunk"`` and a pass that rebuilds
     part of the context (indices ``ctx.window``), the scored keys are the sinks before the
     chunk (the shortest prefix that holds every row's: left padding moves them, the other
     columns of it masked) and the chunk; otherwise the whole context. A part's ``sees`` is None
-    when every row sees all of it."""
+    when every row sees all of it. ``sliding``: (window, the pass's query positions [B, r]) of a
+    sliding-window layer, whose queries see only the keys inside their window: the parts'
+    ``sees`` are then per query, [B, 1, r, columns]."""
     n = ctx.k.shape[2]
     lo, hi = ctx.window
     seen = lambda mask: None if bool(mask.all()) else mask[:, None, None, :]   # noqa: E731
+
+    def windowed(sees, key_pos):
+        if sliding is None:
+            return sees
+        window, q_pos = sliding
+        inside = (key_pos[:, None, :] > q_pos[:, :, None] - window)[:, None]    # [B, 1, r, columns]
+        return inside if sees is None else sees & inside
+
     if scorer.softmax != "chunk" or (lo == 0 and hi == n and ctx.scorable is None):
-        return ScoredKeys(ctx.k, ctx.v, seen(ctx.valid), 0, (0, n)), None
+        return ScoredKeys(ctx.k, ctx.v, windowed(seen(ctx.valid), ctx.pos), 0, (0, n)), None
     scorable = ctx.valid if ctx.scorable is None else ctx.scorable
     sink = scorable[:, :lo] & (ctx.pos[:, :lo] < scorer.sinks)                    # [B, lo]
     e = int((sink * torch.arange(1, lo + 1, device=sink.device)).max()) if lo else 0
@@ -121,7 +140,8 @@ def scored_keys(ctx, scorer):
         return torch.cat([x[:, :, :e], x[:, :, lo:hi]], dim=2) if e else x[:, :, lo:hi]
 
     scored = ScoredKeys(sinks_then_chunk(ctx.k), sinks_then_chunk(ctx.v),
-                        seen(torch.cat([sink[:, :e], scorable[:, lo:hi]], dim=1)), e, (lo, hi))
+                        windowed(seen(torch.cat([sink[:, :e], scorable[:, lo:hi]], dim=1)),
+                                 sinks_then_chunk(ctx.pos[:, None])[:, 0]), e, (lo, hi))
     # The rest: every other key a row sees (before the chunk less the sinks, a skipped prefix
     # inside it, after it); columns no row sees are dropped.
     rest_sees = ctx.valid.clone()
@@ -130,7 +150,8 @@ def scored_keys(ctx, scorer):
     columns = rest_sees.any(dim=0).nonzero().flatten()
     if columns.numel() == 0:
         return scored, None
-    rest = (ctx.k.index_select(2, columns), ctx.v.index_select(2, columns), seen(rest_sees[:, columns]))
+    rest = (ctx.k.index_select(2, columns), ctx.v.index_select(2, columns),
+            windowed(seen(rest_sees[:, columns]), ctx.pos.index_select(1, columns)))
     return scored, rest
 
 
@@ -210,8 +231,9 @@ def score_pass(ctx, scorer, q, norm, scored: ScoredKeys, real):
         i1, c = min(i0 + rows, r), min(rows, r - i0)
         block = torch.cat([q[:, :, i0:i1].float() * ctx.scale, norm[:, :, i0:i1, None]], dim=-1)   # [B, Hq, c, D + 1]
         log_probs = (block.unflatten(1, (H, G)).flatten(2, 3) @ keys).view(B, Hq, c, w)
-        if scored.sees is not None:
-            log_probs.masked_fill_(~scored.sees, float("-inf"))
+        if scored.sees is not None:   # one row of masks for every query, or one per query
+            sees = scored.sees if scored.sees.shape[2] == 1 else scored.sees[:, :, i0:i1]
+            log_probs.masked_fill_(~sees, float("-inf"))
         top = log_probs[..., scored.first:].amax(dim=2)                              # [B, Hq, hi - lo]
         best = top if best is None else torch.maximum(best, top)
     probs = best.exp_()[:, :, None]                                                 # [B, Hq, 1, hi - lo]

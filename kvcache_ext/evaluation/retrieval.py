@@ -25,6 +25,13 @@ from kvcache_ext.evaluation.decoding import (
     full_cache_from,
     greedy_continue,
 )
+from kvcache_ext.evaluation.decode_together import (
+    bytes_after_decoding,
+    decodes_together,
+    greedy_rows,
+    stacked_cache,
+    stacking_policy,
+)
 from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, run_press
 from kvcache_ext.evaluation.named_policies import ORACLE_POLICIES, policy_runs, run_label
 from kvcache_ext.evaluation.oracle import oracle_policy, timed_answer_scores
@@ -54,6 +61,9 @@ class RetrievalRecord:
     budget_tokens: int | None = None   # tokens per KV head this run kept (= budget unless a fraction)
     prefill_s: float | None = None     # the prompt's prefill, reconstruction passes included
     score: float | None = None         # share of the expected answers in the output (RULER's metric; 0 or 1 else)
+    # Rows of the batch its decoding ran in (``decode_together``; decode_s_per_token is then a
+    # step of that batch), 1: alone.
+    decoded_rows: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,6 +77,23 @@ def split_prompt(prompt, mode: str):
     if mode == "agnostic":
         return ids[:, :prompt.haystack_end], ids[:, prompt.haystack_end:]
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def windowed(recorded) -> bool:
+    """Whether a recorded prefill's model has sliding-window layers."""
+    return recorded is not None and any(window is not None for window in recorded.windows)
+
+
+@torch.no_grad()
+def ask(model, cache, question: torch.Tensor, one_at_a_time: bool = False) -> torch.Tensor:
+    """The last logits [B, V] after ``question`` [B, m] over ``cache``. ``one_at_a_time``: as m
+    one-token steps, for a model with sliding-window layers: the engine windows a one-token
+    step exactly, and refuses several tokens over a cache that has passed the window."""
+    if not one_at_a_time:
+        return model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
+    for t in range(question.shape[1]):
+        logits = model(question[:, t:t + 1], **with_cache(model, cache), use_cache=True).logits[:, -1]
+    return logits
 
 
 @torch.no_grad()
@@ -86,9 +113,10 @@ def prompt_runs(policies, budgets, length: int, schedule=None) -> list:
 
 def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[str], budgets: list,
                schedule=None, max_new_tokens: int | None = 8, on_run=None,
-               kv_dtype: str | None = None) -> list[RetrievalRecord]:
+               kv_dtype: str | None = None, together: bool = True) -> list[RetrievalRecord]:
     """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
-    ends, with its record. A float budget keeps that fraction of the part compressed (the context
+    ends, with its record. ``together``: the one-shot runs of our policies decode as the rows of
+    one batch (``decode_together``; their records come once all have decoded); False: each alone. A float budget keeps that fraction of the part compressed (the context
     in agnostic mode). ``max_new_tokens=None``: the prompt's own (a RULER task's). ``kv_dtype``: what
     our policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them)."""
     if max_new_tokens is None:
@@ -101,22 +129,23 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
     recorded = None
     full_bytes = None
 
-    def last_logits(cache, recorded_logits):
+    def last_logits(cache, recorded_logits, rows: int = 1):
         if question is None:
-            return recorded_logits[:, -1]
-        return model(question, **with_cache(model, cache), use_cache=True).logits[:, -1]
+            return recorded_logits[:, -1].expand(rows, -1)
+        return ask(model, cache, question.expand(rows, -1), one_at_a_time=windowed(recorded))
 
-    def record(name, budget, new, decode_s, held, tokens=None, prefill_s=None):
+    def record(name, budget, new, decode_s, held, tokens=None, prefill_s=None, rows=1):
         text = tokenizer.decode(new, skip_special_tokens=True)
         score = prompt.score(text)
         return RetrievalRecord(task, mode, name, budget, prompt.length, prompt.depth, prompt.seed,
                                prompt.answer, text, score == 1.0, held, full_bytes,
-                               decode_s, tokens, prefill_s, score)
+                               decode_s, tokens, prefill_s, score, rows)
 
     # The full cache runs first: every record carries its bytes, for the "KV kept / full" column.
     out = []
     ours = [name for name in policies if name not in KVPRESS_POLICIES + ORACLE_POLICIES]
     full_answer = None
+    waiting = []   # (index in out, name, budget as given, tokens, prefill seconds, cache): decoded together
     for label, name, budget, policy in prompt_runs(ours, budgets, context.shape[1], schedule):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
@@ -130,6 +159,12 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                 continue
             out.append(record(name, None, new, decode_s, full_bytes, prefill_s=recorded.seconds))
             on_run and on_run(out[-1])
+        elif together and decodes_together(policy):
+            with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
+                cache = compressed_cache(policy, recorded, handle.model_parts, kv_dtype)
+                prefill_s = recorded.seconds + score_by_reconstruction(handle, cache, recorded, context)
+            waiting.append((len(out), run_label(name, kv_dtype), label, budget, prefill_s, cache))
+            out.append(None)
         else:
             with patch(model, policy, tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
                 if policy.schedule.prefill_block is None:
@@ -147,6 +182,19 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                 out.append(record(run_label(name, kv_dtype), label, new, decode_s, cache_bytes(cache), budget,
                                   prefill_s))
             on_run and on_run(out[-1])
+    if waiting:
+        # Every one-shot run of the prompt decodes as a row of one batch (``decode_together``).
+        with patch(model, stacking_policy(recorded), tokenizer=tokenizer, kv_dtype=kv_dtype) as handle:
+            stacked = stacked_cache(handle.policy, [entry[-1] for entry in waiting], recorded, handle.model_parts,
+                                    kv_dtype)
+            rows = len(waiting)
+            news, step_s = greedy_rows(model, stacked, last_logits(stacked, recorded.logits, rows), max_new_tokens,
+                                       eos)
+        asked = 0 if question is None else question.shape[1]
+        for (at, name, label, budget, prefill_s, cache), new in zip(waiting, news):
+            held = bytes_after_decoding(cache, asked, len(new) - 1, question_in_steps=windowed(recorded))
+            out[at] = record(name, label, new, step_s, held, budget, prefill_s, rows=rows)
+            on_run and on_run(out[at])
     oracles = [name for name in policies if name in ORACLE_POLICIES]
     if oracles:
         # The full cache's answer, teacher-forced after what the model read (the question too, in
@@ -192,7 +240,8 @@ def make_prompts(tokenizer, task: str, lengths, depths, seeds: int, ruler_tasks=
 
 def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
                   schedule=None, max_new_tokens: int | None = 8, progress: bool = True,
-                  on_record=None, ruler_tasks=(), kv_dtype: str | None = None) -> list[RetrievalRecord]:
+                  on_record=None, ruler_tasks=(), kv_dtype: str | None = None,
+                  together: bool = True) -> list[RetrievalRecord]:
     """Every prompt in every mode; ``on_record(record)`` as each run ends. ``task="ruler"``: the
     prompts of ``ruler_tasks``, each record under its RULER task's name."""
     from tqdm.auto import tqdm
@@ -205,6 +254,7 @@ def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depth
         for prompt in prompts:
             records += run_prompt(model, tokenizer, prompt, getattr(prompt, "task", task), mode, policies, budgets,
                                   schedule, max_new_tokens,
-                                  on_run=lambda r: (bar.update(1), on_record and on_record(r)), kv_dtype=kv_dtype)
+                                  on_run=lambda r: (bar.update(1), on_record and on_record(r)), kv_dtype=kv_dtype,
+                                  together=together)
     bar.close()
     return records
