@@ -1,8 +1,8 @@
 """The compressed caches of one prompt decoded together, as the rows of one batch.
 
 On a CPU a decode step of a small model reads every weight once whatever the batch, so the
-harness's runs of one prompt (every policy at every budget) cost little more decoded together
-than one of them alone. Their caches come from one recorded prefill, so each holds a subset of
+harness's runs of one prompt (every policy at every budget) cost far less decoded together
+than one after another. Their caches come from one recorded prefill, so each holds a subset of
 the same prompt tokens per layer and KV head: ``stacked_cache`` stores those subsets as the
 rows of one cache, whose decoding then attends over exactly what each run kept. Decoding
 appends and never evicts under a one-shot schedule, so a row decodes as its run's cache
@@ -44,12 +44,13 @@ def stacking_policy(recorded) -> Policy:
 
 
 def kept_mask(cache: RaggedCache, layer_idx: int, n: int) -> torch.Tensor:
-    """[B, H, n] bool: which of the prompt's n positions each head of a layer holds."""
+    """[B, H, n] bool: which of the prompt's n positions (0 to n - 1) each head of a layer holds."""
     storage = cache.layer_kv(layer_idx)
     view = storage.view(None, need_kv=False)
     B, H = storage.lens.shape
     mask = torch.zeros(B, H, n + 1, dtype=torch.bool, device=view["mask"].device)
-    mask.scatter_(2, view["pos"].masked_fill(~view["mask"], n), True)   # the padding lands in column n
+    outside = ~view["mask"] | (view["pos"] >= n)
+    mask.scatter_(2, view["pos"].masked_fill(outside, n), True)   # padding and later tokens land in column n
     return mask[..., :n]
 
 

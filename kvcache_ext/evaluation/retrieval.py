@@ -115,10 +115,11 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                schedule=None, max_new_tokens: int | None = 8, on_run=None,
                kv_dtype: str | None = None, together: bool = True) -> list[RetrievalRecord]:
     """Every (policy, budget) on one prompt in one mode. ``on_run(record)`` is called as each run
-    ends, with its record. ``together``: the one-shot runs of our policies decode as the rows of
-    one batch (``decode_together``; their records come once all have decoded); False: each alone. A float budget keeps that fraction of the part compressed (the context
+    ends, with its record. A float budget keeps that fraction of the part compressed (the context
     in agnostic mode). ``max_new_tokens=None``: the prompt's own (a RULER task's). ``kv_dtype``: what
-    our policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them)."""
+    our policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them).
+    ``together``: the one-shot runs of our policies decode as the rows of one batch
+    (``decode_together``; their records come once all have decoded); False: each alone."""
     if max_new_tokens is None:
         max_new_tokens = prompt.max_new_tokens
     device = next(model.parameters()).device
@@ -145,7 +146,7 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
     out = []
     ours = [name for name in policies if name not in KVPRESS_POLICIES + ORACLE_POLICIES]
     full_answer = None
-    waiting = []   # (index in out, name, budget as given, tokens, prefill seconds, cache): decoded together
+    waiting = []   # (index in out, name, budget as given, tokens, prefill seconds, cache): to decode together
     for label, name, budget, policy in prompt_runs(ours, budgets, context.shape[1], schedule):
         if recorded is None and (policy is None or policy.schedule.prefill_block is None):
             recorded = record_prefill(model, context)
