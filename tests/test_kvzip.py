@@ -137,6 +137,24 @@ def test_scores_on_sliding_layers_equal_an_independent_implementation(chunk, sof
         assert torch.equal(a, b)
 
 
+def test_global_allocation_hands_no_sliding_layer_budget_to_other_layers():
+    """KVzip's global top-k on a model whose sliding layer (16 tokens) cannot hold the budget
+    (24 of a 40-token prompt): the cache holds what the uniform allocation holds, the sliding
+    layer's surplus is not spent on the full layer."""
+    model = tiny_model("gemma3_text", heads=4, kv_heads=2, layers=2, sliding_window=16)
+    ids, _ = inputs(batch=1, length=40, seed=4)
+    kept = {}
+    for name, allocation in (("uniform", Uniform()), ("global", AdaKV(alpha=1.0, layers=AcrossLayers()))):
+        with kvcache_ext.patch(model, Policy(kvzip(chunk=16), budget=24, allocation=allocation)) as handle:
+            cache = handle.new_cache()
+            with torch.no_grad():
+                model(ids, **with_cache(model, cache), use_cache=True)
+        kept[name] = [t[0] for t in cache.kept_tokens()]
+    assert kept["uniform"][0].tolist() == [15, 15] and kept["uniform"][1].tolist() == [24, 24]
+    assert sum(int(t.sum()) for t in kept["global"]) == sum(int(t.sum()) for t in kept["uniform"])
+    assert int(kept["global"][0].max()) <= 15
+
+
 @pytest.mark.parametrize("skip", [None, 0, 1], ids=["whole", "skip-row0", "skip-row1"])
 @pytest.mark.parametrize("chunk,softmax", [(100, "context"), (100, "chunk"), (13, "chunk"), (13, "context")])
 def test_a_left_padded_batch_scores_each_row_as_alone(chunk, softmax, skip):

@@ -262,6 +262,8 @@ def finish(states: list[LayerState], scores: list[torch.Tensor]) -> None:
             ctx = state.context
             B, H, n = layer_scores.shape
             held = ctx.valid[:, None, :].expand(B, H, n)
+            if state.window is not None:   # a sliding layer holds only what the next token sees
+                held = held & (ctx.pos >= state.window_start(state.last_pos + 1)[:, None])[:, None, :]
             protected_first, _ = policy.protection.apply(layer_scores, ctx.pos[:, None, :].expand(B, H, n),
                                                          state.last_pos, held)
             ranked.append(protected_first.masked_fill(~held, float("-inf")))

@@ -17,7 +17,10 @@ class AcrossLayers(Allocation):
     ``AdaKV``; alone, each head gets the nearest whole token. KVzip selects this way
     ("layerwise=False" in its code); its scores are attention probabilities, comparable
     across layers. (Rounding each layer to whole tokens per head instead would move up to
-    H / 2 tokens per layer away from that top-k.)
+    H / 2 tokens per layer away from that top-k.) A layer counts towards the total only the
+    tokens it can hold: a sliding-window layer of a longer prompt holds its window at most, so
+    the part of its budget past the window is not handed to the other layers, and the cache
+    holds what a uniform allocation of the same budget holds.
 
     It needs every layer's scores at once, which only a scorer that scores a prompt after the
     whole model ran has (``reconstructs``, KVzip); ``Policy`` refuses it otherwise. Use it as
@@ -37,8 +40,10 @@ class AcrossLayers(Allocation):
         """budget [B] tokens per head; scores per layer [B, H, n] (-inf: not held, +inf:
         protected) -> per layer [B] float64 tokens per head (the layer's count / H)."""
         flat = torch.cat([s.flatten(1) for s in scores], dim=1)                # [B, L*H*n]
-        heads = sum(s.shape[1] for s in scores)
-        total = (budget * heads).clamp(max=flat.shape[1])                       # [B]
+        # Per layer, what one of its heads can hold (its held tokens: a window, the prompt).
+        holds = [(s > float("-inf")).sum(dim=2).amax(dim=1) for s in scores]   # [B] each
+        total = sum(torch.minimum(budget.to(h.device).long(), h) * s.shape[1]
+                    for h, s in zip(holds, scores))                           # [B]
         order = torch.argsort(flat, dim=1, descending=True, stable=True)
         chosen = torch.zeros_like(flat, dtype=torch.bool)
         chosen.scatter_(1, order, torch.arange(flat.shape[1], device=flat.device) < total[:, None])
