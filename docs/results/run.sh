@@ -116,3 +116,21 @@ kvcache-ext eval $K25 --lengths 4096 --mode agnostic --ruler-tasks niah_single_3
   --json ruler-4k-agnostic-kvzip-sentences-2.json
 kvcache-ext eval $K25 --lengths 2048,4096 --mode agnostic --policy kvzip-global-context-sentences,kvzip-global-context \
   --json ruler-agnostic-kvzip-context-sentences.json
+
+# Five prompts per task at keep .25 (kvpress's protocol at one ratio), both modes; Gemma 3 270M
+# at 4K, one prompt per task (docs/results.md, "RULER at 4K tokens, five prompts per task").
+P="--protocol kvpress --keep 0.25 --max-new-tokens 48 --no-progress"
+kvcache-ext eval $P --mode aware --policy full,snapkv,ada-snapkv,snapkv-spans,ada-snapkv-sentences \
+  --json ruler-4k-aware-keep25-5prompts.json
+kvcache-ext eval $P --mode agnostic --policy full,kvzip,kvzip-global,kvzip-global-context-sentences \
+  --json ruler-4k-agnostic-keep25-5prompts.json
+G="--task ruler --model gemma3-270m --lengths 4096 --seeds 1 --max-new-tokens 48 --keep 0.25 --no-progress"
+kvcache-ext eval $G --mode aware --policy full,snapkv,ada-snapkv,ada-snapkv-sentences --json ruler-4k-aware-gemma3.json
+kvcache-ext eval $G --mode agnostic --policy full,ada-snapkv,kvzip-global,kvzip-global-context-sentences \
+  --json ruler-4k-agnostic-gemma3.json
+
+# The harness's runs of a prompt decoded together and alone (docs/evaluation.md, "Options").
+D="--task ruler --ruler-tasks niah_single_1,niah_multikey_1 --lengths 2048 --seeds 1 --max-new-tokens 48 \
+  --keep 0.5,0.25 --mode aware,agnostic --policy full,snapkv,ada-snapkv,tova,ada-snapkv-sentences,kvzip-global --no-progress"
+kvcache-ext eval $D --json decode-together-ruler-2k.json
+kvcache-ext eval $D --decode-alone --json decode-alone-ruler-2k.json
