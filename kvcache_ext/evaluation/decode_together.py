@@ -127,17 +127,14 @@ def bytes_after_decoding(cache: RaggedCache, question: int, fed: int, question_i
         state, kv = layer.state, layer.state.kv
         (H, D, _), (_, dtype, device) = state.layout, state.tokens
         seen = state.seen
-
-        def append(n: int, first: int) -> None:
-            zeros = torch.zeros(1, H, n, D, dtype=dtype, device=device)
-            kv.append(zeros, zeros, torch.arange(first, first + n, device=device)[None], None)
-
+        zeros = torch.zeros(1, H, max(question, 1), D, dtype=dtype, device=device)
+        positions = torch.arange(seen, seen + question + fed, device=device)[None]   # [1, every token to come]
         if question:
-            append(question, seen)
-            seen += question
-        for _ in range(fed):
-            if state.window is not None and seen + 1 > state.window:
-                kv.drop_before(state.window_start(torch.tensor([seen], device=device)))
-            append(1, seen)
-            seen += 1
+            kv.append(zeros, zeros, positions[:, :question], None)
+        one = zeros[:, :, :1]
+        for i in range(question, question + fed):
+            at = positions[:, i:i + 1]
+            if state.window is not None and seen + i + 1 > state.window:
+                kv.drop_before(state.window_start(at[0]))
+            kv.append(one, one, at, None)
     return cache.nbytes
