@@ -165,45 +165,98 @@ def test_eval_ruler_bad_arguments(default_model, monkeypatch, capsys):
 
 # --- kvpress in the harness, with a stand-in ---------------------------------------------------
 class _KeepLast:
-    """A stand-in press: after the prefill, each layer's cache keeps its last tokens (a pruned
-    cache, as kvpress's scorer presses leave it)."""
+    """A stand-in scorer press, built as kvpress builds its scorer presses: a forward hook on each
+    attention module hands the layer's cache to ``compress`` during the prefill, and ``compress``
+    keeps the tokens that ``score`` rates highest (here the last ones: a pruned cache)."""
 
     def __init__(self, compression_ratio):
         self.compression_ratio = compression_ratio
 
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return torch.arange(keys.shape[2], dtype=keys.dtype).expand(keys.shape[:3]).clone()
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = int(keys.shape[2] * (1 - self.compression_ratio))
+        index = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values[..., None].expand(-1, -1, -1, keys.shape[3])
+        return keys.gather(2, index), values.gather(2, index)
+
+    def forward_hook(self, module, args, kwargs, output):
+        hidden = kwargs["hidden_states"]
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))   # the cache's name in transformers 5.2 / 5.24
+        layer = cache.layers[module.layer_idx]
+        if hidden.shape[1] == layer.keys.shape[2]:   # the prefill
+            layer.keys, layer.values = self.compress(module, hidden, layer.keys, layer.values, output[1], kwargs)
+        return output
+
     def __call__(self, model):
         import contextlib
-        press = self
 
         @contextlib.contextmanager
         def pressing():
-            forward, had_own = model.forward, "forward" in vars(model)
-
-            def pruning(*args, **kwargs):
-                out = forward(*args, **kwargs)
-                cache = kwargs.get("past_key_values", kwargs.get("cache"))   # the name with_cache gives
-                for layer in cache.layers:
-                    n = layer.keys.shape[2]
-                    keep = int(n * (1 - press.compression_ratio))
-                    layer.keys, layer.values = layer.keys[:, :, n - keep:], layer.values[:, :, n - keep:]
-                return out
-            model.forward = pruning
+            hooks = [layer.self_attn.register_forward_hook(self.forward_hook, with_kwargs=True)
+                     for layer in model.model.layers]
             try:
                 yield
             finally:
-                if had_own:
-                    model.forward = forward
-                else:
-                    del model.forward
+                for hook in hooks:
+                    hook.remove()
+        return pressing()
+
+
+class _MasksFirst:
+    """A stand-in for kvpress's KVzip: after the prefill (inside the press) its passes rate the
+    context (here the first tokens highest, ``score_val`` [L, 1, H, n]), then ``compress_post``
+    masks the lowest on the attention modules (``masked_key_indices``, which kvpress's attention
+    reads and this stand-in's model does not) and counts each call."""
+    posts = []
+
+    def __init__(self, compression_ratio):
+        self.compression_ratio = compression_ratio
+        self.score_val = None
+
+    def compress_post(self, model):
+        _MasksFirst.posts.append(self.compression_ratio)
+        layers, _, heads, n = self.score_val.shape
+        for layer in model.model.layers:
+            pruned = int(heads * n * self.compression_ratio)
+            flat = (-self.score_val[layer.self_attn.layer_idx]).reshape(1, -1).topk(pruned, dim=1).indices.flatten()
+            layer.self_attn.masked_key_indices = (torch.zeros_like(flat), flat // n, flat % n)
+
+    def __call__(self, model):
+        import contextlib
+
+        @contextlib.contextmanager
+        def pressing():
+            seen = []
+            hook = model.model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"]),
+                                                         with_kwargs=True)
+            try:
+                yield
+            finally:
+                hook.remove()
+            config = model.config
+            n = seen[0].shape[1]
+            self.score_val = (-torch.arange(n, dtype=torch.float32)).expand(
+                config.num_hidden_layers, 1, config.num_key_value_heads, n).clone()
+            if self.compression_ratio > 0:
+                self.compress_post(model)
+            self.score_val = None
         return pressing()
 
 
 @pytest.fixture
 def stand_in_kvpress(monkeypatch):
     module = types.ModuleType("kvpress")
-    for name in ("SnapKVPress", "ExpectedAttentionPress", "KVzipPress", "TOVAPress", "StreamingLLMPress",
-                 "KnormPress"):
+    for name in ("SnapKVPress", "ExpectedAttentionPress", "TOVAPress", "StreamingLLMPress", "KnormPress"):
         setattr(module, name, _KeepLast)
+    module.KVzipPress = _MasksFirst
+    presses = types.ModuleType("kvpress.presses")
+    presses.kvzip_press = types.SimpleNamespace(AutoTokenizer=None)   # what kvzip_tokenizer swaps
+    monkeypatch.setitem(sys.modules, "kvpress.presses", presses)
+    monkeypatch.setitem(sys.modules, "kvpress.presses.kvzip_press", presses.kvzip_press)
     module.AdaKVPress = lambda press: press
     monkeypatch.setitem(sys.modules, "kvpress", module)
     return module
@@ -269,6 +322,26 @@ def test_press_runs_keep_the_budget_and_number_the_tokens_after_the_pruned_ones(
     assert int(n * (1 - compression_ratio(100, n))) == 100
     per_token = cache_bytes(cache) / cache.layers[0].keys.shape[2]
     assert held == per_token * (100 + m + len(new) - 1)
+
+
+@pytest.mark.parametrize("name", ["kvpress-snapkv", "kvpress-kvzip", "kvpress-streamingllm"])
+def test_a_press_scored_once_gives_what_its_pipeline_gives_at_each_budget(default_model, stand_in_kvpress, name):
+    """run_press_budgets (one prefill, the press's own selection per budget) against run_press
+    (kvpress's pipeline) per budget: the same tokens and bytes at every budget, KVzip's passes
+    run once and its selection once per budget, no mask left behind."""
+    from kvcache_ext.evaluation.kvpress_runs import compression_ratio, run_press, run_press_budgets
+    model, tokenizer = default_model
+    p = make_ruler_prompt(tokenizer, "niah_single_2", 400, seed=1)
+    context, question = p.input_ids[None, :p.haystack_end], p.input_ids[None, p.haystack_end:]
+    budgets = [1.0, 0.5, 100, 0.125]
+    _MasksFirst.posts.clear()
+    together = run_press_budgets(model, tokenizer, name, budgets, context, question, 5)
+    if name == "kvpress-kvzip":
+        assert _MasksFirst.posts == [compression_ratio(b, context.shape[1]) for b in budgets]
+    alone = [run_press(model, tokenizer, name, b, context, question, 5) for b in budgets]
+    assert [(new, held) for new, _, held, _ in together] == [(new, held) for new, _, held, _ in alone]
+    assert len({held for _, _, held, _ in together}) == len(budgets)   # each budget pruned its own
+    assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in model.model.layers)
 
 
 def test_eval_runs_kvpress_names_beside_ours(default_model, monkeypatch, stand_in_kvpress, tmp_path):

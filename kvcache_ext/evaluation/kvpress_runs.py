@@ -15,6 +15,7 @@ process (a no-op for a module without kvpress's mask).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import types
 
@@ -23,6 +24,10 @@ import torch
 KVPRESS_POLICIES = ("kvpress-snapkv", "kvpress-ada-snapkv", "kvpress-expected-attention",
                     "kvpress-ada-expected-attention", "kvpress-kvzip", "kvpress-tova", "kvpress-streamingllm",
                     "kvpress-knorm")
+# The presses whose scores do not depend on their ratio: ``run_press_budgets`` scores them once
+# for every budget (StreamingLLM's scores are its ratio's window, so it runs once per budget).
+SCORED_ONCE = ("kvpress-snapkv", "kvpress-ada-snapkv", "kvpress-expected-attention",
+               "kvpress-ada-expected-attention", "kvpress-kvzip", "kvpress-tova", "kvpress-knorm")
 INSTALL_KVPRESS = 'pip install ".[bench]" (kvpress 0.5.5, which needs transformers<5.3)'
 
 
@@ -113,39 +118,147 @@ def mask_bytes(model) -> int:
 def run_press(model, tokenizer, name: str, budget: int | float, context: torch.Tensor,
               question: torch.Tensor | None, max_new_tokens: int):
     """Press ``name`` keeping ``budget`` of ``context`` [1, n]; then ``question`` [1, m] (or
-    None) and greedy decoding. Returns (new token ids, decode s/token, KV bytes, prefill s)."""
+    None) and greedy decoding: kvpress's own pipeline, press and prefill together. Returns (new
+    token ids, decode s/token, KV bytes, prefill s)."""
     from transformers import DynamicCache
 
-    from kvcache_ext.evaluation.decoding import cache_bytes
     from kvcache_ext.cache_argument import with_cache
     n = context.shape[1]
     press = make_press(name, compression_ratio(budget, n))
     cache = DynamicCache(config=model.config)
     try:
         start = time.perf_counter()
-        tokenizer_given = kvzip_tokenizer(tokenizer) if name == "kvpress-kvzip" else contextlib.nullcontext()
-        with tokenizer_given, press(model):
+        with _tokenizer_for(name, tokenizer), press(model):
             logits = model(context, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         prefill_s = time.perf_counter() - start
-        seen = n
-        if question is not None:
-            positions = torch.arange(seen, seen + question.shape[1], device=context.device)[None]
-            logits = model(question, **with_cache(model, cache), use_cache=True, position_ids=positions).logits[:, -1]
-            seen += question.shape[1]
-        token = logits.argmax(dim=-1, keepdim=True)
-        new = [int(token)]
-        eos = tokenizer.eos_token_id
-        start = time.perf_counter()
-        for _ in range(max_new_tokens - 1):
-            if eos is not None and new[-1] == eos:
-                break
-            position = torch.full_like(token, seen)
-            token = model(token, **with_cache(model, cache), use_cache=True,
-                          position_ids=position).logits[:, -1].argmax(dim=-1, keepdim=True)
-            seen += 1
-            new.append(int(token))
-        decode_s = (time.perf_counter() - start) / max(len(new) - 1, 1)
-        held = cache_bytes(cache) + mask_bytes(model)
+        return (*_answer(model, tokenizer, cache, logits, n, question, max_new_tokens), prefill_s)
     finally:
         unmask(model)
-    return new, decode_s, held, prefill_s
+
+
+@torch.no_grad()
+def run_press_budgets(model, tokenizer, name: str, budgets, context: torch.Tensor,
+                      question: torch.Tensor | None, max_new_tokens: int) -> list[tuple]:
+    """``run_press`` at every budget of ``budgets`` from one prefill (and, for KVzip, one set of
+    reconstruction passes): one tuple per budget, in order. A press of ``SCORED_ONCE`` only;
+    another runs ``run_press`` per budget.
+
+    A press's scores do not depend on its ratio, and kvpress compresses a layer's cache only
+    after that layer's attention ran, so its prefill computes what a dense prefill does. The
+    prefill runs once with the press's scoring only: a scorer press (and Ada-KV over one) keeps
+    each layer's scores and leaves the cache whole; KVzip keeps its scores of every layer
+    instead of pruning. Then, per budget, a copy of the whole cache is compressed by the press's
+    own code at that ratio (a scorer press's ``compress`` on the kept scores, KVzip's
+    ``compress_post``), and the question and the decode run over it. Each tuple's prefill time
+    is the shared prefill's."""
+    from transformers import DynamicCache
+
+    from kvcache_ext.cache_argument import with_cache
+    if name not in SCORED_ONCE:
+        return [run_press(model, tokenizer, name, b, context, question, max_new_tokens) for b in budgets]
+    n = context.shape[1]
+    ratios = [compression_ratio(b, n) for b in budgets]
+    # Any ratio above 0 scores (kvpress skips the scoring at 0, and KVzip its passes).
+    press = make_press(name, max(max(ratios), 0.5))
+    replay = _KVzipReplay(press) if name == "kvpress-kvzip" else _ScorerReplay(press)
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    with _tokenizer_for(name, tokenizer), replay.scoring(), press(model):
+        logits = model(context, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+    prefill_s = time.perf_counter() - start
+    out = []
+    for ratio in ratios:
+        pressed = copy.deepcopy(cache)
+        try:
+            replay.compress(model, pressed, ratio)
+            out.append((*_answer(model, tokenizer, pressed, logits, n, question, max_new_tokens), prefill_s))
+        finally:
+            unmask(model)
+    return out
+
+
+class _ScorerReplay:
+    """A scorer press (or ``AdaKVPress`` over one) scored once, compressed at any ratio."""
+
+    def __init__(self, press):
+        self.press = press
+        self.scorer = getattr(press, "press", press)   # AdaKVPress scores with the press it wraps
+        self.scores = {}                                # layer index -> [1, H, n]
+
+    def scoring(self):
+        """Inside: the press's hook keeps each layer's scores and returns its cache whole."""
+        def keep_scores(module, hidden_states, keys, values, attentions, kwargs):
+            self.scores[module.layer_idx] = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+            return keys, values
+        return _instead(self.press, "compress", keep_scores)
+
+    def compress(self, model, cache, ratio: float) -> None:
+        """Compresses ``cache`` as the press's hook does at ``ratio``, from the kept scores."""
+        self.press.compression_ratio = ratio
+        for layer in model.model.layers:
+            module = layer.self_attn
+            scores = self.scores[module.layer_idx]
+            kept = cache.layers[module.layer_idx]
+            # A copy each time: Ada-KV's compress writes into the scores.
+            with _instead(self.scorer, "score", lambda *args, scores=scores: scores.clone()):
+                kept.keys, kept.values = self.press.compress(module, None, kept.keys, kept.values, None, {})
+
+
+class _KVzipReplay:
+    """kvpress's KVzip: its passes run once, its selection (``compress_post``) once per ratio."""
+
+    def __init__(self, press):
+        self.press = press
+        self.scores = None   # [L, 1, H, n]: KVzip's scores after the passes
+
+    def scoring(self):
+        """Inside: KVzip's passes keep their scores instead of masking the layers."""
+        def keep_scores(model):
+            self.scores = self.press.score_val.clone()
+        return _instead(self.press, "compress_post", keep_scores)
+
+    def compress(self, model, cache, ratio: float) -> None:
+        """Masks the layers as KVzip does at ``ratio`` (its masks cover ``cache``'s context)."""
+        self.press.compression_ratio = ratio
+        self.press.score_val = self.scores.clone()
+        type(self.press).compress_post(self.press, model)
+
+
+@contextlib.contextmanager
+def _instead(obj, name: str, value):
+    """Inside: ``obj.name`` is ``value``, an attribute of the instance over its class's method."""
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
+
+
+def _tokenizer_for(name: str, tokenizer):
+    return kvzip_tokenizer(tokenizer) if name == "kvpress-kvzip" else contextlib.nullcontext()
+
+
+def _answer(model, tokenizer, cache, logits, seen: int, question, max_new_tokens: int):
+    """(new token ids, decode s/token, KV bytes) after a press: ``question`` (or None) over
+    ``cache``, then greedy decoding, with the positions given (the pruned cache no longer
+    counts the pruned tokens)."""
+    from kvcache_ext.cache_argument import with_cache
+    from kvcache_ext.evaluation.decoding import cache_bytes
+    if question is not None:
+        positions = torch.arange(seen, seen + question.shape[1], device=question.device)[None]
+        logits = model(question, **with_cache(model, cache), use_cache=True, position_ids=positions).logits[:, -1]
+        seen += question.shape[1]
+    token = logits.argmax(dim=-1, keepdim=True)
+    new = [int(token)]
+    eos = tokenizer.eos_token_id
+    start = time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        if eos is not None and new[-1] == eos:
+            break
+        position = torch.full_like(token, seen)
+        token = model(token, **with_cache(model, cache), use_cache=True,
+                      position_ids=position).logits[:, -1].argmax(dim=-1, keepdim=True)
+        seen += 1
+        new.append(int(token))
+    decode_s = (time.perf_counter() - start) / max(len(new) - 1, 1)
+    return new, decode_s, cache_bytes(cache) + mask_bytes(model)

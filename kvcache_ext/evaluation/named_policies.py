@@ -110,6 +110,10 @@ BUILT_IN = {
     "kvzip-layers-sentences": (lambda b: Spanned(KVzip(), Spans("sentence")), lambda: AdaKV(alpha=1.0)),
     "kvzip-global-context-sentences": (lambda b: Spanned(KVzip(softmax="context"), Spans("sentence")),
                                        lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # Both, with the chat template's prefix rebuilt and rated as the context is (skip_prefix=None).
+    "kvzip-global-context-sentences-rebuild": (
+        lambda b: Spanned(KVzip(softmax="context", skip_prefix=None), Spans("sentence")),
+        lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     "kvzip-global-floor": (lambda b: KVzip(), lambda: AdaKV(alpha=0.5, layers=AcrossLayers())),
     "kvzip-global-gqa-mean": (lambda b: KVzip(gqa="mean"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.

@@ -32,7 +32,7 @@ from kvcache_ext.evaluation.decode_together import (
     stacked_cache,
     stacking_policy,
 )
-from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, run_press
+from kvcache_ext.evaluation.kvpress_runs import KVPRESS_POLICIES, run_press_budgets
 from kvcache_ext.evaluation.named_policies import ORACLE_POLICIES, policy_runs, run_label
 from kvcache_ext.evaluation.oracle import oracle_policy, timed_answer_scores
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
@@ -214,9 +214,9 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
                                       recorded.seconds + scoring_s))
                 on_run and on_run(out[-1])
     for name in [name for name in policies if name in KVPRESS_POLICIES]:
-        for label in budgets:
-            new, decode_s, held, prefill_s = run_press(model, tokenizer, name, label, context, question,
-                                                       max_new_tokens)
+        # One prefill (and KVzip's passes) for every budget of the press (``run_press_budgets``).
+        runs = run_press_budgets(model, tokenizer, name, budgets, context, question, max_new_tokens)
+        for label, (new, decode_s, held, prefill_s) in zip(budgets, runs):
             out.append(record(name, label, new, decode_s, held, budget_tokens(label, context.shape[1]), prefill_s))
             on_run and on_run(out[-1])
     return out
