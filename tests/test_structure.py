@@ -55,6 +55,25 @@ ALLOWED_FOREIGN_WRITES = {
     (f"{NAME}.evaluation.kvpress_runs", "kvzip_tokenizer", "kvzip_press.AutoTokenizer"):
         "kvpress's KVzipPress loads its tokenizer by the model's name, which a GGUF model does not have: "
         "while it runs, its module's loader hands it the tokenizer the run has (restored after)",
+    (f"{NAME}.evaluation.kvpress_runs", "_ScorerReplay", "self.press.compression_ratio"):
+        "a kvpress press's ratio is its public dataclass field; one press, scored once, is compressed at "
+        "each budget's ratio in turn",
+    (f"{NAME}.evaluation.kvpress_runs", "_KVzipReplay", "self.press.compression_ratio"):
+        "a kvpress press's ratio is its public dataclass field; one press, scored once, is compressed at "
+        "each budget's ratio in turn",
+    (f"{NAME}.evaluation.kvpress_runs", "_ScorerReplay", "kept.keys"):
+        "a press's compressed keys go into HF's cache layer as kvpress's own forward hook writes them",
+    (f"{NAME}.evaluation.kvpress_runs", "_ScorerReplay", "kept.values"):
+        "a press's compressed values go into HF's cache layer as kvpress's own forward hook writes them",
+    (f"{NAME}.evaluation.kvpress_runs", "_KVzipReplay", "self.press.score_val"):
+        "KVzip's compress_post reads its scores from the press (and writes into them): each budget hands "
+        "it a copy of the scores its passes left",
+    (f"{NAME}.evaluation.kvpress_runs", "_instead", "setattr(obj, name)"):
+        "the replay of a kvpress press swaps one of its methods (its compress, its scorer's score, "
+        "KVzip's compress_post) on the instance for the time of a block, restored after",
+    (f"{NAME}.evaluation.kvpress_runs", "_instead", "delattr(obj, name)"):
+        "the replay of a kvpress press swaps one of its methods (its compress, its scorer's score, "
+        "KVzip's compress_post) on the instance for the time of a block, restored after",
     (f"{NAME}.evaluation.kvpress_runs", "unmask", "layer.self_attn.masked_key_indices"):
         "kvpress's Ada-KV presses leave their mask on the attention modules (kvpress's own state, which "
         "it never clears): the next run must not read it",
