@@ -27,6 +27,10 @@ except ImportError:   # transformers 5.2: kvcache_ext.serving raises an ImportEr
 # (module, enclosing function, target as written) -> why.
 PATCHES_THE_MODEL = ("patching an HF model puts kvcache_ext's own methods on the model instance "
                      "(transformers offers no hook for them) and unpatch takes them off again")
+PRESS_RATIO = ("a kvpress press's ratio is its public dataclass field; one press, scored once, is "
+               "compressed at each budget's ratio in turn")
+SWAPS_A_PRESS_METHOD = ("the replay of a kvpress press swaps one of its methods (its compress, its scorer's "
+                        "score, KVzip's compress_post) on the instance for the time of a block, restored after")
 THREAD_LOCAL = ("hf/cache.py's own per-thread state (threading.local has no methods: it is written by "
                 "attribute; a subclass with methods is traced by torch.compile, which then breaks the "
                 "update()-to-attention handshake: tests/test_ops.py's torch.compile test)")
@@ -56,11 +60,9 @@ ALLOWED_FOREIGN_WRITES = {
         "kvpress's KVzipPress loads its tokenizer by the model's name, which a GGUF model does not have: "
         "while it runs, its module's loader hands it the tokenizer the run has (restored after)",
     (f"{NAME}.evaluation.kvpress_runs", "_ScorerReplay", "self.press.compression_ratio"):
-        "a kvpress press's ratio is its public dataclass field; one press, scored once, is compressed at "
-        "each budget's ratio in turn",
+        PRESS_RATIO,
     (f"{NAME}.evaluation.kvpress_runs", "_KVzipReplay", "self.press.compression_ratio"):
-        "a kvpress press's ratio is its public dataclass field; one press, scored once, is compressed at "
-        "each budget's ratio in turn",
+        PRESS_RATIO,
     (f"{NAME}.evaluation.kvpress_runs", "_ScorerReplay", "kept.keys"):
         "a press's compressed keys go into HF's cache layer as kvpress's own forward hook writes them",
     (f"{NAME}.evaluation.kvpress_runs", "_ScorerReplay", "kept.values"):
@@ -69,11 +71,9 @@ ALLOWED_FOREIGN_WRITES = {
         "KVzip's compress_post reads its scores from the press (and writes into them): each budget hands "
         "it a copy of the scores its passes left",
     (f"{NAME}.evaluation.kvpress_runs", "_instead", "setattr(obj, name)"):
-        "the replay of a kvpress press swaps one of its methods (its compress, its scorer's score, "
-        "KVzip's compress_post) on the instance for the time of a block, restored after",
+        SWAPS_A_PRESS_METHOD,
     (f"{NAME}.evaluation.kvpress_runs", "_instead", "delattr(obj, name)"):
-        "the replay of a kvpress press swaps one of its methods (its compress, its scorer's score, "
-        "KVzip's compress_post) on the instance for the time of a block, restored after",
+        SWAPS_A_PRESS_METHOD,
     (f"{NAME}.evaluation.kvpress_runs", "unmask", "layer.self_attn.masked_key_indices"):
         "kvpress's Ada-KV presses leave their mask on the attention modules (kvpress's own state, which "
         "it never clears): the next run must not read it",
