@@ -6,7 +6,9 @@ the question (agnostic) and the same greedy decode, with the positions given (kv
 drops the pruned tokens, so HF would number the next token from the kept count; kvpress's own
 pipeline passes them too). Its KV bytes are what its cache holds after the press (the pruned
 cache, or the full-size cache an Ada-KV press masks, with its masks), and its prefill time
-includes the press's own work (KVzip's reconstruction passes).
+includes the press's own work (KVzip's reconstruction passes). ``run_press`` is kvpress's
+pipeline at one budget; ``run_press_budgets``, what the harness runs, gives the same at every
+budget of a prompt from one prefill (and one set of KVzip's passes).
 
 kvpress (``pip install ".[bench]"``: kvpress 0.5.5, which needs transformers < 5.3) is imported
 only when such a name runs. Importing it wraps every transformers attention function of the
