@@ -644,6 +644,7 @@ def run_cli(args):
 
 ARGS = [
     (["eval", "--task", "passkey", "--seeds", "0"], "--seeds"),
+    (["eval", "--task", "ruler", "--first-seed", "-1"], "--first-seed"),
     (["eval", "--task", "passkey", "--depths", "abc"], "--depths"),
     (["eval", "--task", "passkey", "--depths", "1.5"], "--depths"),
     (["eval", "--task", "passkey", "--depths", "nan"], "--depths"),

@@ -34,7 +34,9 @@ def test_protocol_fills_in_what_the_command_line_leaves_out():
     args = _parsed("--protocol", "kvpress", "--seeds", "8", "--lengths", "2048", "--keep", "0.5", "--mode", "agnostic")
     assert (args.task, args.lengths, args.keep, args.seeds, args.mode) == ("ruler", [2048], [0.5], 8, ["agnostic"])
     plain = _parsed("--task", "passkey")
-    assert (plain.lengths, plain.seeds, plain.keep, plain.protocol) == ([1024, 2048], 1, None, None)
+    assert (plain.lengths, plain.seeds, plain.keep, plain.protocol, plain.first_seed) == (
+        [1024, 2048], 1, None, None, 0)
+    assert _parsed("--protocol", "kvpress", "--first-seed", "5").first_seed == 5
 
 
 def test_protocol_runs_each_family_beside_our_best_selection_unless_policies_are_given():

@@ -369,6 +369,18 @@ def test_seeds_give_distinct_prompts_per_task_and_length(tokenizer):
             assert len({tuple(p.answers) for p in these}) == 3
 
 
+def test_first_seed_gives_the_prompts_held_out_from_a_run_of_the_seeds_before_it(tokenizer):
+    """--first-seed 2 --seeds 2: the prompts of seeds 2 and 3, as a run of seeds 0-3 makes them."""
+    from kvcache_ext.evaluation.retrieval import make_prompts
+    tasks = TASKS[:2]
+    later = make_prompts(tokenizer, "ruler", [450], [], 2, tasks, first_seed=2)
+    every = make_prompts(tokenizer, "ruler", [450], [], 4, tasks)
+    assert [(p.task, p.seed) for p in later] == [(t, s) for t in tasks for s in (2, 3)]
+    assert [p.input_ids.tolist() for p in later] == [p.input_ids.tolist() for p in every if p.seed >= 2]
+    needles = make_prompts(tokenizer, "passkey", [300], [0.1, 0.9], 2, first_seed=4)
+    assert [p.seed for p in needles] == [4, 5, 6, 7]
+
+
 def test_eval_ruler_kvpress_protocol_reports_each_mean_with_its_spread(default_model, monkeypatch, tmp_path, capsys):
     """--protocol kvpress with a shorter prompt and two seeds: kvpress's four keeps, a score per
     prompt, its standard error in the rows and the table, and the frontier plot."""

@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seeds", type=int_range(1), default=None,
                    help="prompts or texts per length (and depth; ruler: per task), each with its own seed "
                    f"(default {DEFAULT_SEEDS}; 5 or more for a table whose means carry their spread)")
+    p.add_argument("--first-seed", type=int_range(0), default=0,
+                   help="the seed of the first prompt or text (default 0): --first-seed 5 --seeds 5 runs "
+                   "seeds 5-9, prompts held out from a run of seeds 0-4")
     p.add_argument("--mode", type=choice_list(PROMPT_MODES), default=list(PROMPT_MODES),
                    help="passkey/needle/ruler prompt modes: aware (the question is compressed with the "
                    "context), agnostic (the context is compressed before the question comes)")
@@ -324,6 +327,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
     if args.task in ("passkey", "needle", "ruler"):
         run_retrieval(model, tokenizer, args.task, policies, budgets, lengths, list(args.depths),
                       list(args.mode), args.seeds, schedule, max_new_tokens_of(args), progress, on_record=done,
+                      first_seed=args.first_seed,
                       ruler_tasks=ruler_tasks_of(args) if args.task == "ruler" else (),
                       kv_dtype=getattr(args, "kv_dtype", None), together=not getattr(args, "decode_alone", False))
     elif args.task == "multi":
@@ -336,7 +340,8 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
             bar.update(1)
 
         run_multi_question(model, tokenizer, policies, budgets, lengths, args.seeds, schedule,
-                           max_new_tokens_of(args), on_run=run_done, kv_dtype=getattr(args, "kv_dtype", None))
+                           max_new_tokens_of(args), on_run=run_done, kv_dtype=getattr(args, "kv_dtype", None),
+                           first_seed=args.first_seed)
         bar.close()
     else:
         per_text = ("full" in policies) + len(budgets) * sum(p != "full" for p in policies)
@@ -348,7 +353,8 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
             bar.update(1)
 
         for n in lengths:
-            for seed in range(args.seeds):
+            first = args.first_seed
+            for seed in range(first, first + args.seeds):
                 if args.task == "ppl":
                     ids = prose_ids(tokenizer, n, seed)[None].to(device)
                     perplexity.run_text(model, ids, seed, policies, budgets, schedule, on_run=one,

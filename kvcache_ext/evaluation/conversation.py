@@ -37,15 +37,17 @@ def ask_in_turns(model, cache, prompt, eos: int | None, max_new_tokens: int):
 
 @torch.no_grad()
 def run_multi_question(model, tokenizer, policies, budgets, lengths, seeds: int = 1, schedule=None,
-                       max_new_tokens: int = 8, on_run=None, kv_dtype: str | None = None) -> list[RetrievalRecord]:
+                       max_new_tokens: int = 8, on_run=None, kv_dtype: str | None = None,
+                       first_seed: int = 0) -> list[RetrievalRecord]:
     """Every (policy, budget) on every prompt; a float budget keeps that fraction of the context.
     ``on_run(records)`` is called as each run ends, with its records (one per question).
     Block-wise schedules are refused (the shared prefill is one-shot). ``kv_dtype``: what the
-    policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them)."""
+    policies' pages hold (``patch``'s; their runs are recorded as ``run_label`` names them).
+    ``first_seed``: the seed of the first prompt (the next ones count up from it)."""
     if schedule is not None and schedule.prefill_block is not None:
         raise ValueError("the multi-question task compresses the context once (one-shot schedule)")
     device = next(model.parameters()).device
-    records, seed = [], 0
+    records, seed = [], first_seed
     for n in lengths:
         for _ in range(seeds):
             prompt = make_multi_question_prompt(tokenizer, n, seed=seed)

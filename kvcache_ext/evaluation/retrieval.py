@@ -222,14 +222,15 @@ def run_prompt(model, tokenizer, prompt, task: str, mode: str, policies: list[st
     return out
 
 
-def make_prompts(tokenizer, task: str, lengths, depths, seeds: int, ruler_tasks=()):
-    """The task's prompts: every length x depth, ``seeds`` of each (distinct seeds throughout);
-    for ``task="ruler"``, every RULER task of ``ruler_tasks`` x length, ``seeds`` of each (the
-    tasks place their needles themselves: ``depths`` is not used)."""
-    prompts, seed = [], 0
+def make_prompts(tokenizer, task: str, lengths, depths, seeds: int, ruler_tasks=(), first_seed: int = 0):
+    """The task's prompts: every length x depth, ``seeds`` of each (distinct seeds throughout,
+    counted from ``first_seed``); for ``task="ruler"``, every RULER task of ``ruler_tasks`` x
+    length, seeds ``first_seed`` to ``first_seed + seeds - 1`` of each (the tasks place their
+    needles themselves: ``depths`` is not used)."""
+    prompts, seed = [], first_seed
     if task == "ruler":
         return [make_ruler_prompt(tokenizer, name, n, seed=s) for name in ruler_tasks for n in lengths
-                for s in range(seeds)]
+                for s in range(first_seed, first_seed + seeds)]
     make = MAKERS[task]
     for n in lengths:
         for depth in depths:
@@ -242,11 +243,12 @@ def make_prompts(tokenizer, task: str, lengths, depths, seeds: int, ruler_tasks=
 def run_retrieval(model, tokenizer, task: str, policies, budgets, lengths, depths, modes=MODES, seeds: int = 1,
                   schedule=None, max_new_tokens: int | None = 8, progress: bool = True,
                   on_record=None, ruler_tasks=(), kv_dtype: str | None = None,
-                  together: bool = True) -> list[RetrievalRecord]:
+                  together: bool = True, first_seed: int = 0) -> list[RetrievalRecord]:
     """Every prompt in every mode; ``on_record(record)`` as each run ends. ``task="ruler"``: the
-    prompts of ``ruler_tasks``, each record under its RULER task's name."""
+    prompts of ``ruler_tasks``, each record under its RULER task's name. ``first_seed``: where
+    the prompts' seeds start (``make_prompts``)."""
     from tqdm.auto import tqdm
-    prompts = make_prompts(tokenizer, task, lengths, depths, seeds, ruler_tasks)
+    prompts = make_prompts(tokenizer, task, lengths, depths, seeds, ruler_tasks, first_seed)
     per_prompt = ("full" in policies) + sum(len(budgets) for p in policies if p != "full")
     bar = tqdm(total=len(prompts) * len(modes) * per_prompt, desc=f"eval {task}", unit="run",
                disable=not progress)
