@@ -117,17 +117,27 @@ kvcache-ext eval $K25 --lengths 4096 --mode agnostic --ruler-tasks niah_single_3
 kvcache-ext eval $K25 --lengths 2048,4096 --mode agnostic --policy kvzip-global-context-sentences,kvzip-global-context \
   --json ruler-agnostic-kvzip-context-sentences.json
 
-# kvpress's protocol, five prompts per task: aware at its four ratios, agnostic at keep .25;
-# Gemma 3 270M at 4K, one prompt per task (docs/results.md, "RULER at 4K tokens, five prompts
-# per task").
+# kvpress's protocol, five prompts per task: both modes at its four ratios, kvpress's KVzip
+# beside ours (docs/results.md, "RULER at 4K tokens, five prompts per task"); the agnostic JSON
+# was made of four runs of these two commands split by --ruler-tasks, merged by --report.
 kvcache-ext eval --protocol kvpress --max-new-tokens 48 --no-progress --mode aware \
-  --policy full,snapkv,ada-snapkv,snapkv-spans,ada-snapkv-sentences \
-  --json ruler-4k-aware-5prompts.json --frontier ruler-4k-aware-5prompts.png
+  --policy full,snapkv,ada-snapkv,snapkv-spans,ada-snapkv-sentences --json ruler-4k-aware-5prompts.json
+A="--protocol kvpress --max-new-tokens 48 --no-progress --mode agnostic"
+kvcache-ext eval $A --policy full,expected-attention,kvzip-global,kvzip-global-context-sentences \
+  --json ruler-4k-agnostic-5prompts-ours.json
+kvcache-ext eval $A --policy kvpress-kvzip --json ruler-4k-agnostic-5prompts-kvpress.json   # kvpress's venv
+kvcache-ext eval --report ruler-4k-agnostic-5prompts-ours.json ruler-4k-agnostic-5prompts-kvpress.json \
+  --json ruler-4k-agnostic-5prompts.json
 P="--protocol kvpress --keep 0.25 --max-new-tokens 48 --no-progress"
 kvcache-ext eval $P --mode agnostic --policy full,kvzip,kvzip-global,kvzip-global-context-sentences \
   --json ruler-4k-agnostic-keep25-5prompts.json
 kvcache-ext eval $P --mode agnostic --policy full,kvzip-global-context-sentences-rebuild \
   --json ruler-4k-agnostic-keep25-rebuild-5prompts.json
+kvcache-ext eval --report ruler-4k-aware-5prompts.json ruler-4k-agnostic-keep25-5prompts.json \
+  ruler-4k-agnostic-keep25-rebuild-5prompts.json ruler-4k-agnostic-5prompts.json --frontier ruler-4k-5prompts.png
+kvcache-ext eval --task ruler --ruler-tasks niah_single_2 --lengths 4096 --seeds 1 --keep 0.125 --mode agnostic \
+  --max-new-tokens 48 --no-progress --policy kvzip-global-sentences,kvzip-global-context \
+  --json ruler-4k-agnostic-keep125-ablation-1prompt.json
 G="--task ruler --model gemma3-270m --lengths 4096 --seeds 1 --max-new-tokens 48 --keep 0.25 --no-progress"
 kvcache-ext eval $G --mode aware --policy full,snapkv,ada-snapkv,ada-snapkv-sentences --json ruler-4k-aware-gemma3.json
 kvcache-ext eval $G --mode agnostic --policy full,ada-snapkv,kvzip-global,kvzip-global-context-sentences \
