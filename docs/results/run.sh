@@ -135,6 +135,9 @@ kvcache-ext eval $P --mode agnostic --policy full,kvzip-global-context-sentences
   --json ruler-4k-agnostic-keep25-rebuild-5prompts.json
 kvcache-ext eval --report ruler-4k-aware-5prompts.json ruler-4k-agnostic-keep25-5prompts.json \
   ruler-4k-agnostic-keep25-rebuild-5prompts.json ruler-4k-agnostic-5prompts.json --frontier ruler-4k-5prompts.png
+kvcache-ext eval $P --mode agnostic --first-seed 5 --ruler-tasks niah_multiquery,niah_multivalue \
+  --policy full,kvzip-global-context-sentences,kvzip-global-context-sentences-rebuild \
+  --json ruler-4k-agnostic-keep25-rebuild-heldout-2tasks.json
 kvcache-ext eval --task ruler --ruler-tasks niah_single_2 --lengths 4096 --seeds 1 --keep 0.125 --mode agnostic \
   --max-new-tokens 48 --no-progress --policy kvzip-global-sentences,kvzip-global-context \
   --json ruler-4k-agnostic-keep125-ablation-1prompt.json
