@@ -35,7 +35,8 @@ def start_server(arguments: list[str], folder):
     import httpx
     port = free_port()
     # The kvcache_ext this process imports, from a folder where no source tree shadows it.
-    env = {**child_env(), "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a server that does not stop prints every thread's stack on SIGABRT.
+    env = {**child_env(), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     process = subprocess.Popen([sys.executable, "-m", "kvcache_ext", "serve", *arguments, "--port", str(port)],
                                cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []      # its output, read as it comes (a full pipe would stop the server)
@@ -57,12 +58,23 @@ def start_server(arguments: list[str], folder):
 
 
 def stop_server(process, lines) -> None:
-    """Ctrl-C, as a user stops it: it must exit with status 0."""
+    """Ctrl-C, as a user stops it: it must exit with status 0. One still running a minute later
+    is aborted, and the failure shows its output with where each of its threads stood."""
     process.send_signal(signal.SIGINT)
     try:
-        assert process.wait(timeout=60) == 0, "".join(lines[-40:])
+        code = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(0.5)     # the reader thread takes the last lines
+        pytest.fail("kvcache-ext serve did not exit within 60 s of Ctrl-C; its output, then its threads' "
+                    "stacks:\n" + "".join(lines[-200:]))
     finally:
         process.kill()
+    assert code == 0, "".join(lines[-40:])
 
 
 @pytest.fixture(scope="module")
