@@ -353,8 +353,7 @@ def run(args, model, tokenizer, on_record=None) -> tuple[list[dict], list[dict]]
             bar.update(1)
 
         for n in lengths:
-            first = args.first_seed
-            for seed in range(first, first + args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 if args.task == "ppl":
                     ids = prose_ids(tokenizer, n, seed)[None].to(device)
                     perplexity.run_text(model, ids, seed, policies, budgets, schedule, on_run=one,
