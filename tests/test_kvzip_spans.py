@@ -8,10 +8,14 @@ sentence ends), so that spans of several tokens occur:
 - the kept positions equal a plain-PyTorch computation: the passes' raw scores, each token
   given its span's max found by a walk over the token texts, the sinks kept, the top budget
   of each head (and spans changed the selection: the test can fail);
+- with ``budgets="tokens"`` each head holds what KVzip alone gives it under the same
+  allocation (the split by the raw scores), its tokens chosen by the span-shared scores; with
+  the default the split differs (the test can fail);
 - the evaluation's shared prefill runs the passes once for KVzip and its spanned twin and
   keeps what the patched model keeps;
 - a budget of the whole sequence gives the unpatched logits;
-- the refusals: no tokenizer, a schedule other than one-shot, bad spans or KVzip arguments.
+- the refusals: no tokenizer, a schedule other than one-shot, bad spans, budgets or KVzip
+  arguments.
 """
 import pytest
 import torch
@@ -19,7 +23,7 @@ import torch
 import kvcache_ext
 from kvcache_ext.cache_argument import with_cache
 from kvcache_ext.evaluation.shared_prefill import compressed_cache, record_prefill, score_by_reconstruction
-from kvcache_ext.policies import (AcrossLayers, AdaKV, EveryStep, KVzip, Policy, Spanned, Spans, Uniform)
+from kvcache_ext.policies import (AcrossLayers, AdaKV, EveryStep, KVzip, Policy, SnapKV, Spanned, Spans, Uniform)
 from test_patch import assert_paths_agree, inputs, teacher_forced
 from tiny_models import VOCAB, tiny_model
 
@@ -78,6 +82,12 @@ def test_ragged_path_equals_reference_path(allocation, spans):
                        tokenizer=TOKENIZER)
 
 
+@pytest.mark.parametrize("allocation", [AdaKV(), AdaKV(alpha=1.0, layers=AcrossLayers())], ids=repr)
+def test_token_budgets_ragged_path_equals_reference_path(allocation):
+    assert_paths_agree(Policy(Spanned(kvzip(chunk=16), Spans("sentence"), budgets="tokens"), budget=20,
+                              allocation=allocation), steps=6, tokenizer=TOKENIZER)
+
+
 def _kept(cache, layer):
     view = cache.layer_kv(layer).view(None, False)
     return [[sorted(view["pos"][b, h][view["mask"][b, h]].tolist()) for h in range(view["pos"].shape[1])]
@@ -116,6 +126,38 @@ def test_kept_positions_equal_a_plain_computation(unit):
             assert all(shared[p] >= threshold for p in kept[h]), (layer, h)
             differs |= kept[h] != kept_plain[h]
     assert differs                                                   # spans changed the selection
+
+
+def test_token_budgets_hold_kvzips_counts_chosen_by_the_spans():
+    """KVzip's global allocation, budget 12 of 48 tokens: under ``budgets="tokens"`` every
+    (layer, head) holds as many tokens as KVzip alone holds there, and those are the head's
+    best by the span-shared scores (every token above its threshold kept, none below); under
+    the default split by the shared scores, some head's count differs."""
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=3)
+    ids, _ = inputs(batch=1, length=48, seed=7)
+    spans, sinks = Spans("sentence"), 4
+    allocation = lambda: AdaKV(alpha=1.0, layers=AcrossLayers())   # noqa: E731
+    recorded = record_prefill(model, ids)
+    kept = {}
+    for name, scorer in [("plain", kvzip(chunk=20)), ("tokens", Spanned(kvzip(chunk=20), spans, budgets="tokens")),
+                         ("spans", Spanned(kvzip(chunk=20), spans))]:
+        policy = Policy(scorer, budget=12, allocation=allocation())
+        with kvcache_ext.patch(model, policy, tokenizer=TOKENIZER) as handle:
+            cache = compressed_cache(policy, recorded, handle.model_parts)
+            raw = handle.score_prompt(cache, ids)
+        kept[name] = [_kept(cache, layer)[0] for layer in range(3)]
+    counts = {name: [[len(h) for h in layer] for layer in value] for name, value in kept.items()}
+    assert counts["tokens"] == counts["plain"]
+    assert counts["spans"] != counts["plain"]                        # the default splits otherwise
+    starts = _walk_spans(ids[0].tolist(), "sentence")
+    for layer, scores in enumerate(raw):
+        for h, positions in enumerate(kept["tokens"][layer]):
+            s = scores[0, h].double().tolist()   # a sink's score counts for its span, as any rated token's
+            shared = [max(s[q] for q in range(48) if starts[q] == starts[p]) if p >= sinks else float("inf")
+                      for p in range(48)]
+            threshold = sorted(shared, reverse=True)[len(positions) - 1]
+            assert {p for p in range(48) if shared[p] > threshold} <= set(positions), (layer, h)
+            assert all(shared[p] >= threshold for p in positions), (layer, h)
 
 
 def test_the_shared_prefill_runs_the_passes_once_and_keeps_what_the_patched_model_keeps():
@@ -163,3 +205,7 @@ def test_refusals_name_the_argument_the_value_and_what_is_accepted():
         Spanned(kvzip(), Spans("token"))
     with pytest.raises(ValueError, match="KVzip gqa must be 'max' or 'mean', got 'sum'"):
         Spanned(kvzip(gqa="sum"))
+    with pytest.raises(ValueError, match="Spanned budgets.*'spans', 'tokens'.*'layers'"):
+        Spanned(kvzip(), budgets="layers")
+    with pytest.raises(ValueError, match="Spanned budgets='tokens'.*reconstructing.*SnapKV.*budgets='spans'"):
+        Spanned(SnapKV(), budgets="tokens")

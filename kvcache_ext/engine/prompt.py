@@ -31,11 +31,13 @@ def note_prompt(state: LayerState, pos, valid) -> None:
     state.note_newest(pos.masked_fill(~valid, -1).max(dim=1).values)
 
 
-def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels, protection=None, budget=None) -> None:
+def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels, protection=None, budget=None,
+                split_scores=None) -> None:
     """Stores each head's budget of a prompt by ``scores`` [B, H, n] (protection and the
     allocation applied), with the scorer's ``channels`` when the schedule evicts again.
     ``protection`` / ``budget`` [B]: instead of the policy's / the layer's (a deferred
-    compression's, ``engine.lookahead``)."""
+    compression's, ``engine.lookahead``). ``split_scores`` [B, H, n]: what the allocation
+    splits the layer's budget over its heads by, instead of ``scores`` (``budget_scores``)."""
     p, kv = state.policy, state.kv
     protection = p.protection if protection is None else protection
     budget = state.budget if budget is None else budget
@@ -47,7 +49,10 @@ def keep_prompt(state: LayerState, k, v, pos, valid, scores, channels, protectio
     held = valid[:, None, :].expand(B, H, n)
     scores, protected = protection.apply(scores, pos[:, None, :].expand(B, H, n), state.last_pos, held)
     counts = lambda s, m, total: kv.prompt_grouped_counts(s, pos, valid, total)
-    per_head = head_budgets(state, budget, scores, held, protected, counts)
+    if split_scores is not None:
+        split_scores, _ = protection.apply(split_scores, pos[:, None, :].expand(B, H, n), state.last_pos, held)
+    per_head = head_budgets(state, budget, scores if split_scores is None else split_scores, held, protected,
+                            counts)
     keep = kv.prompt_keep(scores, pos, valid, per_head)
     kv.append(k, v, pos, keep)
     if channels is not None and p.schedule.evicts_over_cache:

@@ -250,15 +250,19 @@ def hold_prompt(state: LayerState, k, v, pos, valid, scale) -> None:
 
 def finish(states: list[LayerState], scores: list[torch.Tensor]) -> None:
     """Every layer (``states``, a cache's in layer order) keeps its budget of its held prompt
-    by ``scores`` (the passes' raw scores, as the scorer reads them: ``held_scores``) and drops the rest (the layers' budgets first split by all the scores when
-    the allocation asks: AcrossLayers)."""
+    by ``scores`` (the passes' raw scores, as the scorer reads them: ``held_scores``) and drops
+    the rest. The layers' budgets are first split by all the scores when the allocation asks
+    (AcrossLayers); that split, and each layer's over its heads, go by ``budget_scores`` where
+    the scorer gives them."""
     policy = states[0].policy
-    scores = [policy.scorer.held_scores(layer_scores, state.context.pos, state.context.valid, state.last_pos,
-                                        state.model, state.shared.token_ids)
-              for state, layer_scores in zip(states, scores)]
+    args = [(state.context.pos, state.context.valid, state.last_pos, state.model, state.shared.token_ids)
+            for state in states]
+    split = [policy.scorer.budget_scores(layer_scores, *a) for layer_scores, a in zip(scores, args)]
+    scores = [policy.scorer.held_scores(layer_scores, *a) for layer_scores, a in zip(scores, args)]
+    split = [held if own is None else own for held, own in zip(scores, split)]
     if policy.allocation.whole_model:
         ranked = []
-        for state, layer_scores in zip(states, scores):
+        for state, layer_scores in zip(states, split):
             ctx = state.context
             B, H, n = layer_scores.shape
             held = ctx.valid[:, None, :].expand(B, H, n)
@@ -270,7 +274,8 @@ def finish(states: list[LayerState], scores: list[torch.Tensor]) -> None:
         base = policy.budget_for(states[0].context.valid.sum(dim=1))
         for state, budget in zip(states, layer_budgets(states[0], base, ranked)):
             state.set_budget(budget)
-    for state, layer_scores in zip(states, scores):
+    for state, layer_scores, layer_split in zip(states, scores, split):
         ctx = state.release_context()
-        keep_prompt(state, ctx.k, ctx.v, ctx.pos, ctx.valid, layer_scores, None)
+        keep_prompt(state, ctx.k, ctx.v, ctx.pos, ctx.valid, layer_scores, None,
+                    split_scores=None if layer_split is layer_scores else layer_split)
         release_prefill_slack(state)

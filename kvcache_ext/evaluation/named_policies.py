@@ -114,6 +114,13 @@ BUILT_IN = {
     "kvzip-global-context-sentences-rebuild": (
         lambda b: Spanned(KVzip(softmax="context", skip_prefix=None), Spans("sentence")),
         lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # Sentences that choose which tokens each head keeps but not how many: the budget split over
+    # layers and heads by KVzip's own token scores (budgets="tokens").
+    "kvzip-global-sentences-token-budgets": (lambda b: Spanned(KVzip(), Spans("sentence"), budgets="tokens"),
+                                             lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    "kvzip-global-context-sentences-token-budgets": (
+        lambda b: Spanned(KVzip(softmax="context"), Spans("sentence"), budgets="tokens"),
+        lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     "kvzip-global-floor": (lambda b: KVzip(), lambda: AdaKV(alpha=0.5, layers=AcrossLayers())),
     "kvzip-global-gqa-mean": (lambda b: KVzip(gqa="mean"), lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
     # The pooling ablation: the pooling methods without it, the others with max-pool kernel 7.

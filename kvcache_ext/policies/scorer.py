@@ -161,6 +161,13 @@ class ReconstructionScorer(Scorer):
         default the raw scores (``Spanned`` shares them by span)."""
         return scores
 
+    def budget_scores(self, scores: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, last_pos: torch.Tensor,
+                      model, token_ids) -> torch.Tensor | None:
+        """The scores [B, H, n] that split the budget over layers and heads, from the same raw
+        scores and arguments as ``held_scores``; None (the default): the held scores themselves.
+        (``Spanned(budgets="tokens")`` splits by the tokens' own scores and keeps by its spans'.)"""
+        return None
+
     def prompt_scores(self, p: PromptView):
         raise RuntimeError(f"{type(self).__name__} scores come from reconstruction passes of the whole model; "
                            "the patched model runs them (kvcache_ext.hf.reconstruction)")

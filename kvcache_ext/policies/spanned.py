@@ -12,13 +12,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvcache_ext.checks import Instance, check_fields
+from kvcache_ext.checks import Choice, Instance, check_fields
 from kvcache_ext.policies.capabilities import Capabilities
 from kvcache_ext.policies.protection import newest
 from kvcache_ext.policies.scorer import Scorer
 from kvcache_ext.policies.spans import Spans
 from kvcache_ext.policies.views import CacheView, PromptView
 from kvcache_ext.policies.wrapper import Wrapper
+
+BUDGETS = ("spans", "tokens")   # what the allocation splits by: the shared scores, or the tokens' own
 
 
 @dataclass
@@ -32,14 +34,26 @@ class Spanned(Wrapper):
     changes. Everything else is the base's. A base that reconstructs the prompt (KVzip) runs
     its passes as it would alone (``Spanned`` is then a reconstructing scorer too, with the
     base's passes, softmax and sinks); the raw scores of every layer are shared by span once
-    the passes are done, before the allocation splits the budget (``held_scores``)."""
+    the passes are done, before the allocation splits the budget (``held_scores``).
+
+    ``budgets``: what the allocation splits the budget over layers and heads by, for a
+    reconstructing base: ``"spans"`` (default), the shared scores; ``"tokens"``, the base's own
+    scores, so that spans choose which tokens each head keeps but not how many. Why: a span
+    takes its best token's score, so one high score claims the whole span, and a top-k over
+    every layer that counts whole sentences can spend a small budget on a few layers and leave
+    others their protected tokens alone (docs/policies.md, "KVzip with spans, and its allocation")."""
 
     base: Scorer
     spans: Spans = field(default_factory=Spans)
+    budgets: str = "spans"
 
     def __post_init__(self):
         check_fields(self, "Spanned", base=Instance(Scorer, "a kvcache_ext.policies scorer"),
-                     spans=Instance(Spans, "a kvcache_ext.policies.Spans"))
+                     spans=Instance(Spans, "a kvcache_ext.policies.Spans"), budgets=Choice(BUDGETS))
+        if self.budgets == "tokens" and not self.base.capabilities.reconstructs:
+            raise ValueError(f"Spanned budgets='tokens' splits the budget by a reconstructing base's own scores "
+                             f"(KVzip); the base {type(self.base).__name__} scores as the prompt is read: use "
+                             f"budgets='spans'")
 
     @property
     def inner(self) -> Scorer:
@@ -83,6 +97,11 @@ class Spanned(Wrapper):
 
     def pass_scores(self, probs, groups):
         return self.base.pass_scores(probs, groups)
+
+    def budget_scores(self, scores, pos, valid, last_pos, model, token_ids):
+        if self.budgets == "tokens":
+            return self.base.held_scores(scores, pos, valid, last_pos, model, token_ids)
+        return None   # the shared scores, as held
 
     def held_scores(self, scores, pos, valid, last_pos, model, token_ids):
         scores = self.base.held_scores(scores, pos, valid, last_pos, model, token_ids)
