@@ -122,6 +122,8 @@ kvcache-ext eval $K25 --lengths 2048,4096 --mode agnostic --policy kvzip-global-
 # was made of four runs of these two commands split by --ruler-tasks, merged by --report.
 kvcache-ext eval --protocol kvpress --max-new-tokens 48 --no-progress --mode aware \
   --policy full,snapkv,ada-snapkv,snapkv-spans,ada-snapkv-sentences --json ruler-4k-aware-5prompts.json
+kvcache-ext eval --protocol kvpress --max-new-tokens 48 --no-progress --mode aware \
+  --policy kvpress-snapkv,kvpress-ada-snapkv --json ruler-4k-aware-5prompts-kvpress.json   # kvpress's venv
 A="--protocol kvpress --max-new-tokens 48 --no-progress --mode agnostic"
 kvcache-ext eval $A --policy full,expected-attention,kvzip-global,kvzip-global-context-sentences \
   --json ruler-4k-agnostic-5prompts-ours.json
@@ -133,11 +135,26 @@ kvcache-ext eval $P --mode agnostic --policy full,kvzip,kvzip-global,kvzip-globa
   --json ruler-4k-agnostic-keep25-5prompts.json
 kvcache-ext eval $P --mode agnostic --policy full,kvzip-global-context-sentences-rebuild \
   --json ruler-4k-agnostic-keep25-rebuild-5prompts.json
-kvcache-ext eval --report ruler-4k-aware-5prompts.json ruler-4k-agnostic-keep25-5prompts.json \
-  ruler-4k-agnostic-keep25-rebuild-5prompts.json ruler-4k-agnostic-5prompts.json --frontier ruler-4k-5prompts.png
+kvcache-ext eval --report ruler-4k-aware-5prompts.json ruler-4k-aware-5prompts-kvpress.json \
+  ruler-4k-agnostic-keep25-5prompts.json ruler-4k-agnostic-keep25-rebuild-5prompts.json ruler-4k-agnostic-5prompts.json \
+  --frontier ruler-4k-5prompts.png
+# Held out (seeds 5-9): the keep-0.25 selections on every task (three runs, the last split forward and
+# backward over the tasks to use both cores, merged by --report),
+# and the token-budget variants at 0.125 on the three tasks sentences lose there.
 kvcache-ext eval $P --mode agnostic --first-seed 5 --ruler-tasks niah_multiquery,niah_multivalue \
-  --policy full,kvzip-global-context-sentences,kvzip-global-context-sentences-rebuild \
-  --json ruler-4k-agnostic-keep25-rebuild-heldout-2tasks.json
+  --policy full,kvzip-global-context-sentences,kvzip-global-context-sentences-rebuild --json heldout-a.json
+kvcache-ext eval $P --mode agnostic --first-seed 5 \
+  --ruler-tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,vt,cwe,fwe \
+  --policy full,kvzip-global-context-sentences,kvzip-global-context-sentences-rebuild --json heldout-b.json
+kvcache-ext eval $P --mode agnostic --first-seed 5 --policy full,kvzip-global --json heldout-c.json
+kvcache-ext eval --report heldout-a.json heldout-b.json heldout-c.json --json ruler-4k-agnostic-keep25-heldout.json
+kvcache-ext eval --protocol kvpress --keep 0.125 --mode agnostic --first-seed 5 --max-new-tokens 48 --no-progress \
+  --ruler-tasks niah_single_2,niah_multiquery,niah_multivalue --policy full,kvzip-global,kvzip-global-sentences,\
+kvzip-global-context-sentences,kvzip-global-sentences-token-budgets,kvzip-global-context-sentences-token-budgets \
+  --json ruler-4k-agnostic-keep125-heldout-3tasks.json
+(cd ../.. && PYTHONPATH=$PWD python bench/kept_by_layer.py --task niah_single_2 --keep 0.125 \
+  --policies kvzip-global,kvzip-global-context,kvzip-global-sentences,kvzip-global-context-sentences \
+  --out bench/results/kept-by-layer-niah_single_2-keep125-cpu-2026-11-30.json)
 kvcache-ext eval --task ruler --ruler-tasks niah_single_2 --lengths 4096 --seeds 1 --keep 0.125 --mode agnostic \
   --max-new-tokens 48 --no-progress --policy kvzip-global-sentences,kvzip-global-context \
   --json ruler-4k-agnostic-keep125-ablation-1prompt.json
