@@ -257,12 +257,11 @@ def finish(states: list[LayerState], scores: list[torch.Tensor]) -> None:
     policy = states[0].policy
     args = [(state.context.pos, state.context.valid, state.last_pos, state.model, state.shared.token_ids)
             for state in states]
-    split = [policy.scorer.budget_scores(layer_scores, *a) for layer_scores, a in zip(scores, args)]
+    split = [policy.scorer.budget_scores(layer_scores, *a) for layer_scores, a in zip(scores, args)]   # None: held
     scores = [policy.scorer.held_scores(layer_scores, *a) for layer_scores, a in zip(scores, args)]
-    split = [held if own is None else own for held, own in zip(scores, split)]
     if policy.allocation.whole_model:
         ranked = []
-        for state, layer_scores in zip(states, split):
+        for state, layer_scores in zip(states, [h if s is None else s for h, s in zip(scores, split)]):
             ctx = state.context
             B, H, n = layer_scores.shape
             held = ctx.valid[:, None, :].expand(B, H, n)
@@ -276,6 +275,5 @@ def finish(states: list[LayerState], scores: list[torch.Tensor]) -> None:
             state.set_budget(budget)
     for state, layer_scores, layer_split in zip(states, scores, split):
         ctx = state.release_context()
-        keep_prompt(state, ctx.k, ctx.v, ctx.pos, ctx.valid, layer_scores, None,
-                    split_scores=None if layer_split is layer_scores else layer_split)
+        keep_prompt(state, ctx.k, ctx.v, ctx.pos, ctx.valid, layer_scores, None, split_scores=layer_split)
         release_prefill_slack(state)
