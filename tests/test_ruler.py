@@ -344,6 +344,35 @@ def test_a_press_scored_once_gives_what_its_pipeline_gives_at_each_budget(defaul
     assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("name", ["kvpress-snapkv", "kvpress-ada-snapkv"])
+def test_kvpress_compresses_only_gemma3s_global_layers(stand_in_kvpress, monkeypatch, name):
+    """kvpress's rule for Gemma 3 (the sliding-window layers left as they are), which kvpress
+    itself applies to Gemma3ForConditionalGeneration only, holds for Gemma3ForCausalLM in both
+    of the harness's runs: the press's hook and its compression see the global layer only, and
+    each budget still prunes it."""
+    from tiny_models import tiny_model
+
+    from kvcache_ext.evaluation.kvpress_runs import run_press, run_press_budgets
+    model = tiny_model("gemma3_text", heads=4, kv_heads=1, layers=2, sliding_window=16)
+    assert [layer.self_attn.is_sliding for layer in model.model.layers] == [True, False]
+    hooked, compressed = [], []
+    hook, compress = _KeepLast.forward_hook, _KeepLast.compress
+    monkeypatch.setattr(_KeepLast, "forward_hook", lambda self, module, *a: (
+        hooked.append(module.layer_idx), hook(self, module, *a))[1])
+    monkeypatch.setattr(_KeepLast, "compress", lambda self, module, *a: (
+        compressed.append(module.layer_idx), compress(self, module, *a))[1])
+    tokens = torch.randint(0, 101, (1, 66), generator=torch.Generator().manual_seed(0))
+    context, question = tokens[:, :60], tokens[:, 60:]
+    tokenizer = types.SimpleNamespace(eos_token_id=None)
+    alone = [run_press(model, tokenizer, name, keep, context, question, 4) for keep in (0.5, 0.25)]
+    assert set(hooked) == {1} and set(compressed) == {1}
+    hooked.clear(), compressed.clear()
+    together = run_press_budgets(model, tokenizer, name, [0.5, 0.25], context, question, 4)
+    assert set(hooked) == {1} and compressed == [1, 1]
+    assert [(new, held) for new, _, held, _ in together] == [(new, held) for new, _, held, _ in alone]
+    assert alone[0][2] > alone[1][2]
+
+
 def test_eval_runs_kvpress_names_beside_ours(default_model, monkeypatch, stand_in_kvpress, tmp_path):
     from kvcache_ext import cli
     _use_session_model(monkeypatch, default_model)

@@ -8,7 +8,8 @@ pipeline passes them too). Its KV bytes are what its cache holds after the press
 cache, or the full-size cache an Ada-KV press masks, with its masks), and its prefill time
 includes the press's own work (KVzip's reconstruction passes). ``run_press`` is kvpress's
 pipeline at one budget; ``run_press_budgets``, what the harness runs, gives the same at every
-budget of a prompt from one prefill (and one set of KVzip's passes).
+budget of a prompt from one prefill (and one set of KVzip's passes). On Gemma 3 both leave the
+sliding-window layers whole, as kvpress does for its Gemma 3 model class.
 
 kvpress (``pip install ".[bench]"``: kvpress 0.5.5, which needs transformers < 5.3) is imported
 only when such a name runs. Importing it wraps every transformers attention function of the
@@ -130,7 +131,7 @@ def run_press(model, tokenizer, name: str, budget: int | float, context: torch.T
     cache = DynamicCache(config=model.config)
     try:
         start = time.perf_counter()
-        with _tokenizer_for(name, tokenizer), press(model):
+        with _tokenizer_for(name, tokenizer), _sliding_layers_whole(press), press(model):
             logits = model(context, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         prefill_s = time.perf_counter() - start
         return (*_answer(model, tokenizer, cache, logits, n, question, max_new_tokens), prefill_s)
@@ -166,7 +167,7 @@ def run_press_budgets(model, tokenizer, name: str, budgets, context: torch.Tenso
     replay = _KVzipReplay(press) if name == "kvpress-kvzip" else _ScorerReplay(press)
     cache = DynamicCache(config=model.config)
     start = time.perf_counter()
-    with _tokenizer_for(name, tokenizer), replay.scoring(), press(model):
+    with _tokenizer_for(name, tokenizer), replay.scoring(), _sliding_layers_whole(press), press(model):
         logits = model(context, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     prefill_s = time.perf_counter() - start
     out = []
@@ -200,6 +201,8 @@ class _ScorerReplay:
         self.press.compression_ratio = ratio
         for layer in model.model.layers:
             module = layer.self_attn
+            if _sliding(module):
+                continue
             scores = self.scores[module.layer_idx]
             kept = cache.layers[module.layer_idx]
             # A copy each time: Ada-KV's compress writes into the scores.
@@ -235,6 +238,26 @@ def _instead(obj, name: str, value):
         yield
     finally:
         delattr(obj, name)
+
+
+def _sliding(module) -> bool:
+    """Whether ``module`` attends over a sliding window (Gemma 3's local layers)."""
+    return bool(getattr(module, "is_sliding", False))
+
+
+def _sliding_layers_whole(press):
+    """Inside: the press's hook leaves the sliding-window layers' caches as they are. kvpress
+    compresses only the global layers of Gemma 3, but tests for that on
+    ``Gemma3ForConditionalGeneration`` alone; on ``Gemma3ForCausalLM`` its hook prunes a
+    sliding layer's window too, and the next forward's mask no longer fits that layer. (A press
+    without a layer hook is left as it is: kvpress's KVzip refuses Gemma 3 itself.)"""
+    hook = getattr(press, "forward_hook", None)
+    if hook is None:
+        return contextlib.nullcontext()
+
+    def global_layers_only(module, args, kwargs, output):
+        return output if _sliding(module) else hook(module, args, kwargs, output)
+    return _instead(press, "forward_hook", global_layers_only)
 
 
 def _tokenizer_for(name: str, tokenizer):
