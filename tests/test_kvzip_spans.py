@@ -76,7 +76,8 @@ def _walk_spans(ids: list[int], unit: str) -> list[int]:
 
 
 @pytest.mark.parametrize("allocation", [Uniform(), AdaKV(), AdaKV(alpha=1.0, layers=AcrossLayers())], ids=repr)
-@pytest.mark.parametrize("spans", [Spans("word"), Spans("number"), Spans("sentence", "mean")], ids=repr)
+@pytest.mark.parametrize("spans", [Spans("word"), Spans("number"), Spans("sentence", "mean"),
+                                   Spans("sentence", share=0.5)], ids=repr)
 def test_ragged_path_equals_reference_path(allocation, spans):
     assert_paths_agree(Policy(Spanned(kvzip(chunk=16), spans), budget=20, allocation=allocation), steps=6,
                        tokenizer=TOKENIZER)

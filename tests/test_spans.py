@@ -119,7 +119,7 @@ def test_span_of_equals_a_walk_over_the_texts(seed, B, H, S, L, unit):
                 assert bool(known[b, h, j]) == (row[p] != UNKNOWN)
 
 
-def _literal_share(scores, span, live, reduce):
+def _literal_share(scores, span, live, reduce, share=1.0):
     out = scores.clone()
     rows = scores.reshape(scores.shape[0] * scores.shape[1], scores.shape[-1])
     spans, lives, outs = span.reshape(rows.shape), live.reshape(rows.shape), out.view(rows.shape)
@@ -131,13 +131,14 @@ def _literal_share(scores, span, live, reduce):
         for i in range(rows.shape[1]):
             if lives[r, i]:
                 vals = members[int(spans[r, i])]
-                outs[r, i] = max(vals) if reduce == "max" else sum(vals) / len(vals)
+                of_span = max(vals) if reduce == "max" else sum(vals) / len(vals)
+                outs[r, i] = share * of_span + (1 - share) * float(rows[r, i])
     return out
 
 
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 3), H=st.integers(1, 3), L=st.integers(0, 16),
-       reduce=st.sampled_from(["max", "mean"]))
-def test_span_scores_equal_loops_on_ragged_rows(seed, B, H, L, reduce):
+       reduce=st.sampled_from(["max", "mean"]), share=st.sampled_from([1.0, 0.75, 0.5, 0.25, 0.0]))
+def test_span_scores_equal_loops_on_ragged_rows(seed, B, H, L, reduce, share):
     """Rows of a [B, H, L] view: each head holds its own tokens (some none, some one), padded
     at the end; padding and a recent window take no part; spans are runs of equal ids, and a
     span id may repeat in other rows (spans never cross rows)."""
@@ -148,8 +149,8 @@ def test_span_scores_equal_loops_on_ragged_rows(seed, B, H, L, reduce):
     scores = torch.randn(B, H, L, generator=g).masked_fill(~mask, 77.0)
     recent = torch.rand(B, H, L, generator=g) < 0.15
     live = mask & ~recent
-    got = Spans("word", reduce)(scores, span, live)
-    want = _literal_share(scores.double(), span, live, reduce)
+    got = Spans("word", reduce, share)(scores, span, live)
+    want = _literal_share(scores.double(), span, live, reduce, share)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[~live], scores[~live])                           # padding keeps its value
 
@@ -160,6 +161,9 @@ def test_span_scores_by_hand():
     live = torch.isfinite(x)
     assert Spans(reduce="max")(x, span, live).tolist() == [[5.0, 5.0, 5.0, 3.0, 3.0, float("inf")]]
     assert Spans(reduce="mean")(x, span, live)[0].tolist() == pytest.approx([8 / 3] * 3 + [1.5, 1.5, float("inf")])
+    # Half the span's max, half the token's own: a span's best token still ranks first in it.
+    assert Spans(share=0.5)(x, span, live).tolist() == [[3.0, 5.0, 3.5, 1.5, 3.0, float("inf")]]
+    assert Spans(share=0.0)(x, span, live).tolist() == x.tolist()
     # Broadcast span and live over heads; an empty view.
     y = torch.arange(12.0).view(1, 2, 6)
     assert Spans()(y, span[:, None], torch.ones(1, 1, 6, dtype=torch.bool))[0, 1].tolist() == [8.0] * 3 + [11.0] * 3
@@ -192,6 +196,11 @@ def test_spans_refuse_bad_parameters():
         Spans(reduce="sum")
     with pytest.raises(TypeError, match="Spans unit"):
         Spans(unit=1)
+    for share in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"Spans share must be a number in \[0, 1\].*got"):
+            Spans(share=share)
+    with pytest.raises(TypeError, match="Spans share"):
+        Spans(share="half")
     with pytest.raises(TypeError, match="Spanned base"):
         Spanned("snapkv")
     with pytest.raises(TypeError, match="Spanned spans"):

@@ -114,6 +114,11 @@ BUILT_IN = {
     "kvzip-global-context-sentences-rebuild": (
         lambda b: Spanned(KVzip(softmax="context", skip_prefix=None), Spans("sentence")),
         lambda: AdaKV(alpha=1.0, layers=AcrossLayers())),
+    # Sentences blended with each token's own score (Spans' share: 0.25, 0.5, 0.75 of a
+    # token's score its sentence's), between KVzip's token selection and whole sentences.
+    **{f"kvzip-global-context-sentences-share{round(100 * share)}": (
+        lambda b, share=share: Spanned(KVzip(softmax="context"), Spans("sentence", share=share)),
+        lambda: AdaKV(alpha=1.0, layers=AcrossLayers())) for share in (0.25, 0.5, 0.75)},
     # Sentences that choose which tokens each head keeps but not how many: the budget split over
     # layers and heads by KVzip's own token scores (budgets="tokens").
     "kvzip-global-sentences-token-budgets": (lambda b: Spanned(KVzip(), Spans("sentence"), budgets="tokens"),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_ext.checks import Choice, check_fields
+from kvcache_ext.checks import Choice, Real, check_fields
 from kvcache_ext.policies.token_ids import UNKNOWN, TokenIds
 from kvcache_ext.policies.token_kinds import BREAK_AFTER, BREAK_BEFORE, DIGITS, ENDS_SENTENCE, TokenKinds
 
@@ -41,13 +41,18 @@ def _has(flags: torch.Tensor, bit: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Spans:
     """``unit``: "number", "word" (default) or "sentence" (above). ``reduce``: "max" (default),
-    each token takes its span's best score, or "mean", the span's average."""
+    each token takes its span's best score, or "mean", the span's average. ``share``: the part
+    of a token's score that is its span's, the rest its own: 1 (default), the span's alone;
+    0.5, halfway, so that within a span the best tokens still come first and a span's other
+    tokens rank by the span and by themselves; 0, the token's own score."""
 
     unit: str = "word"
     reduce: str = "max"
+    share: float = 1.0
 
     def __post_init__(self):
-        check_fields(self, "Spans", unit=Choice(UNITS), reduce=Choice(REDUCES))
+        check_fields(self, "Spans", unit=Choice(UNITS), reduce=Choice(REDUCES),
+                     share=Real(0.0, 1.0, what="a number in [0, 1] (the part of a score that is its span's)"))
 
     # --- where spans begin ----------------------------------------------------------------
     def continues(self, flags: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
@@ -109,4 +114,7 @@ class Spans:
             total = x.new_zeros(n).scatter_add(0, group, x.masked_fill(~live, 0.0).reshape(-1))
             count = x.new_zeros(n).scatter_add(0, group, live.reshape(-1).float())
             spread = (total / count.clamp_min(1.0))[group]
-        return torch.where(live, spread.view(x.shape), x)
+        spread = spread.view(x.shape)
+        if self.share < 1.0:
+            spread = self.share * spread + (1.0 - self.share) * x
+        return torch.where(live, spread, x)
