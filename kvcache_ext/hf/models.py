@@ -25,6 +25,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -162,6 +163,7 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    requested = name_or_path
     gguf_file = None
     local_only = False
     path = named_model_path(name_or_path)
@@ -190,8 +192,26 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
     tokenizer.padding_side = "left"
     if getattr(model.generation_config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if requested == GEMMA3_270M:
+        warn_if_tokenizer_misread(tokenizer)
     return model, tokenizer
 
 
+def warn_if_tokenizer_misread(tokenizer) -> bool:
+    """Warns, and returns True, when Gemma 3 270M's GGUF tokenizer was read as a Unigram model.
+    Gemma's tokenizer is a BPE; some transformers releases (5.2) convert the GGUF's vocabulary
+    into a Unigram model without the BOS token, which splits words into other pieces, and the
+    model's answers degrade. transformers 5.24 reads it as a BPE."""
+    import transformers
+    backend = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    if type(backend).__name__ != "Unigram":
+        return False
+    warnings.warn(f"transformers {transformers.__version__} reads the tokenizer of {GEMMA3_270M!r}'s GGUF file as a "
+                  f"Unigram model without its BOS token, not as Gemma's BPE: prompts are split into other tokens "
+                  f"than the checkpoint's own and answers degrade. transformers 5.24 reads it right "
+                  f"(pip install 'transformers>=5.24,<5.25').", stacklevel=3)
+    return True
+
+
 __all__ = ["default_model_path", "gemma3_270m_path", "named_model_path", "load_model", "model_cache_dir",
-           "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
+           "warn_if_tokenizer_misread", "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
