@@ -151,6 +151,9 @@ kvcache-ext eval --report heldout-a.json heldout-b.json heldout-c.json --json ru
 kvcache-ext eval --protocol kvpress --keep 0.25 --seeds 10 --mode agnostic --max-new-tokens 48 --no-progress --policy \
   full,kvzip-global-context-sentences-share25,kvzip-global-context-sentences-share50,kvzip-global-context-sentences-share75 \
   --json ruler-4k-agnostic-keep25-share-10prompts.json
+kvcache-ext eval --protocol kvpress --keep 0.125 --mode agnostic --max-new-tokens 48 --no-progress \
+  --ruler-tasks niah_single_2,niah_multiquery,niah_multivalue --policy full,kvzip-global-context-sentences-share50 \
+  --json ruler-4k-agnostic-keep125-share50-3tasks.json
 kvcache-ext eval --protocol kvpress --keep 0.125 --mode agnostic --first-seed 5 --max-new-tokens 48 --no-progress \
   --ruler-tasks niah_single_2,niah_multiquery,niah_multivalue --policy full,kvzip-global,kvzip-global-sentences,\
 kvzip-global-context-sentences,kvzip-global-sentences-token-budgets,kvzip-global-context-sentences-token-budgets \
