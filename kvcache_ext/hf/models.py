@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -188,7 +189,7 @@ def load_model(name_or_path: Optional[str] = None, *, dtype: torch.dtype = torch
     model.eval()
 
     if requested == GEMMA3_270M:
-        tokenizer = kept_tokenizer(tokenizer, path[:-len(".gguf")] + "-tokenizer")
+        tokenizer = kept_tokenizer(tokenizer, kept_tokenizer_folder(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     tokenizer.padding_side = "left"
@@ -206,6 +207,11 @@ def tokenizer_misread(tokenizer) -> bool:
     return type(backend).__name__ == "Unigram"
 
 
+def kept_tokenizer_folder(gguf_path: str) -> str:
+    """Where ``kept_tokenizer`` keeps the tokenizer of the GGUF file at ``gguf_path``: beside it."""
+    return os.path.splitext(gguf_path)[0] + "-tokenizer"
+
+
 def kept_tokenizer(tokenizer, folder: str):
     """The tokenizer to use for a GGUF whose tokenizer some transformers releases misread: one
     read right is saved in ``folder`` (once, atomically) and returned; one misread is replaced
@@ -213,12 +219,13 @@ def kept_tokenizer(tokenizer, folder: str):
     from transformers import AutoTokenizer
     if not tokenizer_misread(tokenizer):
         if not os.path.isdir(folder):
-            staging = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".", dir=os.path.dirname(folder) or ".")
+            staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", suffix=".partial",
+                                       dir=os.path.dirname(folder) or ".")
             tokenizer.save_pretrained(staging)
+            os.chmod(staging, 0o755)   # mkdtemp's folder is its owner's alone
             try:
                 os.rename(staging, folder)
             except OSError:   # another process saved it first
-                import shutil
                 shutil.rmtree(staging, ignore_errors=True)
         return tokenizer
     if os.path.isdir(folder):
@@ -233,4 +240,5 @@ def kept_tokenizer(tokenizer, folder: str):
 
 
 __all__ = ["default_model_path", "gemma3_270m_path", "named_model_path", "load_model", "model_cache_dir",
-           "kept_tokenizer", "tokenizer_misread", "DEFAULT_GGUF", "INSTALL_HINT", "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
+           "kept_tokenizer", "kept_tokenizer_folder", "tokenizer_misread", "DEFAULT_GGUF", "INSTALL_HINT",
+           "GEMMA3_270M", "GEMMA3_INSTALL_HINT"]
