@@ -58,6 +58,8 @@ def test_shared_prefill_equals_the_patched_prefill(policy, layout):
     with torch.no_grad():
         recorded = record_prefill(model, prompt)
         assert not kvcache_ext.is_patched(model)
+        # Only the last position's logits are kept: all that a run reads of them.
+        assert recorded.logits.shape == (1, 1, model.config.vocab_size)
         with kvcache_ext.patch(model, policy) as handle:
             direct = handle.new_cache()
             direct_logits = [model(prompt, **with_cache(model, direct), use_cache=True).logits[:, -1]]

@@ -2,7 +2,7 @@
 
 With a one-shot schedule a patched model attends to a fresh prompt with the model's own dense
 attention and compresses each layer's keys and values right after: the prefill itself (every
-layer's queries, keys, values and the prompt's logits) does not depend on the policy. The
+layer's queries, keys, values and the prompt's last logits) does not depend on the policy. The
 harness therefore runs it once per prompt, recording each layer's dense prompt, and builds
 each policy's cache from the recording exactly as the patched prefill would
 (``eviction.prefill_dense``, the patched model's own path, on the same tensors).
@@ -11,6 +11,7 @@ patched model on the prompt.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ class _Recorder(Scorer):
 @dataclass
 class RecordedPrefill:
     views: list            # per layer, the dense PromptView (q, k, v after RoPE, positions)
-    logits: torch.Tensor   # [B, n, V] logits of the prompt
+    logits: torch.Tensor   # [B, 1, V] logits of the prompt's last position (all a run reads)
     seconds: float = 0.0   # the prefill's wall time
     model: ModelParts = field(default_factory=ModelParts)   # what the model hands its scorers
     # Scores of reconstruction passes (KVzip), per scorer: computed once per prompt and reused
@@ -58,12 +59,17 @@ def record_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if is_patched(model):
         raise ValueError("record_prefill patches the model itself: unpatch it first")
     recorder = _Recorder()
+    # Only the last position's logits are read: a prompt's whole [n, V] logits would cost more
+    # memory and time than the layers themselves for a model with a large vocabulary.
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with patch(model, Policy(recorder, budget=input_ids.shape[1])) as handle:
         cache = handle.new_cache()
         start = time.perf_counter()
-        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), use_cache=True)
+        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), use_cache=True,
+                    **last_only)
         seconds = time.perf_counter() - start
-    return RecordedPrefill(views=recorder.views, logits=out.logits, seconds=seconds, model=handle.model_parts,
+    return RecordedPrefill(views=recorder.views, logits=out.logits[:, -1:].clone(), seconds=seconds,
+                           model=handle.model_parts,
                            windows=[layer.state.window for layer in cache.layers], input_ids=input_ids)
 
 
