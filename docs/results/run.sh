@@ -164,12 +164,16 @@ kvzip-global-context-sentences,kvzip-global-sentences-token-budgets,kvzip-global
 kvcache-ext eval --task ruler --ruler-tasks niah_single_2 --lengths 4096 --seeds 1 --keep 0.125 --mode agnostic \
   --max-new-tokens 48 --no-progress --policy kvzip-global-sentences,kvzip-global-context \
   --json ruler-4k-agnostic-keep125-ablation-1prompt.json
-kvcache-ext eval --protocol kvpress --model gemma3-270m --max-new-tokens 48 --mode aware --no-progress \
-  --policy full,snapkv,ada-snapkv,ada-snapkv-sentences --json ruler-4k-aware-5prompts-gemma3.json
-kvcache-ext eval --report ruler-4k-aware-5prompts-gemma3.json --frontier ruler-4k-5prompts-gemma3.png
-G="--task ruler --model gemma3-270m --lengths 4096 --seeds 1 --max-new-tokens 48 --keep 0.25 --no-progress"
-kvcache-ext eval $G --mode agnostic --policy full,ada-snapkv,kvzip-global,kvzip-global-context-sentences \
-  --json ruler-4k-agnostic-gemma3.json
+# Gemma 3 270M, both modes (each JSON a --report merge of runs split over --ruler-tasks).
+G="--protocol kvpress --model gemma3-270m --max-new-tokens 48 --no-progress"
+kvcache-ext eval $G --mode aware --policy full,snapkv,ada-snapkv,ada-snapkv-sentences --json ruler-4k-aware-5prompts-gemma3.json
+kvcache-ext eval $G --mode aware --policy kvpress-snapkv,kvpress-ada-snapkv \
+  --json ruler-4k-aware-5prompts-gemma3-kvpress.json                                              # kvpress's venv
+kvcache-ext eval $G --mode agnostic \
+  --policy full,kvzip-global,kvzip-global-context-sentences,kvzip-global-context-sentences-share50 \
+  --json ruler-4k-agnostic-5prompts-gemma3.json
+kvcache-ext eval --report ruler-4k-aware-5prompts-gemma3.json ruler-4k-aware-5prompts-gemma3-kvpress.json \
+  ruler-4k-agnostic-5prompts-gemma3.json --frontier ruler-4k-5prompts-gemma3.png
 
 # The harness's runs of a prompt decoded together and alone (docs/evaluation.md, "Options").
 D="--task ruler --ruler-tasks niah_single_1,niah_multikey_1 --lengths 2048 --seeds 1 --max-new-tokens 48 \
