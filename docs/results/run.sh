@@ -172,8 +172,9 @@ kvcache-ext eval $G --mode aware --policy kvpress-snapkv,kvpress-ada-snapkv \
 kvcache-ext eval $G --mode agnostic \
   --policy full,kvzip-global,kvzip-global-context-sentences,kvzip-global-context-sentences-share50 \
   --json ruler-4k-agnostic-5prompts-gemma3.json
+kvcache-ext eval $G --mode agnostic --policy kvpress-snapkv --json ruler-4k-agnostic-5prompts-gemma3-kvpress.json   # kvpress's venv
 kvcache-ext eval --report ruler-4k-aware-5prompts-gemma3.json ruler-4k-aware-5prompts-gemma3-kvpress.json \
-  ruler-4k-agnostic-5prompts-gemma3.json --frontier ruler-4k-5prompts-gemma3.png
+  ruler-4k-agnostic-5prompts-gemma3.json ruler-4k-agnostic-5prompts-gemma3-kvpress.json --frontier ruler-4k-5prompts-gemma3.png
 
 # The harness's runs of a prompt decoded together and alone (docs/evaluation.md, "Options").
 D="--task ruler --ruler-tasks niah_single_1,niah_multikey_1 --lengths 2048 --seeds 1 --max-new-tokens 48 \
