@@ -135,9 +135,13 @@ kvcache-ext eval $P --mode agnostic --policy full,kvzip,kvzip-global,kvzip-globa
   --json ruler-4k-agnostic-keep25-5prompts.json
 kvcache-ext eval $P --mode agnostic --policy full,kvzip-global-context-sentences-rebuild \
   --json ruler-4k-agnostic-keep25-rebuild-5prompts.json
+kvcache-ext eval $A --policy full,oracle --json ruler-4k-agnostic-oracle-5prompts.json
+kvcache-ext eval $A --policy kvpress-expected-attention --json kvpress-ea.json   # kvpress's venv
+kvcache-ext eval $A --policy kvpress-tova --json kvpress-tova.json               # kvpress's venv
+kvcache-ext eval --report kvpress-ea.json kvpress-tova.json --json ruler-4k-agnostic-5prompts-kvpress-scorers.json
 kvcache-ext eval --report ruler-4k-aware-5prompts.json ruler-4k-aware-5prompts-kvpress.json \
   ruler-4k-agnostic-keep25-5prompts.json ruler-4k-agnostic-keep25-rebuild-5prompts.json ruler-4k-agnostic-5prompts.json \
-  --frontier ruler-4k-5prompts.png
+  ruler-4k-agnostic-oracle-5prompts.json ruler-4k-agnostic-5prompts-kvpress-scorers.json --frontier ruler-4k-5prompts.png
 # Held out (seeds 5-9): the keep-0.25 selections on every task (three runs, the last split forward and
 # backward over the tasks to use both cores, merged by --report),
 # and the token-budget variants at 0.125 on the three tasks sentences lose there.
@@ -148,6 +152,10 @@ kvcache-ext eval $P --mode agnostic --first-seed 5 \
   --policy full,kvzip-global-context-sentences,kvzip-global-context-sentences-rebuild --json heldout-b.json
 kvcache-ext eval $P --mode agnostic --first-seed 5 --policy full,kvzip-global --json heldout-c.json
 kvcache-ext eval --report heldout-a.json heldout-b.json heldout-c.json --json ruler-4k-agnostic-keep25-heldout.json
+kvcache-ext eval $A --keep 0.125 --first-seed 5 --policy full,kvzip-global,kvzip-global-spans,kvzip-global-numbers \
+  --json heldout125-ours.json
+kvcache-ext eval $A --keep 0.125 --first-seed 5 --policy kvpress-kvzip --json heldout125-kvpress.json   # kvpress's venv
+kvcache-ext eval --report heldout125-ours.json heldout125-kvpress.json --json ruler-4k-agnostic-keep125-heldout.json
 kvcache-ext eval --protocol kvpress --keep 0.25 --seeds 10 --mode agnostic --max-new-tokens 48 --no-progress --policy \
   full,kvzip-global-context-sentences-share25,kvzip-global-context-sentences-share50,kvzip-global-context-sentences-share75 \
   --json ruler-4k-agnostic-keep25-share-10prompts.json
